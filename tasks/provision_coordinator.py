@@ -1,0 +1,102 @@
+"""Step 1, provision-coordinator: the Tinker API server and rank 0 (the engine,
+which hosts the JAX coordinator)."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import httpx
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from txflow import processes, skyrl_adapter
+from txflow.cluster import Cluster, Launcher, describe_exit
+from txflow.config import RunConfig
+from txflow.log import get_logger, register_secret
+from txflow.storage import engine_checkpoints_base
+from txflow.tiny_model import resolve_base_model
+
+
+def child_env(cfg: RunConfig, database_url: str) -> dict[str, str]:
+    """Environment of every process of the cluster."""
+    env = dict(os.environ)
+    env[skyrl_adapter.DATABASE_URL_ENV] = database_url
+    env["PYTHONUNBUFFERED"] = "1"
+    if Path(cfg.base_model).is_dir() or cfg.base_model == "tiny":
+        # A local model needs no hub; never let a rank try to reach one.
+        env["HF_HUB_OFFLINE"] = "1"
+    return env
+
+
+def database_url(cfg: RunConfig) -> str:
+    if cfg.database_url is not None:
+        return cfg.database_url.get_secret_value()
+    return f"sqlite:///{Path(cfg.state_dir) / 'tinker.db'}"
+
+
+def wait_for_api(cluster: Cluster, launcher: Launcher, timeout_s: float) -> None:
+    """Wait until the API answers /healthz (liveness of the API only, not readiness)."""
+    api = next(p for p in cluster.processes if p.role == "api")
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        code = launcher.exit_code(api)
+        if code is not None:
+            raise RuntimeError(f"The Tinker API server died while starting: {describe_exit(api, code)}")
+        try:
+            if httpx.get(f"{cluster.base_url}/api/v1/healthz", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(
+        f"The Tinker API server did not answer on {cluster.base_url} within {timeout_s:.0f} s. "
+        f"Last lines of {api.log}:\n{processes.tail(api.log)}"
+    )
+
+
+@task(name="provision-coordinator", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> Cluster:
+    """Start the API server, then rank 0; record both in cluster.json as soon as they exist."""
+    log = get_logger()
+    state_dir = Path(cfg.state_dir)
+    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    db_url = database_url(cfg)
+    register_secret(db_url)
+
+    base_model_path = resolve_base_model(cfg.base_model)
+    api_port = processes.free_port(cfg.host)
+    coordinator_port = processes.free_port(cfg.host) if cfg.processes > 1 else None
+    cluster = Cluster(
+        run_id=cfg.run_id,
+        launcher=cfg.launcher,
+        state_dir=str(state_dir),
+        host=cfg.host,
+        api_port=api_port,
+        coordinator_port=coordinator_port,
+        num_processes=cfg.processes,
+        base_model_path=base_model_path,
+        checkpoints_base=engine_checkpoints_base(cfg),
+    )
+    register_secret(cluster.api_key.get_secret_value())
+    cluster.save()
+    engine_argv = skyrl_adapter.engine_args(cfg, base_model_path, cluster.checkpoints_base, cluster.coordinator_address)
+    env = child_env(cfg, db_url)
+    try:
+        # The API first: it creates the database tables the engine then polls.
+        api = launcher.start(cluster, "api", None, skyrl_adapter.api_command(engine_argv, cfg.host, api_port), env,
+                             {"http": api_port}, "api")
+        log.info(f"Tinker API server pid {api.pid} on {cluster.base_url}, log {api.log}")
+        wait_for_api(cluster, launcher, cfg.startup_timeout_s)
+        ports = {"coordinator": coordinator_port} if coordinator_port else {}
+        rank0 = launcher.start(cluster, "coordinator", 0, skyrl_adapter.engine_command(engine_argv), env, ports, "rank0")
+        log.info(
+            f"rank 0 (engine{', JAX coordinator ' + cluster.coordinator_address if coordinator_port else ''}) "
+            f"pid {rank0.pid}, log {rank0.log}; command: {' '.join(skyrl_adapter.engine_command(engine_argv))}"
+        )
+    except BaseException:
+        # A retry must start from nothing: stop what this attempt started.
+        launcher.stop(cluster)
+        raise
+    return cluster

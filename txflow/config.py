@@ -1,0 +1,147 @@
+"""The one configuration model of a txflow run.
+
+The CLI, the flow parameters and the Prefect deployments all map onto
+`RunConfig`; nothing else holds defaults. Field descriptions are the
+documentation the Prefect UI shows next to each form field.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
+
+TINY_MODEL = "tiny"
+RUN_ID_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_-]{0,63}$"
+
+
+def new_run_id(mode: str) -> str:
+    """A sortable, unique run id such as `sft-20261129-174501-3f2a`."""
+    return f"{mode}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+class MeshConfig(BaseModel, extra="forbid"):
+    """Device mesh of the JAX cluster; its product must equal the device count."""
+
+    fsdp: int | None = Field(
+        default=None, ge=1, description="Fully sharded data parallel size; default: the number of devices."
+    )
+    tp: int = Field(default=1, ge=1, description="Tensor parallel size (within one process only).")
+    ep: int = Field(default=1, ge=1, description="Expert parallel size (MoE models).")
+
+
+class RunConfig(BaseModel, extra="forbid"):
+    """Everything a `train` run needs; one instance per run."""
+
+    mode: Literal["sft", "rl", "custom"] = Field(default="sft", description="Kind of training: sft, rl or custom.")
+    run_id: str | None = Field(
+        default=None,
+        description="Run id; scopes checkpoints and local state. Default: `<mode>-<timestamp>-<random>`.",
+    )
+    base_model: str = Field(
+        default=TINY_MODEL,
+        description="`tiny` (a small Qwen3 built locally), a local Hugging Face directory, or a hub id.",
+    )
+    processes: int = Field(default=2, description="Number of JAX processes (ranks), coordinator included.")
+    devices_per_process: int = Field(default=1, ge=1, description="Accelerator devices per process (1 on CPU).")
+    launcher: Literal["local"] = Field(default="local", description="Where ranks run: `local` subprocesses.")
+    host: str = Field(
+        default="127.0.0.1",
+        description="Interface the Tinker API and the JAX coordinator bind to. Loopback unless ranks span nodes.",
+    )
+    mesh: MeshConfig = Field(default_factory=MeshConfig, description="Device mesh; defaults to pure FSDP.")
+    checkpoints: str = Field(
+        default=".txflow/checkpoints",
+        description="Checkpoint root, any fsspec URL or local path; the run writes under `<checkpoints>/<run_id>/`.",
+    )
+    storage_options: dict[str, SecretStr] = Field(
+        default_factory=dict, description="fsspec storage options for the checkpoint root (never logged)."
+    )
+    state_dir: str | None = Field(
+        default=None, description="Local run state (cluster.json, one log per rank). Default `.txflow/runs/<run_id>`."
+    )
+    database_url: SecretStr | None = Field(
+        default=None, description="SkyRL-tx database URL. Default: SQLite in the run's state directory."
+    )
+    dataset: str | None = Field(
+        default=None, description="JSONL dataset URL (any fsspec URL). Default: the bundled dataset of the mode."
+    )
+    steps: int = Field(default=20, description="Optimizer steps.")
+    batch_size: int = Field(default=4, ge=1, description="Examples per step.")
+    learning_rate: float = Field(default=2e-2, gt=0, description="Adam learning rate.")
+    lora_rank: int = Field(default=32, ge=1, description="LoRA rank of the trained adapter.")
+    max_lora_rank: int | None = Field(
+        default=None, ge=1, description="Largest LoRA rank the cluster accepts. Default: max(32, lora_rank)."
+    )
+    save_every: int = Field(default=5, ge=0, description="save_state every K steps so a retry resumes; 0: never.")
+    seed: int = Field(default=0, description="Seed for the adapter init, data order and sampling.")
+    startup_timeout_s: float = Field(default=300, gt=0, description="Deadline for the cluster to become ready.")
+    step_timeout_s: float = Field(default=300, gt=0, description="Deadline for one training request.")
+    train_retries: int = Field(default=1, ge=0, description="Retries of the train step (each resumes).")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_is_a_path_segment(cls, value: str | None) -> str | None:
+        if value is not None and not re.match(RUN_ID_PATTERN, value):
+            raise ValueError(
+                f"run_id {value!r} must be 1-64 letters, digits, '-' or '_' (it becomes a directory name)"
+            )
+        return value
+
+    @field_validator("processes")
+    @classmethod
+    def _at_least_one_process(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"processes must be at least 1 (the coordinator), got {value}")
+        return value
+
+    @field_validator("steps")
+    @classmethod
+    def _at_least_one_step(cls, value: int) -> int:
+        if value < 1:
+            raise ValueError(f"steps must be at least 1, got {value}")
+        return value
+
+    @model_validator(mode="after")
+    def _mesh_matches_devices(self) -> RunConfig:
+        devices = self.processes * self.devices_per_process
+        fsdp = self.mesh.fsdp or devices // (self.mesh.tp * self.mesh.ep) or 1
+        product = fsdp * self.mesh.tp * self.mesh.ep
+        if product != devices:
+            raise ValueError(
+                f"mesh fsdp={fsdp} x tp={self.mesh.tp} x ep={self.mesh.ep} = {product} must equal the device count "
+                f"{devices} ({self.processes} processes x {self.devices_per_process} devices); "
+                f"set mesh.fsdp to {devices // (self.mesh.tp * self.mesh.ep) or 1} or change processes"
+            )
+        if self.mesh.tp > self.devices_per_process:
+            raise ValueError(
+                f"mesh.tp={self.mesh.tp} spans processes; SkyRL-tx fails forward/backward with tensor parallelism "
+                f"across processes. Keep tp <= devices_per_process ({self.devices_per_process})"
+            )
+        if self.max_lora_rank is not None and self.lora_rank > self.max_lora_rank:
+            raise ValueError(f"lora_rank {self.lora_rank} is above max_lora_rank {self.max_lora_rank}")
+        return self
+
+    # Derived values: one place computes them so tasks never disagree.
+    def resolved(self) -> RunConfig:
+        """A copy with run_id and state_dir filled in."""
+        run_id = self.run_id or new_run_id(self.mode)
+        state_dir = self.state_dir or str(Path(".txflow") / "runs" / run_id)
+        return self.model_copy(update={"run_id": run_id, "state_dir": str(Path(state_dir).absolute())})
+
+    @property
+    def fsdp(self) -> int:
+        return self.mesh.fsdp or (self.processes * self.devices_per_process) // (self.mesh.tp * self.mesh.ep)
+
+    @property
+    def run_root(self) -> str:
+        """Durable run-scoped root: `<checkpoints>/<run_id>`."""
+        assert self.run_id, "call resolved() first"
+        return self.checkpoints.rstrip("/") + "/" + self.run_id
+
+    def plain_storage_options(self) -> dict[str, str]:
+        return {k: v.get_secret_value() for k, v in self.storage_options.items()}

@@ -1,0 +1,41 @@
+"""Logging that never carries a credential.
+
+Tasks log through `get_logger()`: the Prefect run logger inside a run (so lines
+reach the Prefect UI), the `txflow` logger outside one. Every message passes
+through `redact` with the run's secrets first.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from txflow.skyrl_adapter import redact
+
+_secrets: set[str] = set()
+
+
+def register_secret(value: str | None) -> None:
+    """Mask `value` in every later log line of this process."""
+    if value and len(value) >= 4:
+        _secrets.add(value)
+
+
+def scrub(text: str) -> str:
+    """`text` with every registered secret and credential-looking value masked."""
+    return redact(text, sorted(_secrets, key=len, reverse=True))
+
+
+class _Redacting(logging.LoggerAdapter):
+    def process(self, msg, kwargs):
+        return scrub(str(msg)), kwargs
+
+
+def get_logger() -> logging.LoggerAdapter:
+    try:
+        from prefect.exceptions import MissingContextError
+        from prefect.logging import get_run_logger
+
+        base = get_run_logger()
+    except (ImportError, MissingContextError, RuntimeError):
+        base = logging.getLogger("txflow")
+    return _Redacting(base, {})

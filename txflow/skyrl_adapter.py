@@ -1,0 +1,173 @@
+"""Everything specific to SkyRL-tx 0.3.0 (import name `tx`) lives here.
+
+Upstream behaviours this adapter works around, each with how to tell when the
+workaround can go:
+
+1. `python -m tx.tinker.api` starts the engine itself with `uv run --extra
+   tinker --extra jax -m tx.tinker.engine ...` in its FastAPI lifespan. We
+   install with pip, so `uv` and a uv project are absent and the engine never
+   starts. We serve the same FastAPI app with a lifespan that only prepares the
+   database, and start the engine ourselves with this interpreter (see
+   `serve_api`). Can go when upstream lets the API attach to an external engine.
+2. The upstream lifespan logs the whole engine command line, database URL
+   (password included) and all. Our lifespan logs nothing of it, the engine gets
+   the URL through `TX_DATABASE_URL` (not argv, which `ps` shows), and every
+   command line we log goes through `redact`.
+3. The default device mesh (fsdp=ep=tp=1) is wrong for more than one process
+   ("Array has no addressable shards"); `backend_config` derives a mesh whose
+   product equals the device count, and a sampling batch that is a multiple of
+   fsdp (sampling `num_samples=1` otherwise fails with fsdp > 1).
+
+Module names differ in the unified `skyrl` 0.4.0 package (`skyrl.tinker.api`,
+`skyrl.tinker.engine`, `skyrl.backends.jax`); they are only named here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from contextlib import asynccontextmanager
+from typing import Any
+
+from txflow.config import RunConfig
+
+SKYRL_TX_VERSION = "0.3.0"
+API_MODULE = "tx.tinker.api"
+ENGINE_MODULE = "tx.tinker.engine"
+WORKER_MODULE = "tx.tinker.backends.jax"
+DATABASE_URL_ENV = "TX_DATABASE_URL"
+
+# The Tinker SDK's default LoRA rank; the cluster must accept at least it.
+TINKER_DEFAULT_RANK = 32
+# Adapter 0 is the base model; one for training, one per restore check, spare.
+LORA_SLOTS_MIN = 8
+
+# Credentials in URLs (scheme://user:password@host) and in key=value / JSON pairs.
+_URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@\s]+)@")
+_SECRET_PAIR = re.compile(
+    r"(?P<key>\b[\w\-]*(?:secret|password|passwd|token|api[_\-]?key|credential)[\w\-]*\b"
+    r"[\"']?\s*[:=]\s*[\"']?)(?P<value>[^\s,\"'}]+)",
+    re.IGNORECASE,
+)
+
+
+def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
+    """`text` with URL passwords, secret-looking key=value pairs and each of `secrets` masked."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    return _SECRET_PAIR.sub(lambda m: f"{m['key']}***", text)
+
+
+def backend_config(cfg: RunConfig, coordinator_address: str | None) -> dict[str, Any]:
+    """SkyRL-tx `JaxBackendConfig` for the cluster shape in `cfg`."""
+    config: dict[str, Any] = {
+        "fully_sharded_data_parallel_size": cfg.fsdp,
+        "tensor_parallel_size": cfg.mesh.tp,
+        "expert_parallel_size": cfg.mesh.ep,
+        "max_lora_rank": cfg.max_lora_rank or max(TINKER_DEFAULT_RANK, cfg.lora_rank),
+        "max_lora_adapters": LORA_SLOTS_MIN,
+        # Pad every sampling batch to a multiple of fsdp (a batch of one fails otherwise).
+        "sample_max_num_sequences": cfg.fsdp * max(1, 8 // cfg.fsdp),
+    }
+    if cfg.processes > 1:
+        config["coordinator_address"] = coordinator_address
+        config["num_processes"] = cfg.processes
+    return config
+
+
+def engine_args(
+    cfg: RunConfig, base_model_path: str, checkpoints_base: str, coordinator_address: str | None
+) -> list[str]:
+    """Engine config as command-line arguments, without the database URL (it goes by environment)."""
+    return [
+        "--base-model",
+        base_model_path,
+        "--backend",
+        "jax",
+        "--backend-config",
+        json.dumps(backend_config(cfg, coordinator_address)),
+        "--checkpoints-base",
+        checkpoints_base,
+        # The client of a txflow run heartbeats while it runs; a crashed client's
+        # adapters are freed after this long instead of leaking slots.
+        "--session-timeout-sec",
+        "120",
+    ]
+
+
+def engine_command(engine_argv: list[str]) -> list[str]:
+    """Rank 0: the engine, which hosts the JAX coordinator."""
+    return [sys.executable, "-m", ENGINE_MODULE, *engine_argv]
+
+
+def api_command(engine_argv: list[str], host: str, port: int) -> list[str]:
+    """The Tinker API server, without the engine it would otherwise spawn through `uv`."""
+    return [sys.executable, "-m", "txflow.skyrl_adapter", "api", "--host", host, "--port", str(port), *engine_argv]
+
+
+def worker_command(coordinator_address: str, num_processes: int, rank: int) -> list[str]:
+    """Rank > 0: a JAX worker that receives the model and config from rank 0 by broadcast."""
+    return [
+        sys.executable,
+        "-m",
+        WORKER_MODULE,
+        "--coordinator-address",
+        coordinator_address,
+        "--num-processes",
+        str(num_processes),
+        "--process-id",
+        str(rank),
+    ]
+
+
+# Lines each rank logs once it can take part in collectives; used to name the
+# rank that is missing when readiness times out.
+RANK_READY_MARKERS = {
+    "engine": "Starting background engine",
+    "worker": "entering command loop",
+}
+
+
+def serve_api(argv: list[str]) -> None:
+    """Run the upstream FastAPI app with a lifespan that does not spawn an engine."""
+    import uvicorn
+    from sqlmodel import SQLModel
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    from tx.tinker import api
+    from tx.tinker.config import EngineConfig, add_model
+    from tx.tinker.db_models import enable_sqlite_wal, get_async_database_url
+    from tx.utils.log import get_uvicorn_log_config
+
+    parser = argparse.ArgumentParser(description="SkyRL-tx Tinker API without its engine spawn")
+    add_model(parser, EngineConfig)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    engine_config = EngineConfig.model_validate({k: v for k, v in vars(args).items() if k in EngineConfig.model_fields})
+
+    @asynccontextmanager
+    async def lifespan(app):
+        # Same database preparation as upstream's lifespan, minus the engine spawn.
+        app.state.db_engine = create_async_engine(get_async_database_url(engine_config.database_url), echo=False)
+        enable_sqlite_wal(app.state.db_engine.sync_engine)
+        async with app.state.db_engine.begin() as conn:
+            await conn.run_sync(SQLModel.metadata.create_all)
+        app.state.external_inference_client = None
+        yield
+        await app.state.db_engine.dispose()
+
+    api.app.router.lifespan_context = lifespan
+    api.app.state.engine_config = engine_config
+    uvicorn.run(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "api":
+        serve_api(sys.argv[2:])
+    else:
+        sys.exit("usage: python -m txflow.skyrl_adapter api --host H --port P <engine args>")

@@ -1,0 +1,50 @@
+"""Tinker SDK clients pointed at the run's own cluster."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import tinker
+
+from txflow.cluster import Cluster, Launcher, describe_exit
+
+
+def service_client(cluster: Cluster) -> tinker.ServiceClient:
+    """A ServiceClient for the cluster's API (never the hosted default)."""
+    return tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key.get_secret_value())
+
+
+class RankDied(RuntimeError):
+    """A process of the cluster exited while a request was in flight."""
+
+    def __init__(self, message: str, rank: int | None, exit_code: int):
+        super().__init__(message)
+        self.rank = rank
+        self.exit_code = exit_code
+
+
+def check_ranks(cluster: Cluster, launcher: Launcher) -> None:
+    """Raise RankDied naming the first process of the cluster that has exited."""
+    for record in cluster.processes:
+        code = launcher.exit_code(record)
+        if code is not None:
+            record.exit_code = code
+            raise RankDied(describe_exit(record, code), record.rank, code)
+
+
+def wait_result(future, cluster: Cluster, launcher: Launcher, timeout_s: float, what: str):
+    """`future.result()`, but fail fast when a rank dies and give up after `timeout_s`.
+
+    A Tinker future would otherwise wait for JAX's heartbeat abort (~90 s) or
+    forever; here a dead rank is named within a poll interval.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return future.result(timeout=0.25)
+        except (TimeoutError, FutureTimeout):
+            pass
+        check_ranks(cluster, launcher)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} made no progress for {timeout_s:.0f} s")
