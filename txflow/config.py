@@ -131,7 +131,13 @@ class RunConfig(BaseModel, extra="forbid"):
         """A copy with run_id and state_dir filled in."""
         run_id = self.run_id or new_run_id(self.mode)
         state_dir = self.state_dir or str(Path(".txflow") / "runs" / run_id)
-        return self.model_copy(update={"run_id": run_id, "state_dir": str(Path(state_dir).absolute())})
+        checkpoints = self.checkpoints
+        if "://" not in checkpoints:
+            # Ranks may run in another working directory: pass them an absolute path.
+            checkpoints = str(Path(checkpoints).expanduser().absolute())
+        return self.model_copy(
+            update={"run_id": run_id, "state_dir": str(Path(state_dir).absolute()), "checkpoints": checkpoints}
+        )
 
     @property
     def fsdp(self) -> int:

@@ -1,0 +1,32 @@
+"""Step 5, discover-artifacts: what the run really left in durable storage."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from txflow.config import RunConfig
+from txflow.discovery import discover, write_manifest
+from txflow.log import get_logger
+
+
+@task(name="discover-artifacts", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def discover_artifacts(cfg: RunConfig, saved: dict) -> dict:
+    """List and check every artifact under the run root, write manifest.json, and fail
+    when a checkpoint this run saved is missing, incomplete or uncommitted."""
+    log = get_logger()
+    options = cfg.plain_storage_options()
+    artifacts = discover(cfg.run_root, options)
+    manifest = write_manifest(cfg.run_root, artifacts, options)
+    by_url = {a.url: a for a in artifacts}
+    for kind in ("state", "sampler"):
+        url = saved[kind]["url"]
+        found = by_url.get(url)
+        if found is None:
+            raise FileNotFoundError(f"The {kind} checkpoint this run saved is not in storage at {url}")
+        if not (found.complete and found.committed):
+            raise RuntimeError(f"The {kind} checkpoint at {url} is not usable: {found.reason or 'not committed'}")
+    for a in artifacts:
+        log.info(f"{a.kind:8} {a.format:9} {'ok' if a.complete else 'INCOMPLETE'} {a.bytes:>10} B "
+                 f"{a.files:>4} files {a.url}" + (f" ({a.reason})" if a.reason else ""))
+    return {"manifest": manifest, "artifacts": [a.model_dump() for a in artifacts]}

@@ -1,0 +1,88 @@
+"""Step 3, train: sft, rl or a custom client, with periodic save_state so a
+retry resumes from the last saved step instead of step 0."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import tinker
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from txflow import sft
+from txflow.cluster import Cluster, Launcher
+from txflow.config import RunConfig
+from txflow.log import get_logger
+from txflow.progress import StepProgress
+from txflow.run_files import Progress, append_metric, read_metrics, write_metrics
+from txflow.tinker_client import service_client, wait_result
+
+
+@dataclass
+class Trained:
+    """The live model after the train step, for save-checkpoint and evaluate-restore."""
+
+    training_client: Any
+    metrics: list[dict]
+    resumed_from_step: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+def _training_client(cfg: RunConfig, cluster: Cluster, launcher: Launcher, progress: Progress):
+    """A fresh LoRA client, or one restored from the last saved state (with its optimizer)."""
+    client = service_client(cluster)
+    latest = progress.latest
+    if latest is None:
+        return client.create_lora_training_client(base_model=cluster.base_model_path, rank=cfg.lora_rank,
+                                                  seed=cfg.seed), 0
+    get_logger().info(f"resuming from step {latest.step}: {latest.path}")
+    return client.create_training_client_from_state_with_optimizer(latest.path), latest.step
+
+
+def save_progress(cfg: RunConfig, cluster: Cluster, launcher: Launcher, training_client, progress: Progress,
+                  step: int) -> None:
+    """save_state at `step` and record it, so that a retry resumes there."""
+    future = training_client.save_state(f"step-{step:06d}")
+    saved = wait_result(future, cluster, launcher, cfg.step_timeout_s, f"save_state at step {step}")
+    progress.add(cfg.state_dir, step, saved.path)
+    get_logger().info(f"saved state at step {step}: {saved.path}")
+
+
+def train_sft(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: sft.SFTData) -> Trained:
+    log = get_logger()
+    progress = Progress.load(cfg.state_dir)
+    training_client, start = _training_client(cfg, cluster, launcher, progress)
+    metrics = read_metrics(cfg.state_dir, up_to_step=start)
+    write_metrics(cfg.state_dir, metrics)
+    adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
+    bar = StepProgress(cfg.steps, start, cfg.run_id)
+    try:
+        for step in range(start, cfg.steps):
+            began = time.monotonic()
+            batch = [data.train[i] for i in sft.batch_indices(len(data.train), step, cfg.batch_size, cfg.seed)]
+            # Both requests in flight before either is awaited, as the Tinker cookbook does.
+            fwd_bwd = training_client.forward_backward([sft.to_datum(e) for e in batch], "cross_entropy")
+            optim = training_client.optim_step(adam)
+            output = wait_result(fwd_bwd, cluster, launcher, cfg.step_timeout_s, f"forward_backward of step {step + 1}")
+            wait_result(optim, cluster, launcher, cfg.step_timeout_s, f"optim_step of step {step + 1}")
+            nll, tokens = sft.mean_nll(output, batch)
+            row = {"step": step + 1, "nll": nll, "tokens": tokens, "seconds": round(time.monotonic() - began, 3)}
+            metrics.append(row)
+            append_metric(cfg.state_dir, row)
+            log.info(f"step {step + 1}/{cfg.steps} nll {nll:.4f} tokens {tokens} {row['seconds']:.2f}s")
+            bar.update(step + 1, nll=f"{nll:.3f}")
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                save_progress(cfg, cluster, launcher, training_client, progress, step + 1)
+    finally:
+        bar.close()
+    return Trained(training_client=training_client, metrics=metrics, resumed_from_step=start)
+
+
+@task(name="train", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
+def train(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: Any) -> Trained:
+    """Run the training of `cfg.mode` against the cluster."""
+    if cfg.mode == "sft":
+        return train_sft(cfg, cluster, launcher, data)
+    raise NotImplementedError(f"mode {cfg.mode!r} is not available yet")

@@ -1,0 +1,360 @@
+"""Unit tests of txflow.discovery, on a local directory and on fsspec's memory filesystem."""
+
+from __future__ import annotations
+
+import collections
+import io
+import json
+import os
+import posixpath
+import tarfile
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from txflow.discovery import COMMIT_SUFFIX, discover, write_commit, write_manifest
+
+
+# --- fixtures and helpers ------------------------------------------------------
+
+
+@pytest.fixture(params=["local", "memory"])
+def root(request, tmp_path):
+    """A run root that does not exist yet: a local path, or a unique memory:// URL removed afterwards."""
+    if request.param == "local":
+        yield str(tmp_path / "run")
+        return
+    url = f"memory://txflow-test-{uuid.uuid4().hex}"
+    yield url
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)
+
+
+@pytest.fixture(scope="session")
+def orbax_files(tmp_path_factory) -> dict[str, bytes]:
+    """{relative path: content} of a real Orbax checkpoint, saved the way SkyRL-tx's save_state does."""
+    import jax.numpy as jnp
+    from flax.training import checkpoints
+
+    ckpt_dir = tmp_path_factory.mktemp("orbax") / "final.tar.gz"
+    ckpt_dir.mkdir()
+    checkpoints.save_checkpoint_multiprocess(
+        target={"w": jnp.ones((4, 4)), "cfg": {"rank": 1}},
+        ckpt_dir=str(ckpt_dir),
+        step=0,
+        prefix="checkpoint_",
+        overwrite=True,
+    )
+    files = {p.relative_to(ckpt_dir).as_posix(): p.read_bytes() for p in ckpt_dir.rglob("*") if p.is_file()}
+    assert "checkpoint_0/commit_success.txt" in files  # the layout the classifier relies on
+    return files
+
+
+def put(root: str, rel: str, data: bytes) -> None:
+    """Write one file under the root through fsspec, creating parent dirs where that matters (local)."""
+    fs, path = fsspec.core.url_to_fs(f"{root}/{rel}")
+    fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    fs.pipe_file(path, data)
+
+
+def put_tree(root: str, prefix: str, files: dict[str, bytes]) -> None:
+    for rel, data in files.items():
+        put(root, f"{prefix}/{rel}", data)
+
+
+def remove(root: str, rel: str) -> None:
+    fs, path = fsspec.core.url_to_fs(f"{root}/{rel}")
+    fs.rm(path)
+
+
+def tarball(members: int = 4, mode: str = "w:gz") -> bytes:
+    """A real tarball of incompressible members, so any cut lands inside real data."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode=mode) as tar:
+        for i in range(members):
+            data = os.urandom(5000)
+            info = tarfile.TarInfo(f"member-{i}.bin")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
+def by_path(artifacts) -> dict:
+    return {a.path: a for a in artifacts}
+
+
+# --- classification --------------------------------------------------------------
+
+
+def test_sampler_tarball_is_one_complete_artifact_and_probe_is_hidden(root):
+    blob = tarball(members=3)
+    put(root, "m1/sampler_weights/final.tar.gz", blob)
+    put(root, "m1/sampler_weights/final.tar.gz.probe", b"ok")
+
+    [artifact] = discover(root)
+
+    assert (artifact.kind, artifact.format) == ("sampler", "tarball")
+    assert artifact.path == "m1/sampler_weights/final.tar.gz"
+    assert artifact.url == f"{root}/m1/sampler_weights/final.tar.gz"
+    assert artifact.complete and artifact.reason is None
+    assert artifact.files == 3
+    assert artifact.bytes == len(blob)
+
+
+def test_orbax_directory_is_one_complete_state_artifact(root, orbax_files):
+    put_tree(root, "m1/final.tar.gz", orbax_files)
+
+    [artifact] = discover(root)
+
+    assert (artifact.kind, artifact.format) == ("state", "directory")
+    assert artifact.path == "m1/final.tar.gz"
+    assert artifact.url == f"{root}/m1/final.tar.gz"
+    assert artifact.complete, artifact.reason
+    assert artifact.bytes == sum(len(data) for data in orbax_files.values())
+    assert artifact.files == len(orbax_files)
+
+
+def test_plain_directory_gives_one_file_artifact_per_file(root):
+    put(root, "logs/metrics.jsonl", b'{"loss": 1.0}\n')
+    put(root, "logs/report.json", b"{}")
+
+    artifacts = discover(root)
+
+    assert [a.path for a in artifacts] == ["logs/metrics.jsonl", "logs/report.json"]
+    assert all((a.kind, a.format, a.files, a.complete) == ("file", "file", 1, True) for a in artifacts)
+    assert artifacts[1].bytes == 2
+
+
+def test_tarball_outside_sampler_weights_is_a_file_kind_tarball(root):
+    put(root, "exports/bundle.tgz", tarball(members=2))
+
+    [artifact] = discover(root)
+
+    assert (artifact.kind, artifact.format, artifact.files, artifact.complete) == ("file", "tarball", 2, True)
+
+
+def test_artifacts_are_sorted_by_path(root, orbax_files):
+    put(root, "z.txt", b"z")
+    put_tree(root, "m1/final.tar.gz", orbax_files)
+    put(root, "m1/sampler_weights/final.tar.gz", tarball())
+    put(root, "a.txt", b"a")
+
+    assert [a.path for a in discover(root)] == [
+        "a.txt",
+        "m1/final.tar.gz",
+        "m1/sampler_weights/final.tar.gz",
+        "z.txt",
+    ]
+
+
+# --- incomplete artifacts ----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "cut"),
+    [
+        ("w:gz", lambda n: n // 2),  # first half of the bytes
+        ("w:gz", lambda n: n - 4),  # only the gzip trailer is cut: tarfile's "r|*" alone misses it
+        ("w", lambda n: 512 + 5120),  # plain tar cut right after its first member: "r|*" misses it too
+    ],
+    ids=["gzip-half", "gzip-trailer", "tar-member-boundary"],
+)
+def test_truncated_tarball_is_incomplete(root, mode, cut):
+    blob = tarball(members=4, mode=mode)
+    put(root, "m1/sampler_weights/final.tar.gz", blob[: cut(len(blob))])
+
+    [artifact] = discover(root)
+
+    assert not artifact.complete
+    assert "truncated or corrupt" in artifact.reason
+    assert artifact.files == 0
+
+
+def test_unverified_tarball_is_taken_as_is(root):
+    blob = tarball()
+    put(root, "m1/sampler_weights/final.tar.gz", blob[: len(blob) // 2])
+
+    [artifact] = discover(root, verify_tarballs=False)
+
+    assert artifact.complete and artifact.kind == "sampler"
+
+
+def test_orbax_directory_without_finished_marker_is_incomplete(root, orbax_files):
+    files = {rel: data for rel, data in orbax_files.items() if not rel.endswith("commit_success.txt")}
+    put_tree(root, "m1/final.tar.gz", files)
+
+    [artifact] = discover(root)
+
+    assert artifact.kind == "state" and artifact.path == "m1/final.tar.gz"
+    assert not artifact.complete
+    assert "commit_success.txt" in artifact.reason
+
+
+def test_orbax_temporary_directory_is_incomplete(root, orbax_files):
+    # What a save interrupted before Orbax's final rename leaves on a local disk:
+    # the tmp dir already holds commit_success.txt.
+    files = {rel.replace("checkpoint_0/", "checkpoint_0.orbax-checkpoint-tmp/"): d for rel, d in orbax_files.items()}
+    put_tree(root, "m1/final.tar.gz", files)
+
+    [artifact] = discover(root)
+
+    assert artifact.path == "m1/final.tar.gz"
+    assert not artifact.complete
+    assert "temporary directory" in artifact.reason
+
+
+def test_missing_root_raises(root):
+    with pytest.raises(FileNotFoundError, match="Nothing was found") as excinfo:
+        discover(root)
+    assert root in str(excinfo.value)
+
+
+def test_empty_root_raises(root):
+    fs, path = fsspec.core.url_to_fs(root)
+    fs.makedirs(path, exist_ok=True)
+
+    with pytest.raises(FileNotFoundError, match="Nothing was found") as excinfo:
+        discover(root)
+    assert root in str(excinfo.value)
+
+
+# --- commit sidecars -----------------------------------------------------------------
+
+
+def test_committed_artifacts_pass_require_commit(root, orbax_files):
+    put_tree(root, "m1/final.tar.gz", orbax_files)
+    put(root, "m1/sampler_weights/final.tar.gz", tarball())
+    write_commit(f"{root}/m1/final.tar.gz")
+    write_commit(f"{root}/m1/sampler_weights/final.tar.gz")
+
+    artifacts = discover(root, require_commit=True)
+
+    assert [a.path for a in artifacts] == ["m1/final.tar.gz", "m1/sampler_weights/final.tar.gz"]
+    assert all(a.committed and a.complete for a in artifacts), [a.reason for a in artifacts]
+
+
+def test_sidecar_records_every_file_with_its_size(root, orbax_files):
+    put_tree(root, "m1/final.tar.gz", orbax_files)
+    write_commit(f"{root}/m1/final.tar.gz")
+
+    with fsspec.open(f"{root}/m1/final.tar.gz{COMMIT_SUFFIX}") as f:
+        record = json.load(f)
+
+    assert record["files"] == {rel: len(data) for rel, data in orbax_files.items()}
+    assert record["bytes"] == sum(record["files"].values())
+    assert record["written_at"] > 0
+
+
+def test_missing_sidecar_fails_only_with_require_commit(root):
+    put(root, "m1/sampler_weights/final.tar.gz", tarball())
+    put(root, "metrics.jsonl", b"{}\n")
+
+    relaxed = by_path(discover(root))
+    strict = by_path(discover(root, require_commit=True))
+
+    assert relaxed["m1/sampler_weights/final.tar.gz"].complete
+    sampler = strict["m1/sampler_weights/final.tar.gz"]
+    assert not sampler.complete and not sampler.committed
+    assert "no commit marker" in sampler.reason
+    assert strict["metrics.jsonl"].complete  # plain files never need a commit
+
+
+def test_sidecar_listing_a_deleted_file_is_incomplete(root, orbax_files):
+    put_tree(root, "m1/final.tar.gz", orbax_files)
+    write_commit(f"{root}/m1/final.tar.gz")
+    remove(root, "m1/final.tar.gz/checkpoint_0/_sharding")
+
+    [artifact] = discover(root)
+
+    assert not artifact.complete and not artifact.committed
+    assert "checkpoint_0/_sharding" in artifact.reason
+
+
+def test_sidecar_with_other_size_is_incomplete(root):
+    put(root, "m1/sampler_weights/final.tar.gz", tarball(members=2))
+    write_commit(f"{root}/m1/sampler_weights/final.tar.gz")
+    put(root, "m1/sampler_weights/final.tar.gz", tarball(members=3))
+
+    [artifact] = discover(root)
+
+    assert not artifact.complete and not artifact.committed
+    assert "final.tar.gz" in artifact.reason
+
+
+# --- I/O budget and manifest -------------------------------------------------------------
+
+
+def test_discover_lists_the_root_exactly_once(root, orbax_files, monkeypatch):
+    put_tree(root, "m1/final.tar.gz", orbax_files)
+    put(root, "m1/sampler_weights/final.tar.gz", tarball())
+    put(root, "m1/sampler_weights/final.tar.gz.probe", b"ok")
+    put(root, "logs/metrics.jsonl", b"{}\n")
+    write_commit(f"{root}/m1/final.tar.gz")
+
+    # Count the metadata calls discover() makes itself; those made inside
+    # find/open/cat_file are the filesystem's own business.
+    fs_class = type(fsspec.core.url_to_fs(root)[0])
+    calls: collections.Counter[str] = collections.Counter()
+    depth = [0]
+
+    def count(name: str, opens_scope: bool) -> None:
+        original = getattr(fs_class, name)
+
+        def wrapper(self, *args, **kwargs):
+            if depth[0] == 0:
+                calls[name] += 1
+            depth[0] += opens_scope
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                depth[0] -= opens_scope
+
+        monkeypatch.setattr(fs_class, name, wrapper)
+
+    for name in ("find", "open", "cat_file"):
+        count(name, opens_scope=True)
+    for name in ("ls", "info", "exists", "isdir", "isfile", "walk", "glob"):
+        count(name, opens_scope=False)
+
+    artifacts = discover(root)
+
+    assert len(artifacts) == 3
+    assert calls["find"] == 1
+    assert not {n: c for n, c in calls.items() if n not in ("find", "open", "cat_file")}
+    assert calls["open"] == 1  # the one tarball; the sidecar is read with cat_file
+
+
+def test_write_manifest_lists_every_artifact_but_itself(root, orbax_files):
+    put_tree(root, "m1/final.tar.gz", orbax_files)
+    put(root, "m1/sampler_weights/final.tar.gz", tarball())
+    put(root, "logs/metrics.jsonl", b"{}\n")
+    artifacts = discover(root)
+
+    url = write_manifest(root, artifacts)
+
+    assert url == f"{root}/manifest.json"
+    with fsspec.open(url) as f:
+        manifest = json.load(f)
+    assert manifest["root"] == root
+    assert [a["path"] for a in manifest["artifacts"]] == [a.path for a in artifacts]
+    assert manifest["artifacts"][0] == artifacts[0].model_dump()
+
+    again = by_path(discover(root))
+    assert (again["manifest.json"].kind, again["manifest.json"].format) == ("file", "file")
+    assert set(again) == {a.path for a in artifacts} | {"manifest.json"}
+
+    # A second manifest, written from a discovery that saw the first one, still omits itself.
+    write_manifest(root, list(again.values()))
+    with fsspec.open(url) as f:
+        assert "manifest.json" not in [a["path"] for a in json.load(f)["artifacts"]]
+
+
+def test_local_root_keeps_the_path_as_given(tmp_path):
+    put(str(tmp_path), "m1/sampler_weights/final.tar.gz", tarball())
+
+    [artifact] = discover(str(tmp_path))
+
+    assert artifact.url == str(Path(tmp_path) / "m1/sampler_weights/final.tar.gz")

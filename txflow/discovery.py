@@ -1,0 +1,386 @@
+"""Find and classify the checkpoint artifacts a training run left under a root URL.
+
+Everything goes through fsspec, so a local path, `memory://`, `s3://` or any
+other protocol works the same. The root is listed exactly once (one recursive
+`find`); the only other I/O is opening tarballs to verify them and reading
+the small commit sidecars, because per-file `info`/`exists` calls cost one
+round trip each on an object store.
+
+What SkyRL-tx leaves under its checkpoints base:
+
+- `save_state(name)`: a DIRECTORY `<model_id>/<name>.tar.gz/` (the suffix lies)
+  holding a Flax/Orbax checkpoint step `checkpoint_0/`.
+- `save_weights_for_sampler(name)`: a real gzip tarball FILE
+  `<model_id>/sampler_weights/<name>.tar.gz` plus a `<name>.tar.gz.probe` marker.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import posixpath
+import re
+import tarfile
+import time
+import zlib
+from typing import Literal
+
+import fsspec
+from pydantic import BaseModel
+
+COMMIT_SUFFIX = ".txflow-commit"
+"""Sidecar written LAST by our save step, next to the artifact: `<artifact url>.txflow-commit`."""
+
+MANIFEST_NAME = "manifest.json"
+TARBALL_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+PROBE_SUFFIX = ".probe"
+SAMPLER_DIR = "sampler_weights"
+
+# Files whose presence makes a directory an Orbax checkpoint step.
+ORBAX_MARKERS = ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt", "commit_success.txt")
+ORBAX_PROCESS_DIR = re.compile(r"ocdbt\.process_.*")
+
+# Completeness rule, from a real checkpoint written with orbax-checkpoint 0.12.8
+# through `flax.training.checkpoints.save_checkpoint_multiprocess(step=0,
+# prefix="checkpoint_")` on a local filesystem. The step dir then holds:
+#   checkpoint_0/_CHECKPOINT_METADATA   step metadata (written first, commit time added at the end)
+#   checkpoint_0/_METADATA              pytree metadata, needed to restore
+#   checkpoint_0/_sharding, manifest.ocdbt, d/<hash>, array_metadatas/process_0,
+#   checkpoint_0/ocdbt.process_0/manifest.ocdbt, ocdbt.process_0/d/<hash>...
+#   checkpoint_0/commit_success.txt     "Checkpoint commit was successful to <path>"
+# Orbax writes everything into `checkpoint_0.orbax-checkpoint-tmp/`, writes
+# commit_success.txt there LAST and then renames the dir to `checkpoint_0`.
+# So on a local filesystem the rename is the real "finished" marker (a save
+# interrupted before the rename leaves a tmp dir that already holds
+# commit_success.txt), while on object stores, where Orbax cannot rename and
+# writes in place, commit_success.txt is the marker. A step is complete iff
+# its name has no tmp suffix AND it holds both metadata files AND commit_success.txt.
+ORBAX_REQUIRED = ("_CHECKPOINT_METADATA", "_METADATA")
+ORBAX_FINISHED = "commit_success.txt"
+ORBAX_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+# A step dir named like this is one step of a checkpoint dir: the artifact is its parent.
+STEP_NAME = re.compile(r"(checkpoint_)?\d+(" + re.escape(ORBAX_TMP_SUFFIX) + r".*)?")
+
+
+class Artifact(BaseModel):
+    """One thing a run left under the root: an Orbax checkpoint, a sampler tarball or a plain file."""
+
+    kind: Literal["state", "sampler", "file"]
+    format: Literal["directory", "tarball", "file"]
+    url: str
+    path: str
+    bytes: int
+    files: int
+    complete: bool
+    reason: str | None = None
+    committed: bool = False
+
+
+def discover(
+    root: str,
+    storage_options: dict | None = None,
+    *,
+    require_commit: bool = False,
+    verify_tarballs: bool = True,
+) -> list[Artifact]:
+    """List and classify every artifact under `root`, sorted by path.
+
+    Orbax checkpoint directories come back as one `state` artifact each,
+    tarballs under a `sampler_weights/` dir as `sampler`, anything else as
+    `file`. `.probe` markers and commit sidecars are not reported. With
+    `require_commit`, a state or sampler artifact without a commit sidecar is
+    incomplete. Raises FileNotFoundError when nothing is found under `root`.
+    """
+    fs, root_path = fsspec.core.url_to_fs(root, **(storage_options or {}))
+    files, fs_paths = _list_files(fs, root_path)
+    if not files:
+        raise FileNotFoundError(f"Nothing was found under {root!r}: the root does not exist or holds no files.")
+
+    children = _children(files)
+    artifact_dirs, steps = _orbax_layout(children)
+    artifacts = [_state_artifact(root, d, steps[d], files, children) for d in artifact_dirs]
+    for rel in files:
+        if _inside_any(rel, artifact_dirs) or _is_auxiliary(rel, files):
+            continue
+        if rel.endswith(TARBALL_SUFFIXES):
+            artifacts.append(_tarball_artifact(fs, root, rel, files[rel], fs_paths[rel], verify_tarballs))
+        else:
+            artifacts.append(_artifact(root, rel, "file", "file", files[rel], 1))
+
+    for artifact in artifacts:
+        if artifact.kind != "file":
+            _check_commit(fs, artifact, files, fs_paths, require_commit)
+    return sorted(artifacts, key=lambda a: a.path)
+
+
+def write_commit(fs_url: str, storage_options: dict | None = None) -> None:
+    """Write the commit sidecar `fs_url + COMMIT_SUFFIX` for the artifact at `fs_url`.
+
+    Call it LAST in a save step: the sidecar records every file of the artifact
+    (a directory or a single file) with its size, so `discover` can tell a
+    finished save from one that was interrupted or later damaged.
+    """
+    fs, path = fsspec.core.url_to_fs(fs_url, **(storage_options or {}))
+    path = path.rstrip("/")
+    found = {p: info for p, info in fs.find(path, detail=True).items() if info.get("type", "file") == "file"}
+    if not found:
+        raise FileNotFoundError(f"Nothing was found at {fs_url!r} to commit.")
+    if len(found) == 1 and _same_path(next(iter(found)), path):
+        sizes = {posixpath.basename(path): _size(next(iter(found.values())))}
+    else:
+        sizes = {_relpath(p, path): _size(info) for p, info in found.items()}
+    record = {"files": dict(sorted(sizes.items())), "bytes": sum(sizes.values()), "written_at": time.time()}
+    fs.pipe_file(path + COMMIT_SUFFIX, json.dumps(record, indent=1).encode())
+
+
+def write_manifest(root: str, artifacts: list[Artifact], storage_options: dict | None = None) -> str:
+    """Write `<root>/manifest.json` describing `artifacts` and return its URL.
+
+    Call it after `discover`; a manifest.json left by an earlier call is
+    dropped from the list, so the manifest never lists itself.
+    """
+    fs, root_path = fsspec.core.url_to_fs(root, **(storage_options or {}))
+    listed = [a.model_dump() for a in artifacts if a.path != MANIFEST_NAME]
+    manifest = {"root": root, "artifacts": listed, "generated_at": time.time()}
+    fs.pipe_file(_join(root_path, MANIFEST_NAME), json.dumps(manifest, indent=1).encode())
+    return _url(root, MANIFEST_NAME)
+
+
+# --- listing ---------------------------------------------------------------
+
+
+def _list_files(fs: fsspec.AbstractFileSystem, root_path: str) -> tuple[dict[str, int], dict[str, str]]:
+    """The one recursive listing: {relative path: size} and {relative path: fs path} of every file.
+
+    Directories are not asked for: S3 has none, and other filesystems differ
+    on whether find() reports them, so `_children` derives them from file paths.
+    """
+    root_path = root_path.rstrip("/")
+    sizes: dict[str, int] = {}
+    fs_paths: dict[str, str] = {}
+    for path, info in fs.find(root_path, detail=True).items():
+        if info.get("type", "file") != "file":
+            continue
+        if _same_path(path, root_path):
+            raise NotADirectoryError(f"{root_path!r} is a file; discover() expects the directory of a run.")
+        rel = _relpath(path, root_path)
+        sizes[rel] = _size(info)
+        fs_paths[rel] = path
+    return sizes, fs_paths
+
+
+def _children(files: dict[str, int]) -> dict[str, set[str]]:
+    """{directory: names of its direct children (files and dirs)}, "" being the root."""
+    children: dict[str, set[str]] = {}
+    for rel in files:
+        parent, name = posixpath.split(rel)
+        while True:
+            children.setdefault(parent, set()).add(name)
+            if not parent:
+                break
+            parent, name = posixpath.split(parent)
+    return children
+
+
+# --- Orbax checkpoints -----------------------------------------------------
+
+
+def _orbax_layout(children: dict[str, set[str]]) -> tuple[list[str], dict[str, list[str]]]:
+    """Find the Orbax artifact dirs and, for each, the step dirs it holds."""
+    candidates = [d for d, names in children.items() if _looks_like_step(names)]
+    # An Orbax step holds nested dirs that look like steps too (ocdbt.process_0
+    # has its own manifest.ocdbt): keep only the outermost.
+    step_dirs = _outermost(candidates)
+    artifact_dirs = _outermost([_artifact_dir(d) for d in step_dirs])
+    steps = {a: [s for s in step_dirs if _inside(s, a)] for a in artifact_dirs}
+    return artifact_dirs, steps
+
+
+def _looks_like_step(names: set[str]) -> bool:
+    return any(m in names for m in ORBAX_MARKERS) or any(ORBAX_PROCESS_DIR.fullmatch(n) for n in names)
+
+
+def _artifact_dir(step_dir: str) -> str:
+    parent, name = posixpath.split(step_dir)
+    return parent if step_dir and STEP_NAME.fullmatch(name) else step_dir
+
+
+def _state_artifact(
+    root: str, adir: str, step_dirs: list[str], files: dict[str, int], children: dict[str, set[str]]
+) -> Artifact:
+    members = [rel for rel in files if _inside(rel, adir)]
+    problems = [p for step in step_dirs if (p := _step_problem(step, children[step]))]
+    artifact = _artifact(root, adir, "state", "directory", sum(files[m] for m in members), len(members))
+    return _fail(artifact, " ".join(problems)) if problems else artifact
+
+
+def _step_problem(step_dir: str, names: set[str]) -> str | None:
+    """Why an Orbax step dir is not a finished checkpoint, or None when it is."""
+    if ORBAX_TMP_SUFFIX in posixpath.basename(step_dir):
+        return (
+            f"Orbax checkpoint {step_dir!r} is still a temporary directory: the save was interrupted "
+            "before Orbax renamed it into place; save the state again."
+        )
+    missing = [n for n in (*ORBAX_REQUIRED, ORBAX_FINISHED) if n not in names]
+    if missing:
+        return (
+            f"Orbax checkpoint {step_dir!r} is missing {', '.join(missing)} "
+            f"({ORBAX_FINISHED} is Orbax's finished marker): the save did not finish; save the state again."
+        )
+    return None
+
+
+# --- tarballs ----------------------------------------------------------------
+
+
+def _tarball_artifact(
+    fs: fsspec.AbstractFileSystem, root: str, rel: str, size: int, fs_path: str, verify: bool
+) -> Artifact:
+    kind = "sampler" if posixpath.basename(posixpath.dirname(rel)) == SAMPLER_DIR else "file"
+    if not verify:
+        return _artifact(root, rel, kind, "tarball", size, 0)  # member count unknown without reading it
+    try:
+        members = _count_tar_members(fs, fs_path)
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        artifact = _artifact(root, rel, kind, "tarball", size, 0)
+        error = f"{type(exc).__name__}: {exc}"
+        return _fail(artifact, f"Tarball {rel!r} is truncated or corrupt ({error}); write it again.")
+    return _artifact(root, rel, kind, "tarball", size, members)
+
+
+class _CountingReader:
+    """Wraps a readable file to count the bytes read through it (tarfile's stream mode only calls read)."""
+
+    def __init__(self, f):
+        self.f, self.count = f, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.f.read(size)
+        self.count += len(data)
+        return data
+
+
+def _count_tar_members(fs: fsspec.AbstractFileSystem, fs_path: str) -> int:
+    """Stream the whole tarball and return its member count; raise if it is truncated or corrupt.
+
+    tarfile's "r|*" alone misses truncations, as observed with Python 3.11: it
+    never checks the gzip trailer (CRC, length) and stops silently at EOF
+    when the data ends on a member boundary. So gzip is decoded with
+    `gzip.GzipFile`, which checks the trailer at EOF, and the tar must end
+    with its end-of-archive marker (two zero blocks).
+    """
+    with fs.open(fs_path, "rb") as raw:
+        compressed = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        stream = _CountingReader(gzip.GzipFile(fileobj=raw, mode="rb") if compressed else raw)
+        members = 0
+        with tarfile.open(fileobj=stream, mode="r|") as tar:
+            for _ in tar:  # stream mode reads (does not seek) past each member's data
+                members += 1
+            end_of_members = tar.offset
+            while stream.read(1 << 20):  # drain to EOF so GzipFile checks the trailer
+                pass
+    if stream.count < end_of_members + 2 * tarfile.BLOCKSIZE:
+        raise EOFError("the end-of-archive marker is missing after the last member")
+    return members
+
+
+# --- auxiliary files and commit sidecars ---------------------------------------
+
+
+def _is_auxiliary(rel: str, files: dict[str, int]) -> bool:
+    """Commit sidecars, and `.probe` markers next to a tarball, are not artifacts."""
+    if rel.endswith(COMMIT_SUFFIX):
+        return True
+    stem = rel.removesuffix(PROBE_SUFFIX)
+    return rel.endswith(PROBE_SUFFIX) and stem in files and stem.endswith(TARBALL_SUFFIXES)
+
+
+def _check_commit(
+    fs: fsspec.AbstractFileSystem,
+    artifact: Artifact,
+    files: dict[str, int],
+    fs_paths: dict[str, str],
+    require_commit: bool,
+) -> None:
+    """Set `committed` when the artifact's sidecar matches what is on storage, else explain why not."""
+    sidecar = artifact.path + COMMIT_SUFFIX
+    if sidecar not in files:
+        if require_commit:
+            _fail(artifact, f"There is no commit marker {posixpath.basename(sidecar)!r}: the save did not finish.")
+        return
+    try:
+        recorded = json.loads(fs.cat_file(fs_paths[sidecar]))["files"]
+    except (ValueError, KeyError, TypeError) as exc:
+        _fail(artifact, f"The commit marker {sidecar!r} is unreadable ({exc}); the save did not finish.")
+        return
+    actual = _artifact_files(artifact, files)
+    for name, size in recorded.items():
+        if name not in actual:
+            _fail(artifact, f"{name!r} is recorded in the commit marker but missing: the artifact was damaged.")
+            return
+        if actual[name] != size:
+            _fail(artifact, f"{name!r} has {actual[name]} bytes, the commit marker recorded {size}.")
+            return
+    artifact.committed = True
+
+
+def _artifact_files(artifact: Artifact, files: dict[str, int]) -> dict[str, int]:
+    """{name: size} keyed like `write_commit` keys the sidecar: relative to a dir, the basename for a file."""
+    if artifact.format == "directory":
+        return {_relpath(rel, artifact.path): size for rel, size in files.items() if _inside(rel, artifact.path)}
+    return {posixpath.basename(artifact.path): files[artifact.path]}
+
+
+# --- small helpers -------------------------------------------------------------
+
+
+def _artifact(root: str, rel: str, kind: str, fmt: str, size: int, count: int) -> Artifact:
+    return Artifact(kind=kind, format=fmt, url=_url(root, rel), path=rel, bytes=size, files=count, complete=True)
+
+
+def _fail(artifact: Artifact, reason: str) -> Artifact:
+    """Mark incomplete, keeping earlier reasons: each one is something to fix."""
+    artifact.complete = False
+    artifact.reason = f"{artifact.reason} {reason}" if artifact.reason else reason
+    return artifact
+
+
+def _url(root: str, rel: str) -> str:
+    """Root as given plus the relative path, so the protocol prefix is kept."""
+    if not rel:
+        return root
+    return root + rel if root.endswith("/") else f"{root}/{rel}"
+
+
+def _join(base: str, rel: str) -> str:
+    return f"{base.rstrip('/')}/{rel}" if base.rstrip("/") else rel
+
+
+def _relpath(path: str, base: str) -> str:
+    # Compare without leading slashes: memory:// paths come back as "/root/..."
+    # while s3 paths come back as "bucket/..." (no protocol).
+    path, base = path.strip("/"), base.strip("/")
+    return path[len(base) :].lstrip("/") if base else path
+
+
+def _same_path(a: str, b: str) -> bool:
+    return a.strip("/") == b.strip("/")
+
+
+def _inside(rel: str, directory: str) -> bool:
+    return not directory or rel == directory or rel.startswith(directory + "/")
+
+
+def _inside_any(rel: str, directories: list[str]) -> bool:
+    return any(_inside(rel, d) for d in directories)
+
+
+def _outermost(dirs: list[str]) -> list[str]:
+    """The dirs not nested inside another one of `dirs`, sorted."""
+    unique = sorted(set(dirs))
+    return [d for d in unique if not any(o != d and _inside(d, o) for o in unique)]
+
+
+def _size(info: dict) -> int:
+    return int(info.get("size") or 0)

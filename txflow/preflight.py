@@ -1,0 +1,83 @@
+"""Checks that run before any process starts: bad input fails here, cheaply."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import fsspec
+
+from txflow import sft
+from txflow.config import TINY_MODEL, RunConfig
+from txflow.datasets import REQUIRED_KEYS, bundled_dataset, load_jsonl
+from txflow.tiny_model import resolve_base_model
+
+
+class PreflightError(ValueError):
+    """The run cannot start; the message says what to change."""
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
+
+
+def check_base_model(cfg: RunConfig) -> str:
+    """The local directory or hub id the engine will load."""
+    if cfg.base_model != TINY_MODEL and _looks_like_path(cfg.base_model):
+        path = Path(cfg.base_model).expanduser()
+        if not path.is_dir():
+            raise PreflightError(f"--base-model {cfg.base_model}: no such directory. Pass a local Hugging Face "
+                                 f"model directory, a hub id such as Qwen/Qwen3-8B, or 'tiny'")
+        if not (path / "config.json").exists():
+            raise PreflightError(f"--base-model {cfg.base_model}: the directory has no config.json; "
+                                 f"it is not a Hugging Face model directory")
+        return str(path.absolute())
+    return resolve_base_model(cfg.base_model)
+
+
+def context_length(model_path: str) -> int:
+    config = Path(model_path) / "config.json"
+    if config.exists():
+        return int(json.loads(config.read_text()).get("max_position_embeddings", 1 << 30))
+    return 1 << 30
+
+
+def check_run_root(cfg: RunConfig) -> None:
+    """The root is reachable and writable, and this run id has not completed there before."""
+    options = cfg.plain_storage_options()
+    try:
+        fs, root = fsspec.core.url_to_fs(cfg.run_root, **options)
+    except (ValueError, ImportError) as exc:
+        raise PreflightError(f"--checkpoints {cfg.checkpoints}: not a usable fsspec URL ({exc})") from None
+    try:
+        if fs.exists(f"{root}/report.json"):
+            raise PreflightError(
+                f"Run {cfg.run_id} already completed under {cfg.run_root}; its checkpoints are kept. "
+                f"Use another --run-id"
+            )
+        fs.makedirs(root, exist_ok=True)
+        probe = f"{root}/.txflow-write-probe"
+        fs.pipe_file(probe, b"ok")
+        fs.rm_file(probe)
+    except PreflightError:
+        raise
+    except Exception as exc:  # any backend error means the root cannot be used
+        raise PreflightError(f"--checkpoints {cfg.checkpoints}: cannot write under {cfg.run_root} "
+                             f"({type(exc).__name__}: {exc})") from None
+
+
+def prepare(cfg: RunConfig):
+    """Validate everything a run needs; returns the prepared training data of the mode."""
+    if cfg.mode != "sft":
+        raise PreflightError(f"mode {cfg.mode!r} is not available in this version; use sft")
+    model_path = check_base_model(cfg)
+    check_run_root(cfg)
+    url = cfg.dataset or bundled_dataset(cfg.mode)
+    rows = load_jsonl(url, REQUIRED_KEYS[cfg.mode], cfg.plain_storage_options())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    try:
+        return sft.prepare(rows, tokenizer, context_length(model_path), url)
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None

@@ -1,0 +1,91 @@
+"""The run report: report.json and metrics.jsonl in the run root, Prefect artifacts."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import fsspec
+
+from txflow.config import RunConfig
+from txflow.log import scrub
+
+
+def build(cfg: RunConfig, status: str, timings: dict, metrics: list[dict], saved: dict | None,
+          discovered: dict | None, restore: dict | None, ranks: list[dict], error: str | None,
+          resumed_from_step: int = 0) -> dict:
+    """The report of one run; every key is always present (None when the step did not run)."""
+    return {
+        "run_id": cfg.run_id,
+        "mode": cfg.mode,
+        "status": status,
+        "error": scrub(error) if error else None,
+        "num_processes": cfg.processes,
+        "base_model": cfg.base_model,
+        "checkpoint_root": cfg.run_root,
+        "state_dir": cfg.state_dir,
+        "resumed_from_step": resumed_from_step,
+        "metrics": metrics,
+        "checkpoints": {k: saved[k] for k in ("state", "sampler")} if saved else None,
+        "manifest": discovered["manifest"] if discovered else None,
+        "artifacts": discovered["artifacts"] if discovered else [],
+        "restore": restore,
+        "timings_s": timings,
+        "cluster": {"ranks": ranks},
+        "finished_at": time.time(),
+    }
+
+
+def write(cfg: RunConfig, report: dict, metrics_text: str) -> str:
+    """Write report.json and metrics.jsonl into the run root; returns the report URL."""
+    options = cfg.plain_storage_options()
+    url = f"{cfg.run_root}/report.json"
+    fs, path = fsspec.core.url_to_fs(cfg.run_root, **options)
+    fs.makedirs(path, exist_ok=True)
+    with fsspec.open(f"{cfg.run_root}/metrics.jsonl", "w", **options) as f:
+        f.write(metrics_text)
+    with fsspec.open(url, "w", **options) as f:
+        f.write(json.dumps(report, indent=2))
+    return url
+
+
+def markdown(report: dict) -> str:
+    restore = report["restore"] or {}
+    metrics = report["metrics"]
+    lines = [
+        f"# txflow run `{report['run_id']}`: {report['status']}",
+        "",
+        f"- mode: **{report['mode']}**, {report['num_processes']} processes, base model `{report['base_model']}`",
+        f"- steps: {len(metrics)}" + (f", resumed from step {report['resumed_from_step']}"
+                                      if report["resumed_from_step"] else ""),
+    ]
+    if metrics and "nll" in metrics[0]:
+        lines.append(f"- loss (NLL/token): {metrics[0]['nll']:.4f} -> {metrics[-1]['nll']:.4f}")
+    if restore:
+        lines += [
+            f"- restore check: **{'passed' if restore.get('passed') else 'FAILED'}**; "
+            f"loss {restore['loss_before']:.6f} live vs {restore['loss_after']:.6f} restored "
+            f"(|diff| {restore['abs_diff']:.1e}); greedy tokens match: {restore['sampler_tokens_match']}",
+        ]
+    if report["checkpoints"]:
+        for kind, ckpt in report["checkpoints"].items():
+            lines.append(f"- {kind} checkpoint: `{ckpt['tinker_path']}` at `{ckpt['url']}`")
+    if report["manifest"]:
+        lines.append(f"- manifest: `{report['manifest']}` ({len(report['artifacts'])} artifacts)")
+    if report["error"]:
+        lines += ["", "## Error", "", "```", report["error"][-3000:], "```"]
+    lines += ["", "## Timings (s)", ""] + [f"- {k}: {v:.1f}" for k, v in report["timings_s"].items()]
+    return "\n".join(lines)
+
+
+def publish_artifacts(report: dict) -> None:
+    """Markdown summary and per-step metrics table on the Prefect flow run (when there is one)."""
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:
+        return
+    key = report["run_id"].lower().replace("_", "-")
+    create_markdown_artifact(markdown(report), key=f"report-{key}", description="txflow run report")
+    if report["metrics"]:
+        create_table_artifact(report["metrics"], key=f"metrics-{key}", description="Per-step training metrics")

@@ -1,0 +1,64 @@
+"""Supervised fine-tuning: cross-entropy on completion tokens only."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import tinker
+
+Example = tuple[list[int], list[int]]  # tokens, per-token loss weights
+
+
+@dataclass
+class SFTData:
+    train: list[Example]
+    eval: list[Example]
+
+
+def encode(row: dict, tokenizer, max_len: int, where: str) -> Example:
+    """Prompt then completion (+ EOS); only completion tokens carry loss."""
+    prompt = tokenizer.encode(row["prompt"], add_special_tokens=False)
+    completion = tokenizer.encode(row["completion"], add_special_tokens=False) + [tokenizer.eos_token_id]
+    tokens = prompt + completion
+    if len(tokens) > max_len:
+        raise ValueError(f"{where}: {len(tokens)} tokens, longer than the model's context of {max_len}")
+    return tokens, [0.0] * len(prompt) + [1.0] * len(completion)
+
+
+def prepare(rows: list[dict], tokenizer, max_len: int, url: str) -> SFTData:
+    """Tokenize every row; the last tenth (at least one row) is held out for evaluation."""
+    examples = [encode(row, tokenizer, max_len, f"{url} line {i + 1}") for i, row in enumerate(rows)]
+    held_out = max(1, len(examples) // 10) if len(examples) > 1 else 0
+    train = examples[: len(examples) - held_out]
+    return SFTData(train=train, eval=examples[len(examples) - held_out :] or train[:1])
+
+
+def to_datum(example: Example) -> tinker.types.Datum:
+    tokens, weights = example
+    return tinker.types.Datum(
+        model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]},
+    )
+
+
+def batch_indices(num_examples: int, step: int, batch_size: int, seed: int) -> list[int]:
+    """The examples of `step` (0-based): a seeded shuffle per epoch, the same on every retry."""
+    out = []
+    for k in range(step * batch_size, (step + 1) * batch_size):
+        epoch, offset = divmod(k, num_examples)
+        order = list(range(num_examples))
+        random.Random(seed * 100_003 + epoch).shuffle(order)
+        out.append(order[offset])
+    return out
+
+
+def mean_nll(output, examples: list[Example]) -> tuple[float, int]:
+    """Mean negative log-likelihood per completion token, and that token count."""
+    total, tokens = 0.0, 0
+    for out, (_, weights) in zip(output.loss_fn_outputs, examples):
+        logprobs = out["logprobs"].tolist()
+        for logprob, weight in zip(logprobs, weights[1:]):
+            total -= logprob * weight
+            tokens += int(weight)
+    return total / max(tokens, 1), tokens
