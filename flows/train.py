@@ -19,7 +19,7 @@ from tasks.train import train
 from txflow import report as run_report
 from txflow.cluster import LocalLauncher, as_json, stop_cluster
 from txflow.config import RunConfig
-from txflow.log import get_logger, register_secret
+from txflow.log import get_logger, register_run_secrets
 from txflow.preflight import prepare
 from txflow.run_files import metrics_path, read_metrics
 
@@ -45,8 +45,7 @@ def train_flow(config: RunConfig = RunConfig()) -> dict:
     """Fine-tune a LoRA adapter on a SkyRL-tx cluster and prove the checkpoint restores."""
     cfg = config.resolved()
     log = get_logger()
-    for secret in [*cfg.plain_storage_options().values(), cfg.database_url and cfg.database_url.get_secret_value()]:
-        register_secret(secret)
+    register_run_secrets(cfg)
     log.info(f"run {cfg.run_id}: mode {cfg.mode}, {cfg.processes} processes, root {cfg.run_root}, "
              f"state {cfg.state_dir}")
     timings: dict[str, float] = {}

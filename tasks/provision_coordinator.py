@@ -63,7 +63,6 @@ def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> Cluster:
     state_dir = Path(cfg.state_dir)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     db_url = database_url(cfg)
-    register_secret(db_url)
 
     base_model_path = resolve_base_model(cfg.base_model)
     api_port = processes.free_port(cfg.host)
@@ -90,7 +89,9 @@ def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> Cluster:
         log.info(f"Tinker API server pid {api.pid} on {cluster.base_url}, log {api.log}")
         wait_for_api(cluster, launcher, cfg.startup_timeout_s)
         ports = {"coordinator": coordinator_port} if coordinator_port else {}
-        rank0 = launcher.start(cluster, "coordinator", 0, skyrl_adapter.engine_command(engine_argv), env, ports, "rank0")
+        rank0_env = env | skyrl_adapter.coordinator_env(cluster.coordinator_address)
+        rank0 = launcher.start(cluster, "coordinator", 0, skyrl_adapter.engine_command(engine_argv), rank0_env,
+                               ports, "rank0")
         log.info(
             f"rank 0 (engine{', JAX coordinator ' + cluster.coordinator_address if coordinator_port else ''}) "
             f"pid {rank0.pid}, log {rank0.log}; command: {' '.join(skyrl_adapter.engine_command(engine_argv))}"

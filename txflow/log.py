@@ -39,3 +39,13 @@ def get_logger() -> logging.LoggerAdapter:
     except (ImportError, MissingContextError, RuntimeError):
         base = logging.getLogger("txflow")
     return _Redacting(base, {})
+
+
+def register_run_secrets(cfg) -> None:
+    """Mask the run's storage options and database password in every later log line."""
+    from sqlalchemy.engine import make_url
+
+    for value in cfg.plain_storage_options().values():
+        register_secret(value)
+    if cfg.database_url is not None:
+        register_secret(make_url(cfg.database_url.get_secret_value()).password)

@@ -18,6 +18,11 @@ workaround can go:
    product equals the device count, and a sampling batch that is a multiple of
    fsdp (sampling `num_samples=1` otherwise fails with fsdp > 1).
 
+4. JAX's coordination service binds `[::]:<port>` (every interface) whatever
+   host the coordinator address names; SkyRL-tx offers no setting for it. Rank
+   0 gets `JAX_COORDINATOR_BIND_ADDRESS` (read by `jax.distributed.initialize`)
+   so that it binds only the configured interface (`coordinator_env`).
+
 Module names differ in the unified `skyrl` 0.4.0 package (`skyrl.tinker.api`,
 `skyrl.tinker.engine`, `skyrl.backends.jax`); they are only named here.
 """
@@ -97,6 +102,11 @@ def engine_args(
         "--session-timeout-sec",
         "120",
     ]
+
+
+def coordinator_env(coordinator_address: str | None) -> dict[str, str]:
+    """Environment for rank 0 so the JAX coordinator binds only the configured interface."""
+    return {"JAX_COORDINATOR_BIND_ADDRESS": coordinator_address} if coordinator_address else {}
 
 
 def engine_command(engine_argv: list[str]) -> list[str]:

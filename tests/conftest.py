@@ -1,0 +1,50 @@
+"""Shared fixtures: an isolated environment for `txflow` subprocesses, and a
+reaper that stops every cluster process a test started, also when it fails."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from txflow.cluster import stop_cluster
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def txflow_env(tmp_path) -> dict[str, str]:
+    """Environment for a `txflow` subprocess: its own Prefect home (embedded API, SQLite)."""
+    env = dict(os.environ)
+    env.pop("PREFECT_API_URL", None)
+    env.update(
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+        TINKER_TELEMETRY="0",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+class Reaper:
+    """Remembers run state directories; stops whatever is still alive at the end."""
+
+    def __init__(self) -> None:
+        self.state_dirs: list[Path] = []
+
+    def watch(self, state_dir: Path) -> Path:
+        self.state_dirs.append(Path(state_dir))
+        return Path(state_dir)
+
+    def stop_all(self) -> None:
+        for state_dir in self.state_dirs:
+            stop_cluster(state_dir, grace_s=1.0)
+
+
+@pytest.fixture
+def reaper():
+    reaper = Reaper()
+    yield reaper
+    reaper.stop_all()

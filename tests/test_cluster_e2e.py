@@ -1,0 +1,133 @@
+"""provision-coordinator, launch-workers and teardown on a real 2-process SkyRL-tx cluster."""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tasks.launch_workers import launch_workers
+from tasks.provision_coordinator import provision_coordinator
+from tasks.teardown import teardown
+from tests.helpers import alive_pids, cluster_pids, run_txflow, txflow_cmd
+from txflow.cluster import LocalLauncher
+from txflow.config import RunConfig
+
+pytestmark = pytest.mark.e2e
+
+
+def listening_addresses(port: int) -> set[str]:
+    """Addresses listening on `port`, IPv4-mapped IPv6 (::ffff:a.b.c.d) shown as IPv4."""
+    found = set()
+    for conn in psutil.net_connections("all"):
+        if conn.status == "LISTEN" and conn.laddr.port == port:
+            ip = ipaddress.ip_address(conn.laddr.ip)
+            found.add(str(getattr(ip, "ipv4_mapped", None) or ip))
+    return found
+
+
+def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, reaper):
+    cfg = RunConfig(processes=2, run_id="lifecycle", state_dir=str(tmp_path / "state"),
+                    checkpoints=str(tmp_path / "ckpt")).resolved()
+    reaper.watch(cfg.state_dir)
+    launcher = LocalLauncher()
+
+    cluster = provision_coordinator.fn(cfg, launcher)
+    recorded = json.loads((Path(cfg.state_dir) / "cluster.json").read_text())
+    assert {p["role"] for p in recorded["processes"]} == {"api", "coordinator"}
+
+    cluster = launch_workers.fn(cfg, cluster, launcher)
+    recorded = json.loads((Path(cfg.state_dir) / "cluster.json").read_text())
+    by_role = {p["role"]: p for p in recorded["processes"]}
+    assert set(by_role) == {"api", "coordinator", "worker"}
+    assert (by_role["coordinator"]["rank"], by_role["worker"]["rank"]) == (0, 1)
+    assert by_role["coordinator"]["ports"]["coordinator"] == cluster.coordinator_port
+    for proc in recorded["processes"]:
+        assert Path(proc["log"]).exists() and proc["host"] == "127.0.0.1"
+    assert len(alive_pids(cfg.state_dir)) == 3
+    # The readiness sample went through rank 1: it received the config and served the command.
+    assert "entering command loop" in Path(by_role["worker"]["log"]).read_text()
+    # Loopback only, for the API and the JAX coordinator.
+    assert listening_addresses(cluster.api_port) == {"127.0.0.1"}
+    assert listening_addresses(cluster.coordinator_port) == {"127.0.0.1"}
+    assert "api_key" not in (Path(cfg.state_dir) / "cluster.json").read_text()
+
+    ranks = teardown.fn(cfg.state_dir, launcher)
+    assert alive_pids(cfg.state_dir) == []
+    assert [r["rank"] for r in ranks] == [None, 0, 1]
+    assert all(r["exit_code"] is not None for r in ranks)
+
+
+class StuckWorkerLauncher(LocalLauncher):
+    """Starts rank 1 as a process that never joins the JAX cluster."""
+
+    def start(self, cluster, role, rank, cmd, env, ports, log_name):
+        if role == "worker":
+            cmd = [sys.executable, "-c", "print('worker stuck before joining', flush=True); import time; time.sleep(600)"]
+        return super().start(cluster, role, rank, cmd, env, ports, log_name)
+
+
+def test_readiness_timeout_names_the_missing_rank_with_its_log(tmp_path, reaper):
+    cfg = RunConfig(processes=2, run_id="stuck", state_dir=str(tmp_path / "state"),
+                    checkpoints=str(tmp_path / "ckpt"), startup_timeout_s=25).resolved()
+    reaper.watch(cfg.state_dir)
+    launcher = StuckWorkerLauncher()
+    cluster = provision_coordinator.fn(cfg, launcher)
+    try:
+        with pytest.raises(TimeoutError) as failure:
+            launch_workers.fn(cfg, cluster, launcher)
+    finally:
+        teardown.fn(cfg.state_dir, launcher)
+    message = str(failure.value)
+    assert "rank 1" in message and "worker stuck before joining" in message
+    assert alive_pids(cfg.state_dir) == []
+
+
+def _sft_args(tmp_path: Path, run_id: str, *extra: str) -> list[str]:
+    return ["run", "sft", "--run-id", run_id, "--state-dir", str(tmp_path / "state"),
+            "--checkpoints", str(tmp_path / "ckpt"), *extra]
+
+
+def test_every_process_is_stopped_after_an_exception(tmp_path, txflow_env, reaper):
+    reaper.watch(tmp_path / "state")
+    # A step deadline far below the first step's JIT compile makes training fail.
+    result = run_txflow(_sft_args(tmp_path, "boom", "--steps", "3", "--step-timeout", "0.05",
+                                  "--train-retries", "0", "--json"), txflow_env, tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["status"] == "failed" and "made no progress" in report["error"]
+    assert len(cluster_pids(tmp_path / "state")) == 3
+    assert alive_pids(tmp_path / "state") == []
+    assert {r["rank"] for r in report["cluster"]["ranks"]} == {None, 0, 1}
+
+
+def test_every_process_is_stopped_after_sigterm_to_the_flow_process(tmp_path, txflow_env, reaper):
+    state = reaper.watch(tmp_path / "state")
+    log = open(tmp_path / "txflow.log", "w")
+    proc = subprocess.Popen(txflow_cmd(*_sft_args(tmp_path, "term", "--steps", "500")), env=txflow_env,
+                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        metrics = state / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, (tmp_path / "txflow.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.5)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(alive_pids(state)) == 3
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=90) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    assert alive_pids(state) == []
+    # Nothing the flow process started survives it (Prefect's temporary server included).
+    assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
