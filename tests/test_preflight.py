@@ -1,0 +1,280 @@
+"""Bad input fails before any process starts, with a message that says what to change."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from tests.helpers import run_txflow
+from txflow import cli, preflight
+from txflow.config import RunConfig
+from txflow.datasets import DatasetError
+from txflow.preflight import PreflightError
+from txflow.sft import SFTData
+from txflow.tiny_model import build_tiny_model
+
+GOOD_ROW = json.dumps({"prompt": "English: one\nFrench:", "completion": " un\n"})
+
+
+@pytest.fixture
+def cfg_for(tmp_path):
+    """A resolved RunConfig whose state and checkpoints live under tmp_path."""
+
+    def make(**fields) -> RunConfig:
+        fields.setdefault("run_id", "preflight")
+        fields.setdefault("state_dir", str(tmp_path / "state"))
+        fields.setdefault("checkpoints", str(tmp_path / "ckpt"))
+        return RunConfig(**fields).resolved()
+
+    return make
+
+
+def model_dir(path: Path, config: dict | None = None) -> Path:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"max_position_embeddings": 64} if config is None else config))
+    return path
+
+
+def broken_line_3(tmp_path) -> Path:
+    path = tmp_path / "broken.jsonl"
+    path.write_text(f"{GOOD_ROW}\n{GOOD_ROW}\n{{\"prompt\": \"x\", \n{GOOD_ROW}\n")
+    return path
+
+
+def no_cluster_started(cfg: RunConfig) -> bool:
+    return not (Path(cfg.state_dir) / "cluster.json").exists()
+
+
+# --- check_base_model ----------------------------------------------------------
+
+
+def test_base_model_that_does_not_exist_says_no_such_directory(cfg_for, tmp_path):
+    with pytest.raises(PreflightError, match=r"--base-model /nonexistent/dir: no such directory\. Pass"):
+        preflight.check_base_model(cfg_for(base_model="/nonexistent/dir"))
+
+
+def test_base_model_that_is_a_file_says_no_such_directory(cfg_for, tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"x")
+    with pytest.raises(PreflightError, match="no such directory"):
+        preflight.check_base_model(cfg_for(base_model=str(path)))
+
+
+def test_base_model_directory_without_config_json_is_not_a_model(cfg_for, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(PreflightError, match="has no config.json; it is not a Hugging Face model directory"):
+        preflight.check_base_model(cfg_for(base_model=str(tmp_path / "empty")))
+
+
+def test_base_model_directory_resolves_to_an_absolute_path(cfg_for, tmp_path, monkeypatch):
+    model_dir(tmp_path / "models" / "mine")
+    monkeypatch.chdir(tmp_path)
+    assert preflight.check_base_model(cfg_for(base_model="./models/mine")) == str(tmp_path / "models" / "mine")
+
+
+def test_tiny_base_model_resolves_to_the_built_model(cfg_for):
+    path = Path(preflight.check_base_model(cfg_for(base_model="tiny")))
+    assert path == build_tiny_model()
+    assert (path / "config.json").exists()
+
+
+def test_hub_id_is_passed_through(cfg_for):
+    assert preflight.check_base_model(cfg_for(base_model="Qwen/Qwen3-8B")) == "Qwen/Qwen3-8B"
+
+
+@pytest.mark.parametrize(("config", "expected"), [({"max_position_embeddings": 64}, 64), ({}, 1 << 30)])
+def test_context_length_comes_from_config_json(tmp_path, config, expected):
+    assert preflight.context_length(str(model_dir(tmp_path / "m", config))) == expected
+
+
+# --- check_run_root ------------------------------------------------------------------
+
+
+def test_writable_run_root_is_created_and_left_clean(cfg_for):
+    cfg = cfg_for()
+    preflight.check_run_root(cfg)
+    assert Path(cfg.run_root).is_dir()
+    assert list(Path(cfg.run_root).iterdir()) == []  # the write probe is removed
+
+
+def test_run_root_that_already_holds_a_report_says_the_run_completed(cfg_for):
+    cfg = cfg_for(run_id="done")
+    report = Path(cfg.run_root) / "report.json"
+    report.parent.mkdir(parents=True)
+    report.write_bytes(b'{"status": "passed"}\n')
+    with pytest.raises(PreflightError, match=r"Run done already completed under .*Use another --run-id"):
+        preflight.check_run_root(cfg)
+    assert report.read_bytes() == b'{"status": "passed"}\n'
+    assert sorted(p.name for p in report.parent.iterdir()) == ["report.json"]
+
+
+def test_checkpoints_under_a_regular_file_names_the_checkpoints_path(cfg_for, tmp_path):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file")
+    checkpoints = str(blocker / "ckpt")
+    with pytest.raises(PreflightError) as info:
+        preflight.check_run_root(cfg_for(checkpoints=checkpoints))
+    assert str(info.value).startswith(f"--checkpoints {checkpoints}: cannot write under {checkpoints}/preflight")
+    assert blocker.read_text() == "a file"
+
+
+def test_run_root_on_another_fsspec_filesystem_is_checked_there(cfg_for):
+    base = f"memory://txflow-test-{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("memory")
+    try:
+        cfg = cfg_for(checkpoints=base, run_id="again")
+        preflight.check_run_root(cfg)
+        fs.pipe_file(f"{cfg.run_root}/report.json", b"{}")
+        with pytest.raises(PreflightError, match="already completed"):
+            preflight.check_run_root(cfg)
+    finally:
+        if fs.exists(base):
+            fs.rm(base, recursive=True)
+
+
+def test_checkpoints_with_an_unknown_protocol_is_not_a_usable_url(cfg_for):
+    with pytest.raises(PreflightError, match=r"--checkpoints nosuchproto://b: not a usable fsspec URL"):
+        preflight.check_run_root(cfg_for(checkpoints="nosuchproto://b"))
+
+
+# --- prepare -----------------------------------------------------------------------
+
+
+def test_prepare_of_the_defaults_returns_training_and_eval_data(cfg_for):
+    cfg = cfg_for()
+    data = preflight.prepare(cfg)
+    assert isinstance(data, SFTData)
+    assert len(data.train) >= 1 and len(data.eval) >= 1
+    assert no_cluster_started(cfg)
+
+
+@pytest.mark.parametrize("mode", ["rl", "custom"])
+def test_prepare_of_a_mode_not_available_says_use_sft(cfg_for, mode):
+    with pytest.raises(PreflightError, match=f"mode '{mode}' is not available in this version; use sft"):
+        preflight.prepare(cfg_for(mode=mode))
+
+
+def test_prepare_with_a_missing_base_model_fails_before_touching_the_run_root(cfg_for):
+    cfg = cfg_for(base_model="/nonexistent/dir")
+    with pytest.raises(PreflightError, match="no such directory"):
+        preflight.prepare(cfg)
+    assert not Path(cfg.run_root).exists()
+    assert no_cluster_started(cfg)
+
+
+def test_prepare_with_a_malformed_dataset_names_line_3(cfg_for, tmp_path):
+    dataset = broken_line_3(tmp_path)
+    cfg = cfg_for(dataset=str(dataset))
+    with pytest.raises(DatasetError, match=rf"^{dataset} line 3: not valid JSON"):
+        preflight.prepare(cfg)
+    assert no_cluster_started(cfg)
+
+
+def test_prepare_with_a_missing_dataset_says_it_does_not_exist(cfg_for, tmp_path):
+    with pytest.raises(DatasetError, match="does not exist; pass --dataset"):
+        preflight.prepare(cfg_for(dataset=str(tmp_path / "missing.jsonl")))
+
+
+def test_prepare_with_a_row_longer_than_the_context_names_its_line(cfg_for, tmp_path):
+    dataset = tmp_path / "long.jsonl"
+    long_row = json.dumps({"prompt": "English:", "completion": " deux" * 600})
+    dataset.write_text(f"{GOOD_ROW}\n{long_row}\n")
+    with pytest.raises(PreflightError, match=rf"^{dataset} line 2: \d+ tokens, longer than the model's context of 512"):
+        preflight.prepare(cfg_for(dataset=str(dataset)))
+
+
+def test_prepare_with_checkpoints_under_a_file_names_the_checkpoints_path(cfg_for, tmp_path):
+    (tmp_path / "file").write_text("")
+    cfg = cfg_for(checkpoints=str(tmp_path / "file" / "ckpt"))
+    with pytest.raises(PreflightError, match=f"^--checkpoints {tmp_path / 'file' / 'ckpt'}: cannot write"):
+        preflight.prepare(cfg)
+    assert no_cluster_started(cfg)
+
+
+# --- the CLI -------------------------------------------------------------------------
+
+
+def cli_exit(argv: list[str]) -> int:
+    """Exit status of `txflow ARGV` run in-process, as the shell would see it."""
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+
+
+@pytest.fixture
+def cli_env(monkeypatch):
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")  # main() sets it; restore the environment afterwards
+
+
+@pytest.mark.parametrize(
+    ("options", "names"),
+    [
+        (["--processes", "0"], "processes must be at least 1"),
+        (["--processes", "-2"], "processes must be at least 1"),
+        (["--steps", "0"], "steps must be at least 1"),
+        (["--run-id", "../x"], "run_id"),
+        (["--lora-rank", "0"], "lora_rank"),
+        (["--processes", "two"], "processes"),
+    ],
+)
+def test_cli_rejects_invalid_options_with_exit_2_before_any_run(capsys, cli_env, tmp_path, options, names):
+    state = tmp_path / "state"
+    assert cli_exit(["run", "sft", "--state-dir", str(state), *options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("txflow: invalid options: ")
+    assert names in err
+    assert "state directory" not in err  # no run was announced
+    assert not state.exists()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="cli.py:62 _storage_options raises SystemExit(message), exit status 1; every other invalid option "
+    "exits 2",
+)
+def test_cli_rejects_a_storage_option_without_a_value_with_exit_2(capsys, cli_env, tmp_path):
+    assert cli_exit(["run", "sft", "--state-dir", str(tmp_path / "s"), "--storage-option", "novalue"]) == 2
+
+
+# Two real `txflow` subprocesses (~15 s each: imports and Prefect's temporary server) prove that a
+# preflight failure inside the flow reaches the shell as exit 2 with the preflight message.
+
+
+def txflow_line(stderr: str) -> str:
+    """The CLI's own final message (Prefect logs the traceback too; this is the line meant for the user)."""
+    lines = [line for line in stderr.splitlines() if line.startswith("txflow: ") and " state directory " not in line]
+    assert lines, stderr
+    return lines[-1]
+
+
+def test_txflow_run_with_a_missing_base_model_exits_2_before_starting_anything(tmp_path, txflow_env, reaper):
+    state = reaper.watch(tmp_path / "state")
+    result = run_txflow(["run", "sft", "--base-model", "/nonexistent/dir", "--run-id", "nomodel",
+                         "--state-dir", str(state), "--checkpoints", str(tmp_path / "ckpt")],
+                        env=txflow_env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert txflow_line(result.stderr).startswith("txflow: --base-model /nonexistent/dir: no such directory")
+    assert not (state / "cluster.json").exists()
+    assert not (tmp_path / "ckpt" / "nomodel").exists()
+
+
+def test_txflow_run_reusing_a_completed_run_id_exits_2_and_keeps_its_report(tmp_path, txflow_env, reaper):
+    state = reaper.watch(tmp_path / "state")
+    report = tmp_path / "ckpt" / "finished" / "report.json"
+    report.parent.mkdir(parents=True)
+    original = json.dumps({"run_id": "finished", "status": "passed"}, indent=2).encode() + b"\n"
+    report.write_bytes(original)
+    result = run_txflow(["run", "sft", "--run-id", "finished", "--state-dir", str(state),
+                         "--checkpoints", str(tmp_path / "ckpt")],
+                        env=txflow_env, cwd=tmp_path, timeout=300)
+    assert result.returncode == 2, result.stderr
+    message = txflow_line(result.stderr)
+    assert "Run finished already completed" in message and "Use another --run-id" in message
+    assert report.read_bytes() == original
+    assert sorted(p.name for p in report.parent.iterdir()) == ["report.json"]
+    assert not (state / "cluster.json").exists()

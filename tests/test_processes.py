@@ -1,0 +1,272 @@
+"""Process groups, stopping, liveness and ports (txflow.processes), and the local launcher's cluster.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from txflow import processes
+from txflow.cluster import Cluster, LocalLauncher, stop_cluster
+
+SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
+# Leader and grandchild both ignore SIGTERM (an ignored disposition survives exec).
+TERM_IGNORING_TREE = 'trap "" TERM; sleep 300 & echo $! > "$0"; wait'
+
+
+@pytest.fixture
+def spawned():
+    """spawn() that SIGKILLs and reaps every group it started when the test ends, passed or not."""
+    started: list[subprocess.Popen] = []
+
+    def spawn(cmd, log_path, **kwargs):
+        proc = processes.spawn(cmd, log_path, **kwargs)
+        started.append(proc)
+        return proc
+
+    yield spawn
+    for proc in started:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
+# --- spawn ---------------------------------------------------------------------
+
+
+def test_spawned_child_leads_its_own_process_group(tmp_path, spawned):
+    proc = spawned(SLEEP, tmp_path / "child.log")
+    assert os.getpgid(proc.pid) == proc.pid
+    assert os.getpgid(proc.pid) != os.getpgid(0)
+    assert os.getsid(proc.pid) == proc.pid
+
+
+def test_spawn_appends_stdout_and_stderr_to_the_log(tmp_path, spawned):
+    log = tmp_path / "logs" / "child.log"  # parent directory created by spawn
+    log.parent.mkdir()
+    log.write_text("earlier run\n")
+    code = "import sys; print('to stdout', flush=True); print('to stderr', file=sys.stderr, flush=True)"
+    assert spawned([sys.executable, "-c", code], log).wait(timeout=30) == 0
+    assert log.read_text().splitlines() == ["earlier run", "to stdout", "to stderr"]
+
+
+def test_spawn_creates_the_log_directory(tmp_path, spawned):
+    log = tmp_path / "a" / "b" / "child.log"
+    assert spawned([sys.executable, "-c", "print('hi')"], log).wait(timeout=30) == 0
+    assert log.read_text() == "hi\n"
+
+
+# --- stop_groups ------------------------------------------------------------
+
+
+def test_stop_groups_kills_a_group_whose_leader_and_grandchild_ignore_sigterm(tmp_path, spawned):
+    pidfile = tmp_path / "grandchild.pid"
+    leader = spawned(["bash", "-c", TERM_IGNORING_TREE, str(pidfile)], tmp_path / "tree.log")
+    wait_for(lambda: pidfile.exists() and pidfile.read_text().strip())
+    grandchild = int(pidfile.read_text())
+    grandchild_started = processes.start_time(grandchild)
+    assert os.getpgid(grandchild) == leader.pid
+    # The trap is in place before the pid file is written: SIGTERM alone must not stop it.
+    os.killpg(leader.pid, signal.SIGTERM)
+    time.sleep(0.3)
+    assert leader.poll() is None and processes.is_alive(grandchild, grandchild_started)
+
+    grace = 1.0
+    began = time.monotonic()
+    processes.stop_groups([leader.pid], grace_s=grace)
+    elapsed = time.monotonic() - began
+
+    assert elapsed < grace + 3
+    assert not processes.group_alive(leader.pid)
+    assert leader.wait(timeout=5) == -signal.SIGKILL
+    assert not processes.is_alive(grandchild, grandchild_started)
+
+
+def test_stop_groups_returns_as_soon_as_groups_exit_on_sigterm(tmp_path, spawned):
+    procs = [spawned(SLEEP, tmp_path / f"p{i}.log") for i in range(2)]
+    grace = 10.0
+    began = time.monotonic()
+    processes.stop_groups([p.pid for p in procs], grace_s=grace)
+    elapsed = time.monotonic() - began
+
+    assert elapsed < 3.0 < grace
+    assert [p.wait(timeout=5) for p in procs] == [-signal.SIGTERM, -signal.SIGTERM]
+    assert not any(processes.group_alive(p.pid) for p in procs)
+
+
+def test_stop_groups_ignores_groups_that_are_already_gone(tmp_path, spawned):
+    proc = spawned([sys.executable, "-c", "pass"], tmp_path / "p.log")
+    proc.wait(timeout=30)
+    began = time.monotonic()
+    processes.stop_groups([proc.pid], grace_s=5.0)
+    assert time.monotonic() - began < 1.0
+
+
+# --- liveness ------------------------------------------------------------------
+
+
+def test_is_alive_tells_a_reused_pid_apart_by_its_start_time(tmp_path, spawned):
+    proc = spawned(SLEEP, tmp_path / "p.log")
+    started = processes.start_time(proc.pid)
+    assert started is not None
+    assert processes.is_alive(proc.pid)
+    assert processes.is_alive(proc.pid, started)
+    assert not processes.is_alive(proc.pid, started + 1)
+    assert not processes.is_alive(proc.pid, started - 1)
+
+
+def test_a_zombie_is_not_alive(tmp_path, spawned):
+    proc = spawned(SLEEP, tmp_path / "p.log")
+    started = processes.start_time(proc.pid)
+    os.kill(proc.pid, signal.SIGKILL)
+    wait_for(lambda: not processes.is_alive(proc.pid, started))  # exited, not reaped yet
+    assert not processes.group_alive(proc.pid)
+    assert proc.wait(timeout=5) == -signal.SIGKILL
+
+
+def test_a_pid_that_does_not_exist_is_not_alive():
+    assert processes.start_time(2**22 + 1) is None  # above the kernel's pid_max limit
+    assert not processes.is_alive(2**22 + 1)
+    assert not processes.group_alive(2**22 + 1)
+
+
+# --- tail, ports -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lines", [1, 5, 30])
+def test_tail_returns_the_last_lines(tmp_path, lines):
+    path = tmp_path / "x.log"
+    path.write_text("".join(f"line {i}\n" for i in range(1, 101)))
+    assert processes.tail(path, lines) == "\n".join(f"line {i}" for i in range(101 - lines, 101))
+
+
+def test_tail_of_a_large_file_returns_its_last_lines(tmp_path):
+    path = tmp_path / "big.log"
+    path.write_text("".join(f"{i:08d} {'x' * 100}\n" for i in range(5000)))  # ~540 KB
+    assert processes.tail(path, 3).splitlines() == [f"{i:08d} {'x' * 100}" for i in (4997, 4998, 4999)]
+
+
+def test_tail_of_a_short_file_returns_all_of_it(tmp_path):
+    path = tmp_path / "x.log"
+    path.write_text("a\nb\n")
+    assert processes.tail(path, 30) == "a\nb"
+
+
+def test_tail_of_a_missing_file_is_empty(tmp_path):
+    assert processes.tail(tmp_path / "missing.log") == ""
+
+
+def test_free_port_can_be_bound_on_loopback():
+    port = processes.free_port("127.0.0.1")
+    assert 0 < port < 65536
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", port))
+
+
+def test_port_open_while_a_socket_listens_and_not_after_it_closes():
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        port = server.getsockname()[1]
+        assert processes.port_open("127.0.0.1", port)
+    finally:
+        server.close()
+    assert not processes.port_open("127.0.0.1", port)
+
+
+# --- LocalLauncher and cluster.json ---------------------------------------------
+
+
+def make_cluster(state_dir: Path) -> Cluster:
+    state_dir.mkdir(parents=True, exist_ok=True)
+    return Cluster(run_id="unit", launcher="local", state_dir=str(state_dir), host="127.0.0.1", api_port=1,
+                   coordinator_port=None, num_processes=1, base_model_path="x", checkpoints_base="y")
+
+
+@pytest.fixture
+def local_cluster(tmp_path):
+    """A Cluster and the LocalLauncher that starts its processes; both stopped and reaped at the end."""
+    cluster = make_cluster(tmp_path / "state")
+    launcher = LocalLauncher()
+    popens = launcher._popen  # the Popen objects, to reap them whatever stopped them
+    yield cluster, launcher
+    stop_cluster(cluster.state_dir, grace_s=1.0)
+    for proc in list(popens.values()):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=10)
+
+
+def test_local_launcher_records_each_process_in_cluster_json_without_the_api_key(local_cluster):
+    cluster, launcher = local_cluster
+    first = launcher.start(cluster, "coordinator", 0, SLEEP, dict(os.environ), {"coordinator": 1234}, "rank0")
+    on_disk = json.loads(cluster.path.read_text())
+    assert [p["pid"] for p in on_disk["processes"]] == [first.pid]  # recorded before start() returns
+
+    second = launcher.start(cluster, "worker", 1, SLEEP, dict(os.environ), {}, "rank1")
+    text = cluster.path.read_text()
+    on_disk = json.loads(text)
+    assert [(p["role"], p["rank"], p["pid"]) for p in on_disk["processes"]] == [
+        ("coordinator", 0, first.pid),
+        ("worker", 1, second.pid),
+    ]
+    for record in on_disk["processes"]:
+        assert record["pgid"] == record["pid"] == os.getpgid(record["pid"])
+        assert record["start_time"] == processes.start_time(record["pid"])
+        assert Path(record["log"]) == Path(cluster.state_dir) / "logs" / f"rank{record['rank']}.log"
+        assert Path(record["log"]).exists()
+        assert record["exit_code"] is None
+    assert on_disk["processes"][0]["ports"] == {"coordinator": 1234}
+    assert "api_key" not in on_disk
+    assert cluster.api_key.get_secret_value() not in text
+    assert launcher.exit_code(first) is None and launcher.exit_code(second) is None
+
+
+def test_stop_cluster_from_cluster_json_alone_stops_every_process(local_cluster):
+    """What a cancellation hook in another process does: it has only the state directory."""
+    cluster, launcher = local_cluster
+    records = [launcher.start(cluster, role, rank, SLEEP, dict(os.environ), {}, f"rank{rank}")
+               for role, rank in (("coordinator", 0), ("worker", 1))]
+    assert all(processes.is_alive(r.pid, r.start_time) for r in records)
+
+    stopped = stop_cluster(cluster.state_dir, LocalLauncher(), grace_s=2.0)
+
+    assert sorted(r.pid for r in stopped) == sorted(r.pid for r in records)
+    for record in records:
+        assert not processes.is_alive(record.pid, record.start_time)
+        assert not processes.group_alive(record.pgid)
+    on_disk = json.loads(cluster.path.read_text())
+    assert all(p["exit_code"] is not None and p["exit_code"] < 0 for p in on_disk["processes"])
+    # The launcher that started them sees them gone too.
+    assert all(launcher.exit_code(r) is not None for r in records)
+
+
+def test_stop_by_the_starting_launcher_records_the_real_exit_codes(local_cluster):
+    cluster, launcher = local_cluster
+    launcher.start(cluster, "coordinator", 0, SLEEP, dict(os.environ), {}, "rank0")
+    stopped = launcher.stop(cluster, grace_s=2.0)
+    assert [r.exit_code for r in stopped] == [-signal.SIGTERM]
+    assert json.loads(cluster.path.read_text())["processes"][0]["exit_code"] == -signal.SIGTERM
+
+
+def test_stop_cluster_without_cluster_json_is_a_no_op(tmp_path):
+    assert stop_cluster(tmp_path / "never-started") == []

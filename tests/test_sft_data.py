@@ -1,0 +1,222 @@
+"""SFT examples (txflow.sft) on the real tiny tokenizer, and JSONL datasets (txflow.datasets)."""
+
+from __future__ import annotations
+
+import json
+import math
+import uuid
+
+import fsspec
+import pytest
+
+from txflow import sft
+from txflow.datasets import REQUIRED_KEYS, DatasetError, bundled_dataset, load_jsonl
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from txflow.tiny_model import build_tiny_model
+
+    return AutoTokenizer.from_pretrained(build_tiny_model())
+
+
+ROW = {"prompt": "English: one\nFrench:", "completion": " un\n"}
+
+
+def rows(n: int) -> list[dict]:
+    return [{"prompt": f"English: {i}\nFrench:", "completion": f" {i}\n"} for i in range(n)]
+
+
+# --- encode ----------------------------------------------------------------------
+
+
+def test_encode_weights_prompt_tokens_zero_and_completion_plus_eos_one(tokenizer):
+    tokens, weights = sft.encode(ROW, tokenizer, max_len=512, where="test")
+    prompt = tokenizer.encode(ROW["prompt"], add_special_tokens=False)
+    completion = tokenizer.encode(ROW["completion"], add_special_tokens=False)
+    assert prompt and completion
+    assert tokens == prompt + completion + [tokenizer.eos_token_id]
+    assert weights == [0.0] * len(prompt) + [1.0] * (len(completion) + 1)
+
+
+def test_encode_of_a_row_that_exactly_fits_the_context_succeeds(tokenizer):
+    tokens, _ = sft.encode(ROW, tokenizer, max_len=512, where="test")
+    assert sft.encode(ROW, tokenizer, max_len=len(tokens), where="test")[0] == tokens
+
+
+def test_encode_of_a_row_longer_than_the_context_names_where(tokenizer):
+    tokens, _ = sft.encode(ROW, tokenizer, max_len=512, where="test")
+    with pytest.raises(ValueError, match=r"^data\.jsonl line 7: .*longer than the model's context of") as info:
+        sft.encode(ROW, tokenizer, max_len=len(tokens) - 1, where="data.jsonl line 7")
+    assert f"{len(tokens)} tokens" in str(info.value)
+
+
+# --- prepare -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [2, 9, 10, 19, 25, 40])
+def test_prepare_holds_out_the_last_tenth_at_least_one(tokenizer, n):
+    data = sft.prepare(rows(n), tokenizer, 512, "mem.jsonl")
+    held_out = max(1, n // 10)
+    expected = [sft.encode(r, tokenizer, 512, "") for r in rows(n)]
+    assert data.train == expected[: n - held_out]
+    assert data.eval == expected[n - held_out :]
+
+
+def test_prepare_of_a_single_row_trains_and_evaluates_on_it(tokenizer):
+    data = sft.prepare([ROW], tokenizer, 512, "one.jsonl")
+    assert len(data.train) == 1 and data.eval == data.train
+
+
+def test_prepare_names_the_line_of_a_row_that_is_too_long(tokenizer):
+    data = rows(5)
+    data[3] = {"prompt": "English:", "completion": " deux" * 400}
+    with pytest.raises(ValueError, match=r"^ds\.jsonl line 4: "):
+        sft.prepare(data, tokenizer, 512, "ds.jsonl")
+
+
+# --- batch_indices -------------------------------------------------------------------
+
+
+def test_batch_indices_are_the_same_for_the_same_step_and_seed():
+    assert sft.batch_indices(37, 5, 4, seed=3) == sft.batch_indices(37, 5, 4, seed=3)
+
+
+@pytest.mark.parametrize(("num_examples", "batch_size"), [(10, 5), (10, 4), (7, 3), (36, 4), (3, 8)])
+def test_batch_indices_cover_each_example_once_per_epoch(num_examples, batch_size):
+    epochs = 3
+    steps = math.ceil(num_examples * epochs / batch_size)
+    flat = [i for step in range(steps) for i in sft.batch_indices(num_examples, step, batch_size, seed=1)]
+    assert all(len(sft.batch_indices(num_examples, s, batch_size, 1)) == batch_size for s in range(steps))
+    for epoch in range(epochs):
+        assert sorted(flat[epoch * num_examples : (epoch + 1) * num_examples]) == list(range(num_examples))
+
+
+def test_batch_indices_differ_between_seeds():
+    def order(seed):
+        return [i for step in range(10) for i in sft.batch_indices(40, step, 4, seed)]
+
+    assert order(0) != order(1)
+    assert sorted(order(0)) == sorted(order(1)) == list(range(40))
+
+
+def test_batch_indices_reshuffle_each_epoch():
+    first = [i for step in range(10) for i in sft.batch_indices(40, step, 4, seed=0)]
+    second = [i for step in range(10, 20) for i in sft.batch_indices(40, step, 4, seed=0)]
+    assert first != second
+
+
+# --- to_datum, mean_nll ---------------------------------------------------------------
+
+
+def test_to_datum_predicts_each_next_token():
+    datum = sft.to_datum(([11, 12, 13, 14], [0.0, 0.0, 1.0, 1.0]))
+    assert datum.model_input.to_ints() == [11, 12, 13]
+    assert datum.loss_fn_inputs["target_tokens"].tolist() == [12, 13, 14]
+    assert datum.loss_fn_inputs["weights"].tolist() == [0.0, 1.0, 1.0]
+
+
+class _Logprobs:
+    def __init__(self, values):
+        self.values = values
+
+    def tolist(self):
+        return list(self.values)
+
+
+class _Output:
+    def __init__(self, per_example):
+        self.loss_fn_outputs = [{"logprobs": _Logprobs(v)} for v in per_example]
+
+
+def test_mean_nll_is_the_weighted_mean_over_completion_tokens():
+    examples = [([1, 2, 3, 4], [0.0, 0.0, 1.0, 1.0]), ([5, 6, 7], [0.0, 1.0, 1.0])]
+    # logprobs align with targets tokens[1:], weights[1:]: the prompt target (-9.0) carries no loss.
+    output = _Output([[-9.0, -1.0, -2.0], [-0.5, -1.5]])
+    nll, tokens = sft.mean_nll(output, examples)
+    assert tokens == 4
+    assert nll == pytest.approx((1.0 + 2.0 + 0.5 + 1.5) / 4)
+
+
+def test_mean_nll_without_completion_tokens_is_zero():
+    assert sft.mean_nll(_Output([[-3.0]]), [([1, 2], [0.0, 0.0])]) == (0.0, 0)
+
+
+# --- load_jsonl ----------------------------------------------------------------------
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "data.jsonl"
+    path.write_text(text)
+    return str(path)
+
+
+GOOD = json.dumps({"prompt": "p", "completion": "c"})
+
+
+@pytest.mark.parametrize(
+    ("lines", "line_no", "says"),
+    [
+        ([GOOD, GOOD, '{"prompt": "p", "completion": '], 3, "not valid JSON"),
+        (['{"prompt": "p"', GOOD], 1, "not valid JSON"),
+        ([GOOD, "", "{oops}"], 3, "not valid JSON"),  # blank lines still count
+        ([GOOD, '["prompt", "c"]'], 2, "expected a JSON object, got list"),
+        ([GOOD, GOOD, GOOD, '"just a string"'], 4, "expected a JSON object, got str"),
+        ([GOOD, '{"prompt": "p"}'], 2, "'completion'"),
+        ([GOOD, '{"prompt": "", "completion": "c"}'], 2, "'prompt'"),
+        ([GOOD, '{"prompt": 3, "completion": "c"}'], 2, "'prompt'"),
+    ],
+)
+def test_load_jsonl_names_the_line_of_a_bad_row(tmp_path, lines, line_no, says):
+    url = write(tmp_path, "\n".join(lines) + "\n")
+    with pytest.raises(DatasetError) as info:
+        load_jsonl(url, REQUIRED_KEYS["sft"])
+    message = str(info.value)
+    assert message.startswith(f"{url} line {line_no}: ")
+    assert says in message
+
+
+@pytest.mark.parametrize("text", ["", "\n\n  \n"])
+def test_load_jsonl_of_an_empty_file_says_no_rows(tmp_path, text):
+    with pytest.raises(DatasetError, match="has no rows"):
+        load_jsonl(write(tmp_path, text), ("prompt",))
+
+
+def test_load_jsonl_of_a_missing_file_says_it_does_not_exist(tmp_path):
+    url = str(tmp_path / "nope.jsonl")
+    with pytest.raises(DatasetError, match=f"Dataset {url} does not exist"):
+        load_jsonl(url, ("prompt",))
+
+
+def test_load_jsonl_reads_any_fsspec_url():
+    url = f"memory://txflow-test-{uuid.uuid4().hex}/data.jsonl"
+    fs = fsspec.filesystem("memory")
+    try:
+        fs.pipe_file(url, (GOOD + "\n\n" + json.dumps({"prompt": "q", "completion": "d", "extra": 1}) + "\n").encode())
+        assert load_jsonl(url, REQUIRED_KEYS["sft"]) == [
+            {"prompt": "p", "completion": "c"},
+            {"prompt": "q", "completion": "d", "extra": 1},
+        ]
+    finally:
+        fs.rm(url.rsplit("/", 1)[0], recursive=True)
+
+
+def test_load_jsonl_of_a_missing_memory_url_says_it_does_not_exist():
+    url = f"memory://txflow-test-{uuid.uuid4().hex}/nope.jsonl"
+    with pytest.raises(DatasetError, match="does not exist"):
+        load_jsonl(url, ("prompt",))
+
+
+@pytest.mark.parametrize(("mode", "keys"), [("sft", ("prompt", "completion")), ("rl", ("prompt",))])
+def test_bundled_datasets_load_with_their_required_keys(mode, keys):
+    assert REQUIRED_KEYS[mode] == keys
+    loaded = load_jsonl(bundled_dataset(mode), keys)
+    assert len(loaded) >= 10
+    assert all(isinstance(row[key], str) and row[key] for row in loaded for key in keys)
+
+
+def test_bundled_sft_dataset_fits_the_tiny_model(tokenizer):
+    data = sft.prepare(load_jsonl(bundled_dataset("sft"), REQUIRED_KEYS["sft"]), tokenizer, 512, "bundled")
+    assert len(data.train) >= 1 and len(data.eval) >= 1
