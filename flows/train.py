@@ -67,10 +67,9 @@ def train_flow(config: RunConfig = RunConfig()) -> dict:
         cluster = timed("provision-coordinator", provision_coordinator, cfg, launcher)
         cluster = timed("launch-workers", launch_workers, cfg, cluster, launcher)
         trained = timed("train", train.with_options(retries=cfg.train_retries), cfg, cluster, launcher, data)
-        saved = timed("save-checkpoint", save_checkpoint, cfg, cluster, launcher, trained, data.eval)
+        saved = timed("save-checkpoint", save_checkpoint, cfg, cluster, launcher, trained, data)
         discovered = timed("discover-artifacts", discover_artifacts, cfg, saved)
-        restore = timed("evaluate-restore", evaluate_restore, cfg, cluster, launcher, trained.metrics, saved,
-                        data.eval)
+        restore = timed("evaluate-restore", evaluate_restore, cfg, cluster, launcher, trained.metrics, saved, data)
     except Exception as exc:
         error = "".join(traceback.format_exception_only(exc)).strip()
         log.error(f"run {cfg.run_id} failed: {error}")

@@ -19,13 +19,13 @@ def discover_artifacts(cfg: RunConfig, saved: dict) -> dict:
     artifacts = discover(cfg.run_root, options)
     manifest = write_manifest(cfg.run_root, artifacts, options)
     by_url = {a.url: a for a in artifacts}
-    for kind in ("state", "sampler"):
-        url = saved[kind]["url"]
-        found = by_url.get(url)
+    for ckpt in saved["checkpoints"]:
+        found = by_url.get(ckpt["url"])
         if found is None:
-            raise FileNotFoundError(f"The {kind} checkpoint this run saved is not in storage at {url}")
+            raise FileNotFoundError(f"The {ckpt['kind']} checkpoint this run saved is not in storage at {ckpt['url']}")
         if not (found.complete and found.committed):
-            raise RuntimeError(f"The {kind} checkpoint at {url} is not usable: {found.reason or 'not committed'}")
+            raise RuntimeError(f"The {ckpt['kind']} checkpoint at {ckpt['url']} is not usable: "
+                               f"{found.reason or 'not committed'}")
     for a in artifacts:
         log.info(f"{a.kind:8} {a.format:9} {'ok' if a.complete else 'INCOMPLETE'} {a.bytes:>10} B "
                  f"{a.files:>4} files {a.url}" + (f" ({a.reason})" if a.reason else ""))

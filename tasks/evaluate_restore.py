@@ -3,50 +3,112 @@ the run reached the quality bar of its mode."""
 
 from __future__ import annotations
 
+import math
+import statistics
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import evaluation
+from txflow import evaluation, rl
 from txflow.cluster import Cluster, Launcher
 from txflow.config import RunConfig
 from txflow.log import get_logger
 from txflow.tinker_client import service_client
 
 LOSS_TOLERANCE = 1e-6
+EVAL_SEED_OFFSET = 7_777_777
+
+
+def restored_loss(client, state_path: str, examples, cluster: Cluster, launcher: Launcher, timeout: float) -> float:
+    """Loss of `examples` under the state at `state_path`, in a fresh training client that is unloaded after."""
+    restored = client.create_training_client_from_state(state_path)
+    try:
+        return evaluation.eval_loss(restored, examples, cluster, launcher, timeout)
+    finally:
+        evaluation.unload(cluster, restored.model_id)
+
+
+def mean_eval_reward(sampling_client, cfg: RunConfig, data: rl.RLData, cluster: Cluster, launcher: Launcher) -> float:
+    """Mean reward over every prompt, `group_size` samples each, with a fixed seed."""
+    groups = rl.sample_groups(sampling_client, data, list(range(len(data.prompts))), cfg.group_size,
+                              cfg.max_tokens, cfg.temperature, cfg.seed + EVAL_SEED_OFFSET, cluster, launcher,
+                              cfg.step_timeout_s)
+    return statistics.fmean(rl.rewards_of(groups))
+
+
+def quarter_means(metrics: list[dict], key: str) -> tuple[float, float]:
+    """Mean of `key` over the first and the last quarter of the steps (at least one step each)."""
+    k = max(1, len(metrics) // 4)
+    return statistics.fmean(m[key] for m in metrics[:k]), statistics.fmean(m[key] for m in metrics[-k:])
+
+
+def verify_client_checkpoints(cfg: RunConfig, cluster: Cluster, launcher: Launcher, saved: dict, data) -> dict:
+    """custom mode: each state restores and runs a forward pass; each sampler loads and samples."""
+    client = service_client(cluster)
+    prompts = [evaluation.prompt_of(e) for e in data.probe]
+    checks = []
+    for ckpt in saved["checkpoints"]:
+        check = {"kind": ckpt["kind"], "tinker_path": ckpt["tinker_path"], "url": ckpt["url"]}
+        try:
+            if ckpt["kind"] == "state":
+                check["loss"] = restored_loss(client, ckpt["tinker_path"], data.probe, cluster, launcher,
+                                              cfg.step_timeout_s)
+                check["passed"] = math.isfinite(check["loss"])
+            else:
+                sampler = client.create_sampling_client(model_path=ckpt["tinker_path"])
+                tokens = evaluation.greedy_tokens(sampler, prompts, cluster, launcher, cfg.step_timeout_s, cfg.seed)
+                check["tokens"] = tokens
+                check["passed"] = all(len(t) > 0 for t in tokens)
+        except Exception as exc:  # a checkpoint that cannot be loaded fails its check, not the listing
+            check["passed"], check["error"] = False, f"{type(exc).__name__}: {exc}"
+        checks.append(check)
+    return {"checks": checks, "passed": all(c["passed"] for c in checks)}
 
 
 @task(name="evaluate-restore", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def evaluate_restore(cfg: RunConfig, cluster: Cluster, launcher: Launcher, metrics: list[dict], saved: dict,
-                     eval_examples) -> dict:
+                     data) -> dict:
     """Restore the state into a fresh training client and sample from the saved sampler weights."""
     log = get_logger()
+    if cfg.mode == "custom":
+        result = verify_client_checkpoints(cfg, cluster, launcher, saved, data)
+        log.info(f"restore check of {len(result['checks'])} client checkpoints: "
+                 f"{'PASSED' if result['passed'] else 'FAILED'}")
+        return result
     client = service_client(cluster)
     timeout = cfg.step_timeout_s
-    restored = client.create_training_client_from_state(saved["state"]["tinker_path"])
-    try:
-        loss_after = evaluation.eval_loss(restored, eval_examples, cluster, launcher, timeout)
-    finally:
-        evaluation.unload(cluster, restored.model_id)
-    sampler = client.create_sampling_client(model_path=saved["sampler"]["tinker_path"])
-    tokens = evaluation.greedy_tokens(sampler, saved["live"]["prompts"], cluster, launcher, timeout, cfg.seed)
+    live = saved["live"]
+    state, sampler_path = (next(c["tinker_path"] for c in saved["checkpoints"] if c["kind"] == kind)
+                           for kind in ("state", "sampler"))
+    loss_after = restored_loss(client, state, live["examples"], cluster, launcher, timeout)
+    sampler = client.create_sampling_client(model_path=sampler_path)
+    tokens = evaluation.greedy_tokens(sampler, live["prompts"], cluster, launcher, timeout, cfg.seed)
 
-    loss_before = saved["live"]["eval_loss"]
-    abs_diff = abs(loss_after - loss_before)
-    tokens_match = tokens == saved["live"]["greedy_tokens"]
-    first, last = metrics[0]["nll"], metrics[-1]["nll"]
+    abs_diff = abs(loss_after - live["eval_loss"])
     result = {
-        "loss_before": loss_before,
+        "loss_before": live["eval_loss"],
         "loss_after": loss_after,
         "abs_diff": abs_diff,
-        "sampler_tokens_match": tokens_match,
-        "live_tokens": saved["live"]["greedy_tokens"],
+        "sampler_tokens_match": tokens == live["greedy_tokens"],
+        "live_tokens": live["greedy_tokens"],
         "restored_tokens": tokens,
-        "first_step_loss": first,
-        "final_step_loss": last,
-        "loss_fell": last < first,
     }
-    result["passed"] = abs_diff <= LOSS_TOLERANCE and tokens_match and result["loss_fell"]
-    log.info(f"restore check: loss {loss_before:.6f} -> {loss_after:.6f} (|diff| {abs_diff:.2e}), "
-             f"greedy tokens match {tokens_match}, training loss {first:.4f} -> {last:.4f}: "
+    if cfg.mode == "sft":
+        result["first_step_loss"], result["final_step_loss"] = metrics[0]["nll"], metrics[-1]["nll"]
+        result["quality_passed"] = result["loss_fell"] = metrics[-1]["nll"] < metrics[0]["nll"]
+        quality = f"training loss {metrics[0]['nll']:.4f} -> {metrics[-1]['nll']:.4f}"
+    else:
+        first, last = quarter_means(metrics, "reward_mean")
+        result["reward_first_quarter"], result["reward_last_quarter"] = first, last
+        result["reward_rose"] = last > first
+        result["eval_reward"] = mean_eval_reward(sampler, cfg, data, cluster, launcher)
+        base = client.create_sampling_client(base_model=cluster.base_model_path)
+        result["base_eval_reward"] = mean_eval_reward(base, cfg, data, cluster, launcher)
+        result["quality_passed"] = result["reward_rose"] and result["eval_reward"] > result["base_eval_reward"]
+        quality = (f"reward {first:.4f} -> {last:.4f}; eval reward {result['eval_reward']:.4f} saved vs "
+                   f"{result['base_eval_reward']:.4f} base")
+    result["passed"] = abs_diff <= LOSS_TOLERANCE and result["sampler_tokens_match"] and result["quality_passed"]
+    log.info(f"restore check: loss {live['eval_loss']:.6f} -> {loss_after:.6f} (|diff| {abs_diff:.2e}), "
+             f"greedy tokens match {result['sampler_tokens_match']}, {quality}: "
              f"{'PASSED' if result['passed'] else 'FAILED'}")
     return result

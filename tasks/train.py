@@ -3,7 +3,9 @@ retry resumes from the last saved step instead of step 0."""
 
 from __future__ import annotations
 
+import statistics
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +13,7 @@ import tinker
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import sft
+from txflow import custom, rl, sft
 from txflow.cluster import Cluster, Launcher
 from txflow.config import RunConfig
 from txflow.log import get_logger
@@ -80,9 +82,59 @@ def train_sft(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: sft.SF
     return Trained(training_client=training_client, metrics=metrics, resumed_from_step=start)
 
 
+def train_rl(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: rl.RLData) -> Trained:
+    log = get_logger()
+    progress = Progress.load(cfg.state_dir)
+    training_client, start = _training_client(cfg, cluster, launcher, progress)
+    metrics = read_metrics(cfg.state_dir, up_to_step=start)
+    write_metrics(cfg.state_dir, metrics)
+    adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
+    bar = StepProgress(cfg.steps, start, cfg.run_id)
+    try:
+        for step in range(start, cfg.steps):
+            began = time.monotonic()
+            policy = training_client.save_weights_and_get_sampling_client()
+            indices = sft.batch_indices(len(data.prompts), step, cfg.batch_size, cfg.seed)
+            groups = rl.sample_groups(policy, data, indices, cfg.group_size, cfg.max_tokens, cfg.temperature,
+                                      cfg.seed * 100_003 + step, cluster, launcher, cfg.step_timeout_s)
+            fwd_bwd = training_client.forward_backward(rl.to_datums(groups, data), cfg.loss)
+            optim = training_client.optim_step(adam)
+            wait_result(fwd_bwd, cluster, launcher, cfg.step_timeout_s, f"forward_backward of step {step + 1}")
+            wait_result(optim, cluster, launcher, cfg.step_timeout_s, f"optim_step of step {step + 1}")
+            rewards = rl.rewards_of(groups)
+            row = {
+                "step": step + 1,
+                "reward_mean": statistics.fmean(rewards),
+                "reward_std": statistics.pstdev(rewards),
+                "tokens_sampled": sum(len(r.tokens) for g in groups for r in g),
+                "seconds": round(time.monotonic() - began, 3),
+            }
+            metrics.append(row)
+            append_metric(cfg.state_dir, row)
+            log.info(f"step {step + 1}/{cfg.steps} reward {row['reward_mean']:.4f} +- {row['reward_std']:.4f} "
+                     f"tokens {row['tokens_sampled']} {row['seconds']:.2f}s")
+            bar.update(step + 1, reward=f"{row['reward_mean']:.3f}")
+            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
+                save_progress(cfg, cluster, launcher, training_client, progress, step + 1)
+    finally:
+        bar.close()
+    return Trained(training_client=training_client, metrics=metrics, resumed_from_step=start)
+
+
+def train_custom(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: custom.CustomData) -> Trained:
+    log = get_logger()
+    values = {"base_url": cluster.base_url, "base_model": cluster.base_model_path, "run_id": cfg.run_id,
+              "checkpoint_root": cfg.run_root}
+    command = data.command + custom.fill(cfg.client_args, values)
+    log.info(f"custom client: {' '.join(command)}")
+    log_path = Path(cfg.state_dir) / "logs" / "client.log"
+    seconds = custom.run_client(command, custom.client_env(cluster), log_path, cluster, launcher, log.info)
+    log.info(f"custom client finished in {seconds:.1f} s")
+    return Trained(training_client=None, metrics=[{"step": 1, "seconds": round(seconds, 3)}])
+
+
 @task(name="train", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
 def train(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: Any) -> Trained:
     """Run the training of `cfg.mode` against the cluster."""
-    if cfg.mode == "sft":
-        return train_sft(cfg, cluster, launcher, data)
-    raise NotImplementedError(f"mode {cfg.mode!r} is not available yet")
+    modes = {"sft": train_sft, "rl": train_rl, "custom": train_custom}
+    return modes[cfg.mode](cfg, cluster, launcher, data)

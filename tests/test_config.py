@@ -69,14 +69,7 @@ def test_lora_rank_above_max_lora_rank_is_rejected():
         "a/b",
         "-leading-dash",
         "x" * 65,
-        pytest.param(
-            "abc\n",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="config.py:89 _run_id_is_a_path_segment uses re.match with '$', which matches before a "
-                "trailing newline; use re.fullmatch",
-            ),
-        ),
+        "abc\n",
     ],
 )
 def test_run_id_that_is_not_a_single_path_segment_is_rejected(run_id):
@@ -103,7 +96,7 @@ def test_unknown_field_is_rejected(typo):
 
 @pytest.mark.parametrize("mode", ["sft", "rl", "custom"])
 def test_resolved_fills_a_run_id_that_starts_with_the_mode(mode):
-    cfg = RunConfig(mode=mode).resolved()
+    cfg = RunConfig(mode=mode, client="client.py" if mode == "custom" else None).resolved()
     assert cfg.run_id.startswith(f"{mode}-")
     # The generated id passes the run id validation itself.
     assert RunConfig(run_id=cfg.run_id).run_id == cfg.run_id
@@ -194,3 +187,28 @@ def test_backend_config_of_one_process_has_no_coordinator():
     assert "coordinator_address" not in config
     assert "num_processes" not in config
     assert config["fully_sharded_data_parallel_size"] == 1
+
+
+@pytest.mark.parametrize("mode, batch_size, learning_rate", [("sft", 4, 2e-2), ("rl", 8, 5e-2)])
+def test_resolved_fills_the_defaults_of_the_mode(mode, batch_size, learning_rate):
+    cfg = RunConfig(mode=mode).resolved()
+    assert (cfg.batch_size, cfg.learning_rate) == (batch_size, learning_rate)
+
+
+def test_resolved_keeps_a_given_batch_size_and_learning_rate():
+    cfg = RunConfig(mode="rl", batch_size=2, learning_rate=1e-3).resolved()
+    assert (cfg.batch_size, cfg.learning_rate) == (2, 1e-3)
+
+
+@pytest.mark.parametrize("group_size", [1, 0])
+def test_rl_needs_a_group_of_at_least_two(group_size):
+    assert "no signal" in error_text(mode="rl", group_size=group_size)
+
+
+def test_custom_needs_a_client():
+    assert "--client" in error_text(mode="custom")
+
+
+@pytest.mark.parametrize("field, value", [("mode", "dpo"), ("loss", "reinforce")])
+def test_unknown_mode_or_loss_is_rejected(field, value):
+    assert field in error_text(**{field: value})

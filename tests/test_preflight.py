@@ -12,7 +12,6 @@ import pytest
 from tests.helpers import run_txflow
 from txflow import cli, preflight
 from txflow.config import RunConfig
-from txflow.datasets import DatasetError
 from txflow.preflight import PreflightError
 from txflow.sft import SFTData
 from txflow.tiny_model import build_tiny_model
@@ -152,10 +151,34 @@ def test_prepare_of_the_defaults_returns_training_and_eval_data(cfg_for):
     assert no_cluster_started(cfg)
 
 
-@pytest.mark.parametrize("mode", ["rl", "custom"])
-def test_prepare_of_a_mode_not_available_says_use_sft(cfg_for, mode):
-    with pytest.raises(PreflightError, match=f"mode '{mode}' is not available in this version; use sft"):
-        preflight.prepare(cfg_for(mode=mode))
+def test_prepare_rl_loads_prompts_and_the_reward(cfg_for):
+    data = preflight.prepare(cfg_for(mode="rl"))
+    assert len(data.prompts) == len(data.rows) > 0
+    assert data.reward("p", "t", [1, 150], {}) == 0.5
+
+
+@pytest.mark.parametrize("reward, message", [
+    ("no_such_module_xyz:fn", "cannot import module"),
+    ("txflow.rewards:no_such_fn", "has no function"),
+    ("txflow.rewards", "must be 'module:function'"),
+])
+def test_prepare_rl_with_an_unusable_reward_fails(cfg_for, reward, message):
+    cfg = cfg_for(mode="rl", reward=reward)
+    with pytest.raises(PreflightError, match=message):
+        preflight.prepare(cfg)
+    assert no_cluster_started(cfg)
+
+
+def test_prepare_rl_with_an_empty_prompt_set_fails(cfg_for, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(PreflightError, match="no rows"):
+        preflight.prepare(cfg_for(mode="rl", dataset=str(empty)))
+
+
+def test_prepare_custom_with_a_missing_client_file_fails(cfg_for, tmp_path):
+    with pytest.raises(PreflightError, match="no such file"):
+        preflight.prepare(cfg_for(mode="custom", client=str(tmp_path / "missing.py")))
 
 
 def test_prepare_with_a_missing_base_model_fails_before_touching_the_run_root(cfg_for):
@@ -169,13 +192,13 @@ def test_prepare_with_a_missing_base_model_fails_before_touching_the_run_root(cf
 def test_prepare_with_a_malformed_dataset_names_line_3(cfg_for, tmp_path):
     dataset = broken_line_3(tmp_path)
     cfg = cfg_for(dataset=str(dataset))
-    with pytest.raises(DatasetError, match=rf"^{dataset} line 3: not valid JSON"):
+    with pytest.raises(PreflightError, match=rf"^{dataset} line 3: not valid JSON"):
         preflight.prepare(cfg)
     assert no_cluster_started(cfg)
 
 
 def test_prepare_with_a_missing_dataset_says_it_does_not_exist(cfg_for, tmp_path):
-    with pytest.raises(DatasetError, match="does not exist; pass --dataset"):
+    with pytest.raises(PreflightError, match="does not exist; pass --dataset"):
         preflight.prepare(cfg_for(dataset=str(tmp_path / "missing.jsonl")))
 
 
@@ -232,11 +255,6 @@ def test_cli_rejects_invalid_options_with_exit_2_before_any_run(capsys, cli_env,
     assert not state.exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="cli.py:62 _storage_options raises SystemExit(message), exit status 1; every other invalid option "
-    "exits 2",
-)
 def test_cli_rejects_a_storage_option_without_a_value_with_exit_2(capsys, cli_env, tmp_path):
     assert cli_exit(["run", "sft", "--state-dir", str(tmp_path / "s"), "--storage-option", "novalue"]) == 2
 

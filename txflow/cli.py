@@ -33,6 +33,12 @@ RUN_OPTIONS = {
     "--startup-timeout": "startup_timeout_s",
     "--step-timeout": "step_timeout_s",
     "--train-retries": "train_retries",
+    "--group-size": "group_size",
+    "--loss": "loss",
+    "--reward": "reward",
+    "--max-tokens": "max_tokens",
+    "--temperature": "temperature",
+    "--client": "client",
 }
 
 
@@ -44,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     for flag, field in RUN_OPTIONS.items():
         info = RunConfig.model_fields[field]
         run.add_argument(flag, dest=field, default=None, help=info.description)
+    run.add_argument("--client-arg", dest="client_args", action="append", default=[], metavar="ARG",
+                     help=RunConfig.model_fields["client_args"].description + " (repeatable)")
     run.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                      help="fsspec storage option for the checkpoint root (repeatable; never logged)")
     run.add_argument("--json", action="store_true", help="print the run report as JSON on stdout")
@@ -59,7 +67,7 @@ def _storage_options(pairs: list[str]) -> dict[str, str]:
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise SystemExit(f"txflow: --storage-option {pair!r} must be KEY=VALUE")
+            raise ValueError(f"--storage-option {pair!r} must be KEY=VALUE")
         options[key] = value
     return options
 
@@ -72,7 +80,12 @@ def _on_sigterm(signum, frame):
 def run(args) -> int:
     values = {field: getattr(args, field) for field in RUN_OPTIONS.values() if getattr(args, field) is not None}
     values["mode"] = args.mode
-    values["storage_options"] = _storage_options(args.storage_option)
+    values["client_args"] = args.client_args
+    try:
+        values["storage_options"] = _storage_options(args.storage_option)
+    except ValueError as exc:
+        print(f"txflow: {exc}", file=sys.stderr)
+        return 2
     try:
         config = RunConfig.model_validate(values).resolved()
     except ValidationError as exc:
@@ -109,7 +122,7 @@ def discover_cmd(args) -> int:
 
     try:
         artifacts = discover(args.url, _storage_options(args.storage_option))
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, ValueError) as exc:
         print(f"txflow: {exc}", file=sys.stderr)
         return 1
     if args.json:
@@ -127,6 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     # Logs go to stderr; stdout carries only the --json report.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     os.environ.setdefault("TINKER_TELEMETRY", "0")
+    # Prefect's embedded server otherwise sends telemetry heartbeats (no network here, and
+    # they contend for its SQLite file under load: "database is locked").
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     return run(args) if args.command == "run" else discover_cmd(args)
 
 

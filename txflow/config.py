@@ -16,6 +16,14 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
 TINY_MODEL = "tiny"
+# Defaults that differ by mode, filled in by RunConfig.resolved(). Measured on the
+# tiny model: SFT loss falls at 2e-2; RL needs 8x8 rollouts and 5e-2 to beat the
+# base model's reward in 20 steps (4x4 at 2e-2 did not, beyond noise).
+MODE_DEFAULTS = {
+    "sft": {"batch_size": 4, "learning_rate": 2e-2},
+    "rl": {"batch_size": 8, "learning_rate": 5e-2},
+    "custom": {"batch_size": 4, "learning_rate": 2e-2},
+}
 RUN_ID_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_-]{0,63}$"
 
 
@@ -71,14 +79,33 @@ class RunConfig(BaseModel, extra="forbid"):
         default=None, description="JSONL dataset URL (any fsspec URL). Default: the bundled dataset of the mode."
     )
     steps: int = Field(default=20, description="Optimizer steps.")
-    batch_size: int = Field(default=4, ge=1, description="Examples per step.")
-    learning_rate: float = Field(default=2e-2, gt=0, description="Adam learning rate.")
+    batch_size: int | None = Field(
+        default=None, ge=1, description="Examples (sft) or prompts (rl) per step. Default: 4 for sft, 8 for rl."
+    )
+    learning_rate: float | None = Field(
+        default=None, gt=0, description="Adam learning rate. Default: 2e-2 for sft, 5e-2 for rl."
+    )
     lora_rank: int = Field(default=32, ge=1, description="LoRA rank of the trained adapter.")
     max_lora_rank: int | None = Field(
         default=None, ge=1, description="Largest LoRA rank the cluster accepts. Default: max(32, lora_rank)."
     )
     save_every: int = Field(default=5, ge=0, description="save_state every K steps so a retry resumes; 0: never.")
     seed: int = Field(default=0, description="Seed for the adapter init, data order and sampling.")
+    group_size: int = Field(default=8, description="rl: completions sampled per prompt; at least 2.")
+    loss: Literal["importance_sampling", "ppo"] = Field(default="importance_sampling", description="rl: update rule.")
+    reward: str = Field(
+        default="txflow.rewards:low_token_ids",
+        description="rl: reward `module:function(prompt, completion_text, completion_tokens, row) -> float`.",
+    )
+    max_tokens: int = Field(default=8, ge=1, description="rl: tokens sampled per completion.")
+    temperature: float = Field(default=1.0, ge=0, description="rl: sampling temperature of rollouts.")
+    client: str | None = Field(
+        default=None, description="custom: the Tinker client program, a .py path or a module name."
+    )
+    client_args: list[str] = Field(
+        default_factory=list,
+        description="custom: its arguments; {base_url}, {base_model}, {run_id}, {checkpoint_root} are filled in.",
+    )
     startup_timeout_s: float = Field(default=300, gt=0, description="Deadline for the cluster to become ready.")
     step_timeout_s: float = Field(default=300, gt=0, description="Deadline for one training request.")
     train_retries: int = Field(default=1, ge=0, description="Retries of the train step (each resumes).")
@@ -86,7 +113,7 @@ class RunConfig(BaseModel, extra="forbid"):
     @field_validator("run_id")
     @classmethod
     def _run_id_is_a_path_segment(cls, value: str | None) -> str | None:
-        if value is not None and not re.match(RUN_ID_PATTERN, value):
+        if value is not None and not re.fullmatch(RUN_ID_PATTERN, value):
             raise ValueError(
                 f"run_id {value!r} must be 1-64 letters, digits, '-' or '_' (it becomes a directory name)"
             )
@@ -105,6 +132,15 @@ class RunConfig(BaseModel, extra="forbid"):
         if value < 1:
             raise ValueError(f"steps must be at least 1, got {value}")
         return value
+
+    @model_validator(mode="after")
+    def _mode_options(self) -> RunConfig:
+        if self.mode == "rl" and self.group_size < 2:
+            raise ValueError(f"group_size must be at least 2 for rl (got {self.group_size}): advantages are "
+                             f"rewards minus the group mean, so a group of one has no signal")
+        if self.mode == "custom" and not self.client:
+            raise ValueError("custom mode needs --client PATH_OR_MODULE: the Tinker client program to run")
+        return self
 
     @model_validator(mode="after")
     def _mesh_matches_devices(self) -> RunConfig:
@@ -135,8 +171,10 @@ class RunConfig(BaseModel, extra="forbid"):
         if "://" not in checkpoints:
             # Ranks may run in another working directory: pass them an absolute path.
             checkpoints = str(Path(checkpoints).expanduser().absolute())
+        defaults = {k: v for k, v in MODE_DEFAULTS[self.mode].items() if getattr(self, k) is None}
         return self.model_copy(
-            update={"run_id": run_id, "state_dir": str(Path(state_dir).absolute()), "checkpoints": checkpoints}
+            update={"run_id": run_id, "state_dir": str(Path(state_dir).absolute()), "checkpoints": checkpoints,
+                    **defaults}
         )
 
     @property

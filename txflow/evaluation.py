@@ -26,6 +26,13 @@ def prompt_of(example: sft.Example) -> list[int]:
     return tokens[: weights.index(1.0)] if 1.0 in weights else tokens
 
 
+def rollout_examples(prompts: list[list[int]], completions: list[list[int]]) -> list[sft.Example]:
+    """Prompt + completion sequences with loss on the completion: a fixed batch to compare losses on."""
+    # An empty completion (EOS first) still compares the models on its prompt tokens.
+    return [(p + c, [0.0] * len(p) + [1.0] * len(c)) if c else (p, [0.0] + [1.0] * (len(p) - 1))
+            for p, c in zip(prompts, completions)]
+
+
 def greedy_tokens(sampling_client, prompts: list[list[int]], cluster: Cluster, launcher: Launcher,
                   timeout_s: float, seed: int) -> list[list[int]]:
     """Greedy continuations of every prompt; all requests in flight together."""

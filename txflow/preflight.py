@@ -7,9 +7,12 @@ from pathlib import Path
 
 import fsspec
 
-from txflow import sft
+from transformers import AutoTokenizer
+
+from txflow import custom, rl, sft
 from txflow.config import TINY_MODEL, RunConfig
 from txflow.datasets import REQUIRED_KEYS, bundled_dataset, load_jsonl
+from txflow.rewards import load_reward
 from txflow.tiny_model import resolve_base_model
 
 
@@ -67,17 +70,25 @@ def check_run_root(cfg: RunConfig) -> None:
 
 
 def prepare(cfg: RunConfig):
-    """Validate everything a run needs; returns the prepared training data of the mode."""
-    if cfg.mode != "sft":
-        raise PreflightError(f"mode {cfg.mode!r} is not available in this version; use sft")
+    """Validate everything a run needs; returns the prepared data of its mode
+    (`sft.SFTData`, `rl.RLData` or `custom.CustomData`)."""
     model_path = check_base_model(cfg)
-    check_run_root(cfg)
-    url = cfg.dataset or bundled_dataset(cfg.mode)
-    rows = load_jsonl(url, REQUIRED_KEYS[cfg.mode], cfg.plain_storage_options())
-    from transformers import AutoTokenizer
-
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    max_len = context_length(model_path)
     try:
-        return sft.prepare(rows, tokenizer, context_length(model_path), url)
+        if cfg.mode == "custom":
+            command = custom.client_command(cfg.client)
+            probe = sft.prepare(load_jsonl(bundled_dataset("sft"), REQUIRED_KEYS["sft"]), tokenizer, max_len, "")
+            data = custom.CustomData(command=command, probe=probe.eval)
+        else:
+            url = cfg.dataset or bundled_dataset(cfg.mode)
+            rows = load_jsonl(url, REQUIRED_KEYS[cfg.mode], cfg.plain_storage_options())
+            if cfg.mode == "sft":
+                data = sft.prepare(rows, tokenizer, max_len, url)
+            else:
+                data = rl.prepare(rows, tokenizer, max_len, cfg.max_tokens, url, load_reward(cfg.reward), cfg.reward)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
+    # Last: the only check that writes (it creates the run root).
+    check_run_root(cfg)
+    return data

@@ -26,7 +26,7 @@ def build(cfg: RunConfig, status: str, timings: dict, metrics: list[dict], saved
         "state_dir": cfg.state_dir,
         "resumed_from_step": resumed_from_step,
         "metrics": metrics,
-        "checkpoints": {k: saved[k] for k in ("state", "sampler")} if saved else None,
+        "checkpoints": checkpoints_block(saved),
         "manifest": discovered["manifest"] if discovered else None,
         "artifacts": discovered["artifacts"] if discovered else [],
         "restore": restore,
@@ -34,6 +34,16 @@ def build(cfg: RunConfig, status: str, timings: dict, metrics: list[dict], saved
         "cluster": {"ranks": ranks},
         "finished_at": time.time(),
     }
+
+
+def checkpoints_block(saved: dict | None) -> dict | None:
+    """The last state and sampler checkpoint the run saved, and the list of all of them."""
+    if not saved:
+        return None
+    block = {kind: next((c for c in reversed(saved["checkpoints"]) if c["kind"] == kind), None)
+             for kind in ("state", "sampler")}
+    block["all"] = saved["checkpoints"]
+    return block
 
 
 def write(cfg: RunConfig, report: dict, metrics_text: str) -> str:
@@ -61,15 +71,24 @@ def markdown(report: dict) -> str:
     ]
     if metrics and "nll" in metrics[0]:
         lines.append(f"- loss (NLL/token): {metrics[0]['nll']:.4f} -> {metrics[-1]['nll']:.4f}")
-    if restore:
-        lines += [
+    if metrics and "reward_mean" in metrics[0]:
+        lines.append(f"- mean reward: {metrics[0]['reward_mean']:.4f} -> {metrics[-1]['reward_mean']:.4f}")
+    if restore and "abs_diff" in restore:
+        lines.append(
             f"- restore check: **{'passed' if restore.get('passed') else 'FAILED'}**; "
             f"loss {restore['loss_before']:.6f} live vs {restore['loss_after']:.6f} restored "
-            f"(|diff| {restore['abs_diff']:.1e}); greedy tokens match: {restore['sampler_tokens_match']}",
-        ]
+            f"(|diff| {restore['abs_diff']:.1e}); greedy tokens match: {restore['sampler_tokens_match']}")
+    if restore and "eval_reward" in restore:
+        lines.append(f"- eval reward: {restore['eval_reward']:.4f} saved sampler vs "
+                     f"{restore['base_eval_reward']:.4f} base model")
+    if restore and "checks" in restore:
+        lines.append(f"- restore check of the client's checkpoints: "
+                     f"**{'passed' if restore['passed'] else 'FAILED'}**")
+        lines += [f"  - {c['kind']} `{c['tinker_path']}`: {'ok' if c['passed'] else 'FAILED ' + c.get('error', '')}"
+                  for c in restore["checks"]]
     if report["checkpoints"]:
-        for kind, ckpt in report["checkpoints"].items():
-            lines.append(f"- {kind} checkpoint: `{ckpt['tinker_path']}` at `{ckpt['url']}`")
+        for ckpt in report["checkpoints"]["all"]:
+            lines.append(f"- {ckpt['kind']} checkpoint: `{ckpt['tinker_path']}` at `{ckpt['url']}`")
     if report["manifest"]:
         lines.append(f"- manifest: `{report['manifest']}` ({len(report['artifacts'])} artifacts)")
     if report["error"]:

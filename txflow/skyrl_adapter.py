@@ -53,9 +53,10 @@ LORA_SLOTS_MIN = 8
 _URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@\s]+)@")
 _SECRET_PAIR = re.compile(
     r"(?P<key>\b[\w\-]*(?:secret|password|passwd|token|api[_\-]?key|credential)[\w\-]*\b"
-    r"[\"']?\s*[:=]\s*[\"']?)(?P<value>[^\s,\"'}]+)",
+    r"[\"']?\s*[:=]\s*)(?P<value>\"[^\"]*\"|'[^']*'|[^\s,\"'}]+)",
     re.IGNORECASE,
 )
+_BEARER = re.compile(r"(?P<key>\b(?:Bearer|Basic)\s+)(?P<value>[A-Za-z0-9._~+/=\-]+)", re.IGNORECASE)
 
 
 def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
@@ -64,6 +65,7 @@ def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
         if secret:
             text = text.replace(secret, "***")
     text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    text = _BEARER.sub(lambda m: f"{m['key']}***", text)
     return _SECRET_PAIR.sub(lambda m: f"{m['key']}***", text)
 
 
@@ -132,6 +134,44 @@ def worker_command(coordinator_address: str, num_processes: int, rank: int) -> l
         "--process-id",
         str(rank),
     ]
+
+
+def parse_tinker_path(path: str) -> tuple[str, str, str]:
+    """`tinker://<model_id>/weights/<name>` -> (model_id, "state", name); `tinker://<model_id>/<name>`
+    or `.../sampler_weights/<name>` -> (model_id, "sampler", name)."""
+    parts = path.removeprefix("tinker://").split("/")
+    if len(parts) == 3 and parts[1] == "weights":
+        return parts[0], "state", parts[2]
+    if len(parts) == 3 and parts[1] == "sampler_weights":
+        return parts[0], "sampler", parts[2]
+    if len(parts) == 2:
+        return parts[0], "sampler", parts[1]
+    raise ValueError(f"not a tinker checkpoint path: {path}")
+
+
+def relative_checkpoint_path(tinker_path: str) -> str:
+    """Where SkyRL-tx 0.3.0 writes a checkpoint, relative to its checkpoints base.
+
+    State: a directory `<model_id>/<name>.tar.gz/` (an Orbax checkpoint despite the
+    suffix); sampler: a gzip tarball `<model_id>/sampler_weights/<name>.tar.gz`.
+    """
+    model_id, kind, name = parse_tinker_path(tinker_path)
+    return f"{model_id}/{name}.tar.gz" if kind == "state" else f"{model_id}/sampler_weights/{name}.tar.gz"
+
+
+def tinker_path_for(relative_path: str) -> str | None:
+    """The tinker:// path of a checkpoint found at `relative_path` under the checkpoints base, or None."""
+    parts = relative_path.strip("/").split("/")
+    if len(parts) == 2 and parts[1].endswith(".tar.gz"):
+        return f"tinker://{parts[0]}/weights/{parts[1].removesuffix('.tar.gz')}"
+    if len(parts) == 3 and parts[1] == "sampler_weights" and parts[2].endswith(".tar.gz"):
+        return f"tinker://{parts[0]}/{parts[2].removesuffix('.tar.gz')}"
+    return None
+
+
+def is_ephemeral_sampler(relative_path: str) -> bool:
+    """Sampler weights written by `save_weights_and_get_sampling_client` (named `ss<N>_seq<M>`)."""
+    return re.fullmatch(r"[^/]+/sampler_weights/ss\d+_seq\d+\.tar\.gz(\.probe)?", relative_path.strip("/")) is not None
 
 
 # Lines each rank logs once it can take part in collectives; used to name the

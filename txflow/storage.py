@@ -7,6 +7,7 @@ from pathlib import Path
 import fsspec
 from fsspec.utils import get_protocol
 
+from txflow import skyrl_adapter
 from txflow.config import RunConfig
 
 
@@ -30,41 +31,30 @@ def engine_checkpoints_base(cfg: RunConfig) -> str:
     return str(Path(cfg.state_dir) / "staging")
 
 
-def parse_tinker_path(path: str) -> tuple[str, str, str]:
-    """`tinker://<model_id>/weights/<name>` -> (model_id, "state", name); `tinker://<model_id>/<name>`
-    or `.../sampler_weights/<name>` -> (model_id, "sampler", name)."""
-    parts = path.removeprefix("tinker://").split("/")
-    if len(parts) == 3 and parts[1] == "weights":
-        return parts[0], "state", parts[2]
-    if len(parts) == 3 and parts[1] == "sampler_weights":
-        return parts[0], "sampler", parts[2]
-    if len(parts) == 2:
-        return parts[0], "sampler", parts[1]
-    raise ValueError(f"not a tinker checkpoint path: {path}")
-
-
-def relative_checkpoint_path(tinker_path: str) -> str:
-    """Where SkyRL-tx 0.3.0 writes a checkpoint, relative to its checkpoints base.
-
-    State: a directory `<model_id>/<name>.tar.gz/` (an Orbax checkpoint despite the
-    suffix); sampler: a gzip tarball `<model_id>/sampler_weights/<name>.tar.gz`.
-    """
-    model_id, kind, name = parse_tinker_path(tinker_path)
-    return f"{model_id}/{name}.tar.gz" if kind == "state" else f"{model_id}/sampler_weights/{name}.tar.gz"
-
-
 def checkpoint_urls(cfg: RunConfig, state_path: str, sampler_path: str) -> dict[str, str]:
     """Durable URLs of the two checkpoints of a save."""
     return {
-        "state": f"{cfg.run_root}/{relative_checkpoint_path(state_path)}",
-        "sampler": f"{cfg.run_root}/{relative_checkpoint_path(sampler_path)}",
+        "state": f"{cfg.run_root}/{skyrl_adapter.relative_checkpoint_path(state_path)}",
+        "sampler": f"{cfg.run_root}/{skyrl_adapter.relative_checkpoint_path(sampler_path)}",
     }
 
 
-def commit_checkpoints(cfg: RunConfig, cluster, urls: dict[str, str]) -> None:
+def commit_checkpoints(cfg: RunConfig, cluster, urls: list[str]) -> None:
     """Make each checkpoint durable at its URL, then write its commit marker last."""
     from txflow.discovery import write_commit
 
     options = cfg.plain_storage_options()
-    for url in urls.values():
+    for url in urls:
         write_commit(url, options)
+
+
+def remove_ephemeral_samplers(checkpoints_base: str) -> list[str]:
+    """Delete the transient sampler weights SkyRL-tx wrote for sampling clients; returns what went."""
+    base = Path(checkpoints_base)
+    removed = []
+    for path in base.glob("*/sampler_weights/*"):
+        relative = path.relative_to(base).as_posix()
+        if skyrl_adapter.is_ephemeral_sampler(relative):
+            path.unlink(missing_ok=True)
+            removed.append(relative)
+    return removed

@@ -1,0 +1,100 @@
+"""`custom` mode: the user's own Tinker client program as the train step."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from txflow import processes, sft
+from txflow.cluster import Cluster, Launcher
+from txflow.tinker_client import RankDied, check_ranks
+
+PLACEHOLDERS = ("base_url", "base_model", "run_id", "checkpoint_root")
+
+
+@dataclass
+class CustomData:
+    command: list[str]
+    probe: list[sft.Example]  # a small batch for the forward pass that proves a restored state works
+
+
+def client_command(client: str) -> list[str]:
+    """How to start the client: a .py path with this interpreter, else an importable module with -m."""
+    if client.endswith(".py") or os.sep in client:
+        path = Path(client).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--client {client}: no such file")
+        return [sys.executable, str(path.absolute())]
+    if importlib.util.find_spec(client) is None:
+        raise ValueError(f"--client {client}: neither a .py file nor an importable module")
+    return [sys.executable, "-m", client]
+
+
+def fill(args: list[str], values: dict[str, str]) -> list[str]:
+    """Replace {base_url}, {base_model}, {run_id} and {checkpoint_root}; other braces stay as they are."""
+    out = []
+    for arg in args:
+        for key in PLACEHOLDERS:
+            arg = arg.replace("{" + key + "}", values[key])
+        out.append(arg)
+    return out
+
+
+class ClientFailed(RuntimeError):
+    """The custom client exited with a non-zero status."""
+
+
+def run_client(command: list[str], env: dict[str, str], log_path: Path, cluster: Cluster, launcher: Launcher,
+               emit, poll_s: float = 0.2) -> float:
+    """Run the client to completion; its output goes to `log_path` and, line by line, to `emit`.
+
+    A rank that dies meanwhile stops the client and fails the step at once.
+    """
+    began = time.monotonic()
+    proc = processes.spawn(command, log_path, env=env)
+    sent = 0
+    try:
+        while True:
+            code = proc.poll()
+            sent = _forward_new_lines(log_path, sent, emit)
+            if code is not None:
+                break
+            try:
+                check_ranks(cluster, launcher)
+            except RankDied:
+                processes.stop_groups([proc.pid], grace_s=2.0)
+                raise
+            time.sleep(poll_s)
+    finally:
+        if proc.poll() is None:
+            processes.stop_groups([proc.pid], grace_s=2.0)
+        proc.wait()
+    if proc.returncode != 0:
+        raise ClientFailed(f"the custom client exited with code {proc.returncode}. Last lines of {log_path}:\n"
+                           f"{processes.tail(log_path)}")
+    return time.monotonic() - began
+
+
+def _forward_new_lines(path: Path, offset: int, emit) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except FileNotFoundError:
+        return offset
+    complete = data.rfind(b"\n") + 1
+    for line in data[:complete].decode("utf-8", errors="replace").splitlines():
+        emit(f"client: {line}")
+    return offset + complete
+
+
+def client_env(cluster: Cluster) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(TINKER_BASE_URL=cluster.base_url, TINKER_API_KEY=cluster.api_key.get_secret_value(),
+               PYTHONUNBUFFERED="1")
+    return env
