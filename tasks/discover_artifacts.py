@@ -16,7 +16,7 @@ def discover_artifacts(cfg: RunConfig, saved: dict) -> dict:
     when a checkpoint this run saved is missing, incomplete or uncommitted."""
     log = get_logger()
     options = cfg.plain_storage_options()
-    artifacts = discover(cfg.run_root, options)
+    artifacts = discover(cfg.run_root, options, require_commit=True)
     manifest = write_manifest(cfg.run_root, artifacts, options)
     by_url = {a.url: a for a in artifacts}
     for ckpt in saved["checkpoints"]:

@@ -14,7 +14,7 @@ from txflow.cluster import Cluster, Launcher, describe_exit
 from txflow.config import RunConfig
 from txflow.log import get_logger
 from txflow.tinker_client import RankDied, check_ranks, service_client, wait_result
-from tasks.provision_coordinator import child_env, database_url
+from tasks.provision_coordinator import child_env
 
 
 def gate_on_coordinator(cluster: Cluster, launcher: Launcher, timeout_s: float) -> None:
@@ -79,7 +79,7 @@ def launch_workers(cfg: RunConfig, cluster: Cluster, launcher: Launcher) -> Clus
         gate_on_coordinator(cluster, launcher, cfg.startup_timeout_s)
         log.info(f"gate passed: rank 0 pid {cluster.rank(0).pid} runs and its coordinator "
                  f"{cluster.coordinator_address} accepts connections; starting ranks 1..{cfg.processes - 1}")
-        env = child_env(cfg, database_url(cfg))
+        env = child_env(cfg, cfg.resolved_database_url())
         for rank in range(1, cfg.processes):
             cmd = skyrl_adapter.worker_command(cluster.coordinator_address, cfg.processes, rank)
             record = launcher.start(cluster, "worker", rank, cmd, env, {}, f"rank{rank}")

@@ -30,12 +30,6 @@ def child_env(cfg: RunConfig, database_url: str) -> dict[str, str]:
     return env
 
 
-def database_url(cfg: RunConfig) -> str:
-    if cfg.database_url is not None:
-        return cfg.database_url.get_secret_value()
-    return f"sqlite:///{Path(cfg.state_dir) / 'tinker.db'}"
-
-
 def wait_for_api(cluster: Cluster, launcher: Launcher, timeout_s: float) -> None:
     """Wait until the API answers /healthz (liveness of the API only, not readiness)."""
     api = next(p for p in cluster.processes if p.role == "api")
@@ -62,7 +56,7 @@ def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> Cluster:
     log = get_logger()
     state_dir = Path(cfg.state_dir)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
-    db_url = database_url(cfg)
+    db_url = cfg.resolved_database_url()
 
     base_model_path = resolve_base_model(cfg.base_model)
     api_port = processes.free_port(cfg.host)

@@ -7,17 +7,13 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import evaluation, skyrl_adapter
+from txflow import evaluation, skyrl_adapter, storage
 from txflow.cluster import Cluster, Launcher
 from txflow.config import RunConfig
 from txflow.discovery import discover
 from txflow.log import get_logger
-from txflow.storage import checkpoint_urls, commit_checkpoints, remove_ephemeral_samplers
 from txflow.tinker_client import wait_result
 from tasks.train import Trained
-
-FINAL = "final"
-
 
 def eval_prompts(cfg: RunConfig, data) -> list[list[int]]:
     """Prompts whose greedy continuations compare the live and the restored model."""
@@ -27,22 +23,21 @@ def eval_prompts(cfg: RunConfig, data) -> list[list[int]]:
 
 
 def save_client_checkpoints(cfg: RunConfig, cluster: Cluster) -> dict:
-    """custom mode: the client saved what it wanted; find every checkpoint under the run root and commit it."""
+    """custom mode: the client saved what it wanted; commit every checkpoint it left in staging."""
     checkpoints = []
     for artifact in discover(cluster.checkpoints_base):
         path = skyrl_adapter.tinker_path_for(artifact.path)
         if artifact.kind in ("state", "sampler") and path and not skyrl_adapter.is_ephemeral_sampler(artifact.path):
             checkpoints.append({"kind": artifact.kind, "tinker_path": path,
-                                "url": f"{cfg.run_root}/{artifact.path}"})
+                                "url": storage.commit(cfg, cluster.checkpoints_base, path)})
     if not checkpoints:
-        raise FileNotFoundError(f"The custom client saved no checkpoint under {cfg.run_root}")
-    commit_checkpoints(cfg, cluster, [c["url"] for c in checkpoints])
+        raise FileNotFoundError(f"The custom client saved no checkpoint (nothing under {cluster.checkpoints_base})")
     return {"checkpoints": checkpoints, "live": None}
 
 
 @task(name="save-checkpoint", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def save_checkpoint(cfg: RunConfig, cluster: Cluster, launcher: Launcher, trained: Trained, data) -> dict:
-    """Save state and sampler weights, make them durable, and record where they live."""
+    """Save state and sampler weights, commit them to the run root, and record where they live."""
     log = get_logger()
     if cfg.mode == "custom":
         return save_client_checkpoints(cfg, cluster)
@@ -55,16 +50,16 @@ def save_checkpoint(cfg: RunConfig, cluster: Cluster, launcher: Launcher, traine
     examples = data.eval if cfg.mode == "sft" else evaluation.rollout_examples(prompts, tokens)
     loss = evaluation.eval_loss(client, examples, cluster, launcher, timeout)
 
-    state = wait_result(client.save_state(FINAL), cluster, launcher, timeout, "save_state").path
-    sampler = wait_result(client.save_weights_for_sampler(FINAL), cluster, launcher, timeout,
+    name = storage.checkpoint_name(trained.metrics[-1]["step"] if trained.metrics else cfg.steps)
+    state = wait_result(client.save_state(name), cluster, launcher, timeout, "save_state").path
+    sampler = wait_result(client.save_weights_for_sampler(name), cluster, launcher, timeout,
                           "save_weights_for_sampler").path
     # The sampling clients of training wrote transient sampler weights next to the real ones.
-    remove_ephemeral_samplers(cluster.checkpoints_base)
-    urls = checkpoint_urls(cfg, state, sampler)
-    commit_checkpoints(cfg, cluster, list(urls.values()))
-    log.info(f"saved state {state} -> {urls['state']}; sampler {sampler} -> {urls['sampler']}")
+    storage.remove_ephemeral_samplers(cluster.checkpoints_base)
+    checkpoints = [{"kind": kind, "tinker_path": path, "url": storage.commit(cfg, cluster.checkpoints_base, path)}
+                   for kind, path in (("state", state), ("sampler", sampler))]
+    log.info("saved and committed " + "; ".join(f"{c['kind']} {c['tinker_path']} -> {c['url']}" for c in checkpoints))
     return {
-        "checkpoints": [{"kind": "state", "tinker_path": state, "url": urls["state"]},
-                        {"kind": "sampler", "tinker_path": sampler, "url": urls["sampler"]}],
+        "checkpoints": checkpoints,
         "live": {"eval_loss": loss, "greedy_tokens": tokens, "prompts": prompts, "examples": examples},
     }

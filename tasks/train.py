@@ -13,12 +13,12 @@ import tinker
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import custom, rl, sft
+from txflow import custom, rl, sft, storage
 from txflow.cluster import Cluster, Launcher
 from txflow.config import RunConfig
 from txflow.log import get_logger
 from txflow.progress import StepProgress
-from txflow.run_files import Progress, append_metric, read_metrics, write_metrics
+from txflow.run_files import append_metric, read_metrics, write_metrics
 from txflow.tinker_client import service_client, wait_result
 
 
@@ -32,30 +32,45 @@ class Trained:
     extra: dict = field(default_factory=dict)
 
 
-def _training_client(cfg: RunConfig, cluster: Cluster, launcher: Launcher, progress: Progress):
-    """A fresh LoRA client, or one restored from the last saved state (with its optimizer)."""
+def resume_point(cfg: RunConfig) -> tuple[str, int] | None:
+    """(URL, step) of the state to continue from: this run's latest committed state (a retry),
+    else the one `--resume-from` names, else None."""
+    options = cfg.plain_storage_options()
+    own = storage.latest_state(cfg.run_root, options)
+    if own is not None:
+        return own.url, storage.step_of(own.path)
+    return storage.resolve_resume_from(cfg) if cfg.resume_from else None
+
+
+def _training_client(cfg: RunConfig, cluster: Cluster, launcher: Launcher):
+    """A fresh LoRA client; on a resume it loads the durable state (with its optimizer) first."""
     client = service_client(cluster)
-    latest = progress.latest
-    if latest is None:
-        return client.create_lora_training_client(base_model=cluster.base_model_path, rank=cfg.lora_rank,
-                                                  seed=cfg.seed), 0
-    get_logger().info(f"resuming from step {latest.step}: {latest.path}")
-    return client.create_training_client_from_state_with_optimizer(latest.path), latest.step
+    training_client = client.create_lora_training_client(base_model=cluster.base_model_path, rank=cfg.lora_rank,
+                                                         seed=cfg.seed)
+    point = resume_point(cfg)
+    if point is None:
+        return training_client, 0
+    url, step = point
+    path = storage.import_checkpoint(cfg, cluster.checkpoints_base, url, "state", training_client.model_id,
+                                     f"resume-{step:06d}")
+    wait_result(training_client.load_state_with_optimizer(path), cluster, launcher, cfg.step_timeout_s,
+                f"loading the state of step {step}")
+    get_logger().info(f"resumed from step {step}: {url}")
+    return training_client, step
 
 
-def save_progress(cfg: RunConfig, cluster: Cluster, launcher: Launcher, training_client, progress: Progress,
-                  step: int) -> None:
-    """save_state at `step` and record it, so that a retry resumes there."""
-    future = training_client.save_state(f"step-{step:06d}")
+def save_progress(cfg: RunConfig, cluster: Cluster, launcher: Launcher, training_client, step: int) -> str:
+    """save_state at `step` and commit it to the run root, so that a retry resumes there."""
+    future = training_client.save_state(storage.checkpoint_name(step))
     saved = wait_result(future, cluster, launcher, cfg.step_timeout_s, f"save_state at step {step}")
-    progress.add(cfg.state_dir, step, saved.path)
-    get_logger().info(f"saved state at step {step}: {saved.path}")
+    url = storage.commit(cfg, cluster.checkpoints_base, saved.path)
+    get_logger().info(f"saved state at step {step}: {url}")
+    return url
 
 
 def train_sft(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: sft.SFTData) -> Trained:
     log = get_logger()
-    progress = Progress.load(cfg.state_dir)
-    training_client, start = _training_client(cfg, cluster, launcher, progress)
+    training_client, start = _training_client(cfg, cluster, launcher)
     metrics = read_metrics(cfg.state_dir, up_to_step=start)
     write_metrics(cfg.state_dir, metrics)
     adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
@@ -76,7 +91,7 @@ def train_sft(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: sft.SF
             log.info(f"step {step + 1}/{cfg.steps} nll {nll:.4f} tokens {tokens} {row['seconds']:.2f}s")
             bar.update(step + 1, nll=f"{nll:.3f}")
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-                save_progress(cfg, cluster, launcher, training_client, progress, step + 1)
+                save_progress(cfg, cluster, launcher, training_client, step + 1)
     finally:
         bar.close()
     return Trained(training_client=training_client, metrics=metrics, resumed_from_step=start)
@@ -84,8 +99,7 @@ def train_sft(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: sft.SF
 
 def train_rl(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: rl.RLData) -> Trained:
     log = get_logger()
-    progress = Progress.load(cfg.state_dir)
-    training_client, start = _training_client(cfg, cluster, launcher, progress)
+    training_client, start = _training_client(cfg, cluster, launcher)
     metrics = read_metrics(cfg.state_dir, up_to_step=start)
     write_metrics(cfg.state_dir, metrics)
     adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
@@ -115,7 +129,7 @@ def train_rl(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: rl.RLDa
                      f"tokens {row['tokens_sampled']} {row['seconds']:.2f}s")
             bar.update(step + 1, reward=f"{row['reward_mean']:.3f}")
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-                save_progress(cfg, cluster, launcher, training_client, progress, step + 1)
+                save_progress(cfg, cluster, launcher, training_client, step + 1)
     finally:
         bar.close()
     return Trained(training_client=training_client, metrics=metrics, resumed_from_step=start)

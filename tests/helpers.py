@@ -26,3 +26,94 @@ def txflow_cmd(*args: str) -> list[str]:
 
 def run_txflow(args: list[str], env: dict, cwd: Path, timeout: float = 900) -> subprocess.CompletedProcess:
     return subprocess.run(txflow_cmd(*args), env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout)
+
+
+class MotoServer:
+    """A real S3 API (moto_server) on 127.0.0.1, in its own process group."""
+
+    def __init__(self, log_path: Path):
+        import os
+        import time
+
+        from txflow.processes import free_port, port_open, spawn
+
+        self.port = free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.proc = spawn([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(self.port)],
+                          log_path, env=dict(os.environ))
+        deadline = time.monotonic() + 30
+        while not port_open("127.0.0.1", self.port):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"moto_server did not start: {log_path.read_text()[-2000:]}")
+            time.sleep(0.1)
+
+    def env(self, secret_key: str) -> dict[str, str]:
+        """AWS_* variables that point boto3, s3fs and cloudpathlib at this server."""
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "txflow-test",
+                "AWS_SECRET_ACCESS_KEY": secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
+
+    def stop(self) -> None:
+        from txflow.processes import stop_groups
+
+        stop_groups([self.proc.pid], grace_s=3.0)
+        self.proc.wait(timeout=10)
+
+
+class TcpProxy:
+    """Forwards 127.0.0.1:<port> to a target port; `stop()` makes the server behind it vanish
+    for clients while the real server (and its state) lives on."""
+
+    def __init__(self, target_port: int):
+        import socket
+        import threading
+
+        self.target_port = target_port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = self.listener.getsockname()[1]
+        self.connections: list = []
+        self.stopped = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        import socket
+        import threading
+
+        while not self.stopped.is_set():
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            self.connections += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(src, dst):
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for sock in (src, dst):
+                try:
+                    sock.close()
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        self.stopped.set()
+        self.listener.close()
+        import socket
+
+        for sock in self.connections:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+                sock.close()
+            except OSError:
+                pass

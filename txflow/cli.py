@@ -39,6 +39,7 @@ RUN_OPTIONS = {
     "--max-tokens": "max_tokens",
     "--temperature": "temperature",
     "--client": "client",
+    "--resume-from": "resume_from",
 }
 
 
@@ -59,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     discover.add_argument("url")
     discover.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     discover.add_argument("--json", action="store_true")
+    discover.add_argument("--no-require-commit", dest="require_commit", action="store_false",
+                          help="do not treat checkpoints without a txflow commit marker as incomplete "
+                               "(for directories SkyRL-tx wrote without txflow)")
     return parser
 
 
@@ -121,7 +125,7 @@ def discover_cmd(args) -> int:
     from txflow.discovery import discover
 
     try:
-        artifacts = discover(args.url, _storage_options(args.storage_option))
+        artifacts = discover(args.url, _storage_options(args.storage_option), require_commit=args.require_commit)
     except (FileNotFoundError, ValueError) as exc:
         print(f"txflow: {exc}", file=sys.stderr)
         return 1

@@ -106,6 +106,11 @@ class RunConfig(BaseModel, extra="forbid"):
         default_factory=list,
         description="custom: its arguments; {base_url}, {base_model}, {run_id}, {checkpoint_root} are filled in.",
     )
+    resume_from: str | None = Field(
+        default=None,
+        description="Continue from a run root URL (its latest committed state), a state checkpoint URL, "
+        "or a tinker:// path of this run.",
+    )
     startup_timeout_s: float = Field(default=300, gt=0, description="Deadline for the cluster to become ready.")
     step_timeout_s: float = Field(default=300, gt=0, description="Deadline for one training request.")
     train_retries: int = Field(default=1, ge=0, description="Retries of the train step (each resumes).")
@@ -186,6 +191,12 @@ class RunConfig(BaseModel, extra="forbid"):
         """Durable run-scoped root: `<checkpoints>/<run_id>`."""
         assert self.run_id, "call resolved() first"
         return self.checkpoints.rstrip("/") + "/" + self.run_id
+
+    def resolved_database_url(self) -> str:
+        """The SkyRL-tx database: the configured URL, else SQLite in the run's state directory."""
+        if self.database_url is not None:
+            return self.database_url.get_secret_value()
+        return f"sqlite:///{Path(self.state_dir) / 'tinker.db'}"
 
     def plain_storage_options(self) -> dict[str, str]:
         return {k: v.get_secret_value() for k, v in self.storage_options.items()}

@@ -113,12 +113,14 @@ def discover(
     return sorted(artifacts, key=lambda a: a.path)
 
 
-def write_commit(fs_url: str, storage_options: dict | None = None) -> None:
+def write_commit(fs_url: str, storage_options: dict | None = None, expected: dict[str, int] | None = None) -> None:
     """Write the commit sidecar `fs_url + COMMIT_SUFFIX` for the artifact at `fs_url`.
 
     Call it LAST in a save step: the sidecar records every file of the artifact
     (a directory or a single file) with its size, so `discover` can tell a
-    finished save from one that was interrupted or later damaged.
+    finished save from one that was interrupted or later damaged. With
+    `expected` (relative path -> size of what was uploaded), a listing that
+    differs raises instead of committing.
     """
     fs, path = fsspec.core.url_to_fs(fs_url, **(storage_options or {}))
     path = path.rstrip("/")
@@ -129,6 +131,10 @@ def write_commit(fs_url: str, storage_options: dict | None = None) -> None:
         sizes = {posixpath.basename(path): _size(next(iter(found.values())))}
     else:
         sizes = {_relpath(p, path): _size(info) for p, info in found.items()}
+    if expected is not None and sizes != expected:
+        missing = sorted(set(expected) - set(sizes)) or sorted(k for k in expected if sizes.get(k) != expected[k])
+        raise OSError(f"Upload to {fs_url} is incomplete ({missing[:3]} missing or of the wrong size); "
+                      f"no commit marker written")
     record = {"files": dict(sorted(sizes.items())), "bytes": sum(sizes.values()), "written_at": time.time()}
     fs.pipe_file(path + COMMIT_SUFFIX, json.dumps(record, indent=1).encode())
 

@@ -9,7 +9,7 @@ import fsspec
 
 from transformers import AutoTokenizer
 
-from txflow import custom, rl, sft
+from txflow import custom, rl, sft, storage
 from txflow.config import TINY_MODEL, RunConfig
 from txflow.datasets import REQUIRED_KEYS, bundled_dataset, load_jsonl
 from txflow.rewards import load_reward
@@ -87,6 +87,8 @@ def prepare(cfg: RunConfig):
                 data = sft.prepare(rows, tokenizer, max_len, url)
             else:
                 data = rl.prepare(rows, tokenizer, max_len, cfg.max_tokens, url, load_reward(cfg.reward), cfg.reward)
+        if cfg.resume_from:
+            storage.resolve_resume_from(cfg)
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
     # Last: the only check that writes (it creates the run root).

@@ -1,39 +1,9 @@
-"""Files of a run in its local state directory: metrics.jsonl and progress.json."""
+"""metrics.jsonl in the run's local state directory (copied to the run root with the report)."""
 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
-
-from pydantic import BaseModel, Field
-
-
-class SavedState(BaseModel):
-    step: int
-    path: str = Field(description="tinker:// path returned by save_state")
-
-
-class Progress(BaseModel):
-    """What a retry of the train step resumes from."""
-
-    states: list[SavedState] = Field(default_factory=list)
-
-    @classmethod
-    def load(cls, state_dir: str) -> Progress:
-        path = Path(state_dir) / "progress.json"
-        return cls.model_validate_json(path.read_text()) if path.exists() else cls()
-
-    def add(self, state_dir: str, step: int, path: str) -> None:
-        self.states.append(SavedState(step=step, path=path))
-        target = Path(state_dir) / "progress.json"
-        tmp = target.with_suffix(".tmp")
-        tmp.write_text(self.model_dump_json(indent=2))
-        os.replace(tmp, target)
-
-    @property
-    def latest(self) -> SavedState | None:
-        return self.states[-1] if self.states else None
 
 
 def metrics_path(state_dir: str) -> Path:

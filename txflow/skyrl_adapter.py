@@ -174,6 +174,31 @@ def is_ephemeral_sampler(relative_path: str) -> bool:
     return re.fullmatch(r"[^/]+/sampler_weights/ss\d+_seq\d+\.tar\.gz(\.probe)?", relative_path.strip("/")) is not None
 
 
+def register_checkpoint(database_url: str, model_id: str, checkpoint_id: str, kind: str) -> None:
+    """Record a checkpoint that txflow placed in the engine's checkpoints base as completed.
+
+    SkyRL-tx only serves checkpoints its database knows (`validate_checkpoint`),
+    and only at `<base>/<model_id>/...`. A checkpoint copied back from durable
+    storage under a live model's id needs this row before load_state or a
+    sampling client can use it. Can go when upstream can load from a URL.
+    """
+    from datetime import datetime, timezone
+
+    from sqlmodel import Session, create_engine
+    from tx.tinker import types
+    from tx.tinker.db_models import CheckpointDB, CheckpointStatus
+
+    checkpoint_type = types.CheckpointType.TRAINING if kind == "state" else types.CheckpointType.SAMPLER
+    engine = create_engine(database_url)
+    try:
+        with Session(engine) as session:
+            session.merge(CheckpointDB(model_id=model_id, checkpoint_id=checkpoint_id, checkpoint_type=checkpoint_type,
+                                       status=CheckpointStatus.COMPLETED, completed_at=datetime.now(timezone.utc)))
+            session.commit()
+    finally:
+        engine.dispose()
+
+
 # Lines each rank logs once it can take part in collectives; used to name the
 # rank that is missing when readiness times out.
 RANK_READY_MARKERS = {

@@ -1,7 +1,27 @@
-"""Checkpoint roots on any fsspec URL."""
+"""Durable checkpoints on any fsspec URL.
+
+SkyRL-tx writes checkpoints through cloudpathlib; on S3 the training state
+(an Orbax directory) stays in a process-local cache and never reaches the
+bucket, and with several processes the save hangs (see the upstream notes).
+So the engine always writes to a LOCAL staging directory, and txflow makes
+each checkpoint durable itself:
+
+- commit: upload staging/<relative> to <run_root>/<relative> with fsspec,
+  check that every file arrived with its size, then write the commit marker
+  last. A checkpoint without its marker is incomplete, whatever else exists.
+- import: download a committed checkpoint from the run root into staging
+  under a fresh model's id and register it with the engine, so restores and
+  resumes read the durable copy, on a fresh cluster as well.
+
+The same path serves local roots (a copy) and object stores, so every local
+end-to-end test exercises it. With several nodes each node stages its own
+ranks' files; the local launcher has one node, so one staging directory.
+"""
 
 from __future__ import annotations
 
+import re
+import shutil
 from pathlib import Path
 
 import fsspec
@@ -9,43 +29,86 @@ from fsspec.utils import get_protocol
 
 from txflow import skyrl_adapter
 from txflow.config import RunConfig
+from txflow.discovery import Artifact, discover, write_commit
+
+STEP_NAME = re.compile(r"step-(\d+)")
 
 
 def is_local(url: str) -> bool:
     return get_protocol(url) in ("file", "local")
 
 
-def local_path(url: str) -> Path:
-    return Path(url.removeprefix("file://")).absolute()
-
-
-def filesystem(url: str, storage_options: dict[str, str] | None = None) -> fsspec.AbstractFileSystem:
-    fs, _ = fsspec.core.url_to_fs(url, **(storage_options or {}))
-    return fs
-
-
 def engine_checkpoints_base(cfg: RunConfig) -> str:
-    """Where the engine writes: the run root itself when it is a local path."""
-    if is_local(cfg.run_root):
-        return str(local_path(cfg.run_root))
-    return str(Path(cfg.state_dir) / "staging")
+    """The engine's local staging directory; durable copies go to the run root."""
+    return str(Path(cfg.state_dir) / "checkpoints")
 
 
-def checkpoint_urls(cfg: RunConfig, state_path: str, sampler_path: str) -> dict[str, str]:
-    """Durable URLs of the two checkpoints of a save."""
-    return {
-        "state": f"{cfg.run_root}/{skyrl_adapter.relative_checkpoint_path(state_path)}",
-        "sampler": f"{cfg.run_root}/{skyrl_adapter.relative_checkpoint_path(sampler_path)}",
-    }
+def checkpoint_name(step: int) -> str:
+    """Checkpoint names carry their step, so a later save never overwrites an earlier one."""
+    return f"step-{step:06d}"
 
 
-def commit_checkpoints(cfg: RunConfig, cluster, urls: list[str]) -> None:
-    """Make each checkpoint durable at its URL, then write its commit marker last."""
-    from txflow.discovery import write_commit
+def step_of(url_or_path: str) -> int | None:
+    match = STEP_NAME.search(url_or_path.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
 
+
+def checkpoint_url(cfg: RunConfig, tinker_path: str) -> str:
+    """Durable URL of the checkpoint the engine saved as `tinker_path`."""
+    return f"{cfg.run_root}/{skyrl_adapter.relative_checkpoint_path(tinker_path)}"
+
+
+def commit(cfg: RunConfig, staging_base: str, tinker_path: str) -> str:
+    """Upload one checkpoint from staging to the run root, verify it, write its marker; returns its URL."""
+    relative = skyrl_adapter.relative_checkpoint_path(tinker_path)
+    local = Path(staging_base) / relative
+    if local.is_dir():
+        files = {p.relative_to(local).as_posix(): p.stat().st_size for p in sorted(local.rglob("*")) if p.is_file()}
+    elif local.is_file():
+        files = {local.name: local.stat().st_size}
+    else:
+        raise FileNotFoundError(f"The engine reported {tinker_path} but nothing is at {local}")
     options = cfg.plain_storage_options()
-    for url in urls:
-        write_commit(url, options)
+    url = f"{cfg.run_root}/{relative}"
+    fs, remote = fsspec.core.url_to_fs(url, **options)
+    targets = [f"{remote}/{n}" for n in files] if local.is_dir() else [remote]
+    for parent in sorted({t.rsplit("/", 1)[0] for t in targets}):
+        fs.makedirs(parent, exist_ok=True)  # local filesystems need parents; object stores ignore this
+    sources = [str(local / n) for n in files] if local.is_dir() else [str(local)]
+    try:
+        fs.put(sources, targets)
+        write_commit(url, options, expected=files)
+    except Exception as exc:  # any storage error: say what it means for the checkpoint
+        raise OSError(f"Committing {tinker_path} to {url} failed; no commit marker was written, so the "
+                      f"checkpoint counts as incomplete ({type(exc).__name__}: {exc})") from exc
+    return url
+
+
+def import_checkpoint(cfg: RunConfig, staging_base: str, url: str, kind: str, model_id: str, name: str) -> str:
+    """Copy the checkpoint at `url` into staging as `name` of `model_id` and register it; returns its tinker path."""
+    tinker_path = (f"tinker://{model_id}/weights/{name}" if kind == "state"
+                   else f"tinker://{model_id}/{name}")
+    local = Path(staging_base) / skyrl_adapter.relative_checkpoint_path(tinker_path)
+    if local.exists():
+        shutil.rmtree(local) if local.is_dir() else local.unlink()
+    local.parent.mkdir(parents=True, exist_ok=True)
+    fs, remote = fsspec.core.url_to_fs(url, **cfg.plain_storage_options())
+    if kind == "state":
+        fs.get(remote.rstrip("/") + "/", str(local) + "/", recursive=True)
+    else:
+        fs.get_file(remote, str(local))
+    skyrl_adapter.register_checkpoint(cfg.resolved_database_url(), model_id, name, kind)
+    return tinker_path
+
+
+def latest_state(root: str, storage_options: dict | None = None) -> Artifact | None:
+    """The committed, complete state checkpoint with the highest step under `root`, if any."""
+    try:
+        artifacts = discover(root, storage_options)
+    except FileNotFoundError:
+        return None
+    states = [a for a in artifacts if a.kind == "state" and a.complete and a.committed and step_of(a.path) is not None]
+    return max(states, key=lambda a: step_of(a.path), default=None)
 
 
 def remove_ephemeral_samplers(checkpoints_base: str) -> list[str]:
@@ -58,3 +121,28 @@ def remove_ephemeral_samplers(checkpoints_base: str) -> list[str]:
             path.unlink(missing_ok=True)
             removed.append(relative)
     return removed
+
+
+def resolve_resume_from(cfg: RunConfig) -> tuple[str, int]:
+    """(URL, step) for `--resume-from`: a run root (its latest committed state), the URL of one state
+    checkpoint, or a tinker:// path of this run. Raises ValueError when it is not a usable state."""
+    source = cfg.resume_from
+    options = cfg.plain_storage_options()
+    url = checkpoint_url(cfg, source) if source.startswith("tinker://") else source.rstrip("/")
+    if url.endswith(".tar.gz"):
+        parent = url.rsplit("/", 1)[0]
+        try:
+            found = next((a for a in discover(parent, options) if a.url.rstrip("/") == url), None)
+        except FileNotFoundError:
+            found = None
+        if found is None or found.kind != "state":
+            raise ValueError(f"--resume-from {source}: no state checkpoint at {url}")
+        if not (found.complete and found.committed) or step_of(url) is None:
+            raise ValueError(f"--resume-from {source}: the checkpoint at {url} is incomplete "
+                             f"({found.reason or 'no step in its name'}); pass its run root to use the latest "
+                             f"complete one")
+        return url, step_of(url)
+    latest = latest_state(url, options)
+    if latest is None:
+        raise ValueError(f"--resume-from {source}: no complete, committed state checkpoint under {url}")
+    return latest.url, step_of(latest.path)

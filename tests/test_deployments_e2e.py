@@ -1,0 +1,489 @@
+"""The Prefect deployments of prefect.yaml end to end: a real `prefect server`
+(loopback, its own PREFECT_HOME), `prefect deploy --all` from the repository
+root, a `process` worker, and real `train` runs through it: one that completes
+and publishes its artifacts, one cancelled and one crashed mid-training whose
+clusters must be stopped by the flow's on_cancellation / on_crashed hooks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.helpers import alive_pids, cluster_pids
+from txflow.config import RunConfig
+from txflow.processes import free_port, is_alive, start_time
+
+pytestmark = pytest.mark.e2e
+
+REPO = Path(__file__).resolve().parents[1]
+PREFECT = str(Path(sys.executable).parent / "prefect")
+RUN_DEADLINE_S = 600
+DEPLOYMENTS = {"train/sft", "train/rl", "nightly-validation/nightly"}
+UUID_RE = re.compile(r"UUID: ([0-9a-f-]{36})")
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _descendants(pid: int) -> list[tuple[int, int | None]]:
+    """(pid, start time) of every live descendant of `pid`, whatever its session."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append((child, start_time(child)))
+            todo.append(child)
+    return found
+
+
+def _start(cmd: list[str], log: Path, env: dict, cwd: Path = REPO) -> subprocess.Popen:
+    """A subprocess in its own process group (session), output to `log`."""
+    with open(log, "ab") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                                cwd=cwd, start_new_session=True)
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
+    """SIGTERM the process group, SIGKILL it after `grace_s`; then SIGKILL any descendant left
+    (flow run processes and their children live in sessions of their own)."""
+    descendants = _descendants(proc.pid)
+    for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    for pid, started in descendants:
+        if started is not None and is_alive(pid, started):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _tail(path: Path, chars: int = 6000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+# --------------------------------------------------------------------------- server, deploy, worker
+
+
+@dataclass
+class Server:
+    port: int
+    home: Path
+    logs: Path
+    env: dict[str, str]  # environment of CLI / worker subprocesses
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def prefect(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        result = subprocess.run([PREFECT, *args], env=self.env, cwd=REPO, capture_output=True, text=True,
+                                timeout=timeout)
+        assert result.returncode == 0, f"prefect {' '.join(args)}:\n{result.stdout[-4000:]}\n{result.stderr[-4000:]}"
+        return result
+
+
+def _base_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        DO_NOT_TRACK="1",
+        TINKER_TELEMETRY="0",
+        PYTHONUNBUFFERED="1",
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+    )
+    return env
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`prefect server start` on a free loopback port with a temporary PREFECT_HOME."""
+    work = tmp_path_factory.mktemp("prefect")
+    home, logs = work / "home", work / "logs"
+    logs.mkdir()
+    port = free_port()
+    server_env = _base_env(home)
+    # Schedules are stored, but no scheduled run is created: a test run at 03:00 UTC
+    # must not pick up a nightly run.
+    server_env["PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED"] = "false"
+    proc = _start([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], logs / "server.log",
+                  server_env)
+    try:
+        began, healthy = time.monotonic(), False
+        while time.monotonic() - began < 180 and proc.poll() is None:
+            try:
+                healthy = httpx.get(f"http://127.0.0.1:{port}/api/health", timeout=2, trust_env=False).json() is True
+            except (httpx.HTTPError, ValueError):
+                pass
+            if healthy:
+                break
+            time.sleep(0.5)
+        assert healthy, f"prefect server not healthy (exit {proc.poll()}):\n{_tail(logs / 'server.log')}"
+        print(f"prefect server healthy on port {port} after {time.monotonic() - began:.1f} s")
+        env = _base_env(home)
+        env.update(PREFECT_API_URL=f"http://127.0.0.1:{port}/api", PREFECT_WORKER_QUERY_SECONDS="2")
+        yield Server(port=port, home=home, logs=logs, env=env)
+    finally:
+        _stop(proc)
+
+
+@contextmanager
+def api(server: Server):
+    """A synchronous Prefect client of the test server."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        with get_client(sync_client=True) as client:
+            yield client
+
+
+@pytest.fixture(scope="module")
+def deployed(server):
+    """The work pool and every deployment of prefect.yaml, as the README says."""
+    server.prefect("work-pool", "create", "txflow", "--type", "process")
+    # `{{ $PWD }}` is the environment variable, as a shell in the repository root sets it.
+    env = dict(server.env, PWD=str(REPO))
+    began = time.monotonic()
+    result = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all"], env=env, cwd=REPO, capture_output=True,
+                            text=True, timeout=600)
+    assert result.returncode == 0, f"prefect deploy failed:\n{result.stdout[-6000:]}\n{result.stderr[-4000:]}"
+    print(f"prefect deploy --all: {time.monotonic() - began:.1f} s")
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def worker(server, deployed):
+    """`prefect worker start --pool txflow` from the repository root."""
+    log = server.logs / "worker.log"
+    proc = _start([PREFECT, "worker", "start", "--pool", "txflow"], log, server.env)
+    try:
+        deadline = time.monotonic() + 120
+        with api(server) as client:
+            while not client.read_workers_for_work_pool("txflow"):
+                assert proc.poll() is None, f"worker exited {proc.returncode}:\n{_tail(log)}"
+                assert time.monotonic() < deadline, f"worker did not register:\n{_tail(log)}"
+                time.sleep(1)
+        yield log
+    finally:
+        _stop(proc)
+
+
+def _run_deployment(server: Server, name: str, params: dict) -> str:
+    """`prefect deployment run NAME --params JSON`; returns the flow run id."""
+    out = server.prefect("deployment", "run", name, "--params", json.dumps(params)).stdout
+    match = UUID_RE.search(out)
+    assert match, out
+    return match.group(1)
+
+
+def _wait_final(server: Server, flow_run_id: str, worker_log: Path, deadline_s: float = RUN_DEADLINE_S):
+    deadline = time.monotonic() + deadline_s
+    with api(server) as client:
+        while True:
+            run = client.read_flow_run(uuid.UUID(flow_run_id))
+            if run.state is not None and run.state.is_final():
+                return run
+            assert time.monotonic() < deadline, (
+                f"flow run {flow_run_id} still {run.state and run.state.name} after {deadline_s} s:\n{_tail(worker_log)}")
+            time.sleep(2)
+
+
+def _wait_training_started(state: Path, flow_run_id: str, server: Server, worker_log: Path) -> None:
+    """Until `<state>/metrics.jsonl` has a line: the cluster runs and trains."""
+    deadline = time.monotonic() + RUN_DEADLINE_S
+    metrics = state / "metrics.jsonl"
+    with api(server) as client:
+        while not (metrics.exists() and metrics.read_text().strip()):
+            run = client.read_flow_run(uuid.UUID(flow_run_id))
+            assert not (run.state and run.state.is_final()), f"run ended as {run.state.name}:\n{_tail(worker_log)}"
+            assert time.monotonic() < deadline, f"no training step after {RUN_DEADLINE_S} s:\n{_tail(worker_log)}"
+            time.sleep(1)
+
+
+def _config(tmp_path: Path, run_id: str, steps: int) -> dict:
+    return {"mode": "sft", "steps": steps, "save_every": 0, "processes": 2, "run_id": run_id,
+            "checkpoints": str(tmp_path / "ckpt"), "state_dir": str(tmp_path / "state")}
+
+
+def _flow_run_logs(server: Server, flow_run_id: str) -> list[str]:
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with api(server) as client:
+        logs = client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(flow_run_id)])))
+    return [f"{log.timestamp} {log.message}" for log in logs]
+
+
+def _teardown_end(server: Server, flow_run_id: str) -> float | None:
+    """When the flow's own `teardown` task finished (epoch seconds), if it ran."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with api(server) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+    ends = [t.end_time.timestamp() for t in runs if t.name.startswith("teardown") and t.end_time is not None]
+    return max(ends) if ends else None
+
+
+# --------------------------------------------------------------------------- unit (no server)
+
+
+def _prefect_yaml() -> dict:
+    return yaml.safe_load((REPO / "prefect.yaml").read_text())
+
+
+def _resolved_parameters(spec: dict) -> dict[str, dict]:
+    """Deployment name -> parameters, with the build steps' outputs filled in as `prefect deploy` does."""
+    from prefect.utilities.importtools import import_object
+    from prefect.utilities.templating import apply_values
+
+    outputs: dict = {}
+    for step in spec.get("build") or []:
+        (fqn, inputs), = step.items()
+        inputs = dict(inputs or {})
+        step_id = inputs.pop("id", None)
+        inputs.pop("requires", None)
+        output = import_object(fqn)(**inputs)
+        outputs.update(output)
+        if step_id:
+            outputs[step_id] = output
+    return {d["name"]: apply_values(d.get("parameters") or {}, outputs) for d in spec["deployments"]}
+
+
+def test_every_deployment_parameter_is_a_valid_run_config():
+    from deployments import defaults
+
+    spec = _prefect_yaml()
+    params = _resolved_parameters(spec)
+    assert set(params) == {"sft", "rl", "nightly"}
+    for name, deployment_params in params.items():
+        raw = next(d["parameters"] for d in spec["deployments"] if d["name"] == name)
+        assert set(deployment_params) == set(raw), f"{name}: a template did not resolve: {raw}"
+        for key, value in deployment_params.items():
+            assert isinstance(value, dict), f"{name}.{key} is {value!r}"
+            RunConfig.model_validate(value)
+    assert RunConfig.model_validate(params["sft"]["config"]).mode == "sft"
+    assert RunConfig.model_validate(params["rl"]["config"]).mode == "rl"
+    nightly = {k: RunConfig.model_validate(v) for k, v in params["nightly"].items()}
+    assert (nightly["sft"].mode, nightly["rl"].mode) == ("sft", "rl")
+    assert params["nightly"] == {"sft": defaults.NIGHTLY_SFT, "rl": defaults.NIGHTLY_RL}
+
+
+def test_prefect_yaml_is_portable():
+    text = (REPO / "prefect.yaml").read_text()
+    spec = _prefect_yaml()
+    assert str(REPO) not in text and "/root" not in text and "/tmp" not in text
+    assert "git_clone" not in text
+    assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}]
+    entrypoints = {d["name"]: d["entrypoint"] for d in spec["deployments"]}
+    assert entrypoints == {"sft": "flows/train.py:train_flow", "rl": "flows/train.py:train_flow",
+                           "nightly": "deployments/nightly.py:nightly_validation"}
+    assert all((REPO / e.split(":")[0]).is_file() for e in entrypoints.values())
+    assert {d["work_pool"]["name"] for d in spec["deployments"]} == {"txflow"}
+
+
+# --------------------------------------------------------------------------- against the server
+
+
+def test_deployments_on_the_server(server, deployed):
+    from deployments.defaults import CONFIGS
+
+    with api(server) as client:
+        deployments = {name: client.read_deployment_by_name(name) for name in DEPLOYMENTS}
+    for name, deployment in deployments.items():
+        assert deployment.work_pool_name == "txflow", name
+        # The pull step runs this checkout: `{{ $PWD }}` was filled in at deploy time.
+        assert deployment.pull_steps == [
+            {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}], name
+        assert deployment.enforce_parameter_schema, name
+        assert deployment.job_variables.get("env", {}).get("TINKER_TELEMETRY") == "0", name
+    assert deployments["train/sft"].parameters == {"config": CONFIGS["sft"]}
+    assert deployments["train/rl"].parameters == {"config": CONFIGS["rl"]}
+    assert deployments["nightly-validation/nightly"].parameters == {"sft": CONFIGS["nightly_sft"],
+                                                                    "rl": CONFIGS["nightly_rl"]}
+    # The UI form: RunConfig's fields, typed, with the model's descriptions.
+    for name, params in (("train/sft", ["config"]), ("nightly-validation/nightly", ["sft", "rl"])):
+        schema = deployments[name].parameter_openapi_schema
+        assert set(schema["properties"]) == set(params), name
+        assert all(schema["properties"][p]["$ref"] == "#/definitions/RunConfig" for p in params)
+        fields = schema["definitions"]["RunConfig"]["properties"]
+        assert set(fields) == set(RunConfig.model_fields)
+        for field, info in RunConfig.model_fields.items():
+            assert info.description and fields[field]["description"] == info.description, field
+        assert fields["mode"]["enum"] == ["sft", "rl", "custom"]
+        assert fields["steps"]["type"] == "integer"
+        assert schema["definitions"]["MeshConfig"]["properties"]["tp"]["description"]
+    assert [s.schedule.cron for s in deployments["train/sft"].schedules + deployments["train/rl"].schedules] == []
+
+
+def test_nightly_deployment_has_its_cron_schedule(server, deployed):
+    with api(server) as client:
+        deployment = client.read_deployment_by_name("nightly-validation/nightly")
+    assert len(deployment.schedules) == 1
+    schedule = deployment.schedules[0]
+    assert schedule.active
+    assert schedule.schedule.cron == "0 3 * * *"
+    assert schedule.schedule.timezone == "UTC"
+
+
+def test_sft_deployment_run_completes_with_its_artifacts(server, worker, tmp_path, reaper):
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    state = reaper.watch(tmp_path / "state")
+    run_id = f"dep-sft-{uuid.uuid4().hex[:8]}"
+    began = time.monotonic()
+    flow_run_id = _run_deployment(server, "train/sft", {"config": _config(tmp_path, run_id, steps=6)})
+    run = _wait_final(server, flow_run_id, worker)
+    print(f"train/sft run {run_id}: {run.state.name} after {time.monotonic() - began:.1f} s")
+    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{_tail(worker)}"
+    assert run.parameters["config"]["run_id"] == run_id
+
+    with api(server) as client:
+        artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+    by_type: dict[str, list] = {}
+    for artifact in artifacts:
+        by_type.setdefault(artifact.type, []).append(artifact)
+    key = run_id.lower()
+    reports = [a for a in by_type.get("markdown", []) if (a.key or "").startswith("report-")]
+    assert [a.key for a in reports] == [f"report-{key}"]
+    assert f"txflow run `{run_id}`: passed" in reports[0].data
+    tables = by_type.get("table", [])
+    assert [a.key for a in tables] == [f"metrics-{key}"]
+    rows = json.loads(tables[0].data) if isinstance(tables[0].data, str) else tables[0].data
+    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+    progress = by_type.get("progress", [])
+    assert [a.key for a in progress] == [f"progress-{key}"]
+    assert float(progress[0].data) == 100.0
+    report = json.loads((tmp_path / "ckpt" / run_id / "report.json").read_text())
+    assert report["status"] == "passed" and len(report["metrics"]) == 6
+    assert alive_pids(state) == []
+
+
+def test_cancelled_deployment_run_stops_its_cluster(server, worker, tmp_path, reaper):
+    state = reaper.watch(tmp_path / "state")
+    run_id = f"dep-cancel-{uuid.uuid4().hex[:8]}"
+    flow_run_id = _run_deployment(server, "train/sft", {"config": _config(tmp_path, run_id, steps=500)})
+    _wait_training_started(state, flow_run_id, server, worker)
+    pids = [pid for pid, _ in cluster_pids(state)]
+    assert len(pids) == 3 and alive_pids(state) == pids  # api, rank 0, rank 1
+
+    cancelled_at = time.monotonic()
+    server.prefect("flow-run", "cancel", flow_run_id)
+    run = _wait_final(server, flow_run_id, worker, deadline_s=300)
+    print(f"cancel -> {run.state.name} in {time.monotonic() - cancelled_at:.1f} s")
+    assert run.state.is_cancelled(), f"{run.state.name}: {run.state.message}\n{_tail(worker)}"
+    assert alive_pids(state) == [], "\n".join(_flow_run_logs(server, flow_run_id)[-20:])
+    # The engine's own `finally` stops the cluster (SIGTERM arrives as an exception);
+    # the worker then runs on_cancellation in a subprocess of its own, whose
+    # stop_cluster rewrites cluster.json after the teardown task finished.
+    teardown_end = _teardown_end(server, flow_run_id)
+    cluster_json_written = (state / "cluster.json").stat().st_mtime
+    print(f"teardown task ended {teardown_end}, cluster.json last written {cluster_json_written}")
+    assert teardown_end is None or cluster_json_written > teardown_end, "on_cancellation hook did not run"
+
+
+def _engine_pid(worker_pid: int, flow_run_id: str) -> int:
+    """The flow run process the worker started (`python -m prefect.engine`) for `flow_run_id`."""
+    for pid, _ in _descendants(worker_pid):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"prefect.engine" in cmdline and f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
+            return pid
+    raise AssertionError(f"no flow run process for {flow_run_id} under worker {worker_pid}")
+
+
+def _worker_pid(server: Server) -> int:
+    """The `prefect worker start` process of this module (the one whose PREFECT_HOME is ours)."""
+    marker = f"PREFECT_HOME={server.home}".encode()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+                environ = (entry / "environ").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"worker\0start" in cmdline and marker in environ:
+                return int(entry.name)
+    raise AssertionError("worker process not found")
+
+
+def test_crashed_deployment_run_stops_its_cluster(server, worker, tmp_path, reaper):
+    """SIGKILL of the flow run process: its `finally` never runs; on_crashed, run by the worker, must stop the cluster."""
+    state = reaper.watch(tmp_path / "state")
+    run_id = f"dep-crash-{uuid.uuid4().hex[:8]}"
+    flow_run_id = _run_deployment(server, "train/sft", {"config": _config(tmp_path, run_id, steps=500)})
+    _wait_training_started(state, flow_run_id, server, worker)
+    assert len(alive_pids(state)) == 3
+    os.kill(_engine_pid(_worker_pid(server), flow_run_id), signal.SIGKILL)
+    killed_at = time.monotonic()
+    run = _wait_final(server, flow_run_id, worker, deadline_s=300)
+    assert run.state.is_crashed(), f"{run.state.name}: {run.state.message}"
+    # The worker reports Crashed first, then runs the hooks in a fresh process
+    # (which imports the flow: seconds). Wait for them, then nothing may be left.
+    deadline = time.monotonic() + 120
+    while alive_pids(state) and time.monotonic() < deadline:
+        time.sleep(1)
+    print(f"crash -> cluster stopped in {time.monotonic() - killed_at:.1f} s")
+    assert alive_pids(state) == [], f"on_crashed hook did not stop the cluster:\n{_tail(worker)}"
+
+
+def test_nightly_validation_fails_loudly(server, worker, tmp_path, reaper):
+    """Both runs fail their preflight: the nightly flow run must end Failed, naming both."""
+    bad = {"base_model": str(tmp_path / "no-such-model"), "checkpoints": str(tmp_path / "ckpt")}
+    params = {"sft": {"mode": "sft", "steps": 6, **bad, "state_dir": str(reaper.watch(tmp_path / "sft"))},
+              "rl": {"mode": "rl", "steps": 6, **bad, "state_dir": str(reaper.watch(tmp_path / "rl"))}}
+    flow_run_id = _run_deployment(server, "nightly-validation/nightly", params)
+    run = _wait_final(server, flow_run_id, worker, deadline_s=300)
+    assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{_tail(worker)}"
+    message = run.state.message or ""
+    assert "nightly validation FAILED" in message and "sft run" in message and "rl run" in message, message
+    assert "no such directory" in message
+
+
+@pytest.mark.skipif(os.environ.get("TXFLOW_NIGHTLY_E2E") != "1", reason="set TXFLOW_NIGHTLY_E2E=1 (several minutes)")
+def test_nightly_validation_passes(server, worker, tmp_path, reaper):
+    """The nightly deployment with its own parameters, only the output directories moved."""
+    from deployments.defaults import NIGHTLY_RL, NIGHTLY_SFT
+
+    params = {"sft": {**NIGHTLY_SFT, "checkpoints": str(tmp_path / "ckpt"),
+                      "state_dir": str(reaper.watch(tmp_path / "sft"))},
+              "rl": {**NIGHTLY_RL, "checkpoints": str(tmp_path / "ckpt"),
+                     "state_dir": str(reaper.watch(tmp_path / "rl"))}}
+    began = time.monotonic()
+    flow_run_id = _run_deployment(server, "nightly-validation/nightly", params)
+    run = _wait_final(server, flow_run_id, worker, deadline_s=1500)
+    print(f"nightly: {run.state.name} after {time.monotonic() - began:.1f} s")
+    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{_tail(worker)}"

@@ -1,0 +1,73 @@
+"""`txflow run rl` and `txflow run custom` end to end on 2-process clusters."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import alive_pids, run_txflow
+
+pytestmark = pytest.mark.e2e
+
+CLIENT = Path(__file__).parent / "clients" / "sft_client.py"
+
+
+def test_rl_run_improves_reward_and_restores_exactly(tmp_path, txflow_env, reaper):
+    state = reaper.watch(tmp_path / "state")
+    result = run_txflow(["run", "rl", "--run-id", "e2e-rl", "--state-dir", str(state),
+                         "--checkpoints", str(tmp_path / "ckpt"), "--json"], txflow_env, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout)
+    assert report["status"] == "passed" and report["mode"] == "rl"
+    metrics = report["metrics"]
+    assert len(metrics) == 20
+    assert {"reward_mean", "reward_std", "tokens_sampled", "seconds"} <= set(metrics[0])
+    restore = report["restore"]
+    assert restore["reward_last_quarter"] > restore["reward_first_quarter"]
+    assert restore["abs_diff"] <= 1e-6 and restore["sampler_tokens_match"]
+    assert restore["eval_reward"] > restore["base_eval_reward"]
+    kinds = {(a["kind"], a["format"], a["complete"]) for a in report["artifacts"]}
+    assert {("state", "directory", True), ("sampler", "tarball", True)} <= kinds
+    # Sampling clients' transient weights do not stay in the durable root.
+    assert not [a for a in report["artifacts"] if "/sampler_weights/ss" in a["url"]]
+    assert alive_pids(state) == []
+
+
+def test_custom_client_runs_and_every_checkpoint_it_saved_is_verified(tmp_path, txflow_env, reaper):
+    state = reaper.watch(tmp_path / "state")
+    result = run_txflow(["run", "custom", "--run-id", "e2e-custom", "--state-dir", str(state),
+                         "--checkpoints", str(tmp_path / "ckpt"), "--client", str(CLIENT),
+                         "--client-arg=--base-url", "--client-arg={base_url}",
+                         "--client-arg=--model-name", "--client-arg={base_model}", "--json"],
+                        txflow_env, tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    report = json.loads(result.stdout)
+    assert report["status"] == "passed" and report["mode"] == "custom"
+    # The client's output streamed into the run's logs.
+    client_log = (state / "logs" / "client.log").read_text()
+    assert "saved state tinker://" in client_log and "client: saved sampler" in result.stderr
+    saved = {c["kind"]: c for c in report["checkpoints"]["all"]}
+    assert saved["state"]["tinker_path"].endswith("/weights/client-state")
+    assert saved["sampler"]["tinker_path"].endswith("/client-sampler")
+    checks = {c["kind"]: c for c in report["restore"]["checks"]}
+    assert checks["state"]["passed"] and checks["sampler"]["passed"] and report["restore"]["passed"]
+    artifacts = {a["url"]: a for a in report["artifacts"]}
+    assert artifacts[saved["state"]["url"]]["format"] == "directory"
+    assert artifacts[saved["sampler"]["url"]]["format"] == "tarball"
+    assert all(artifacts[c["url"]]["complete"] and artifacts[c["url"]]["committed"] for c in saved.values())
+    assert alive_pids(state) == []
+
+
+def test_custom_client_that_fails_fails_the_run_with_its_output(tmp_path, txflow_env, reaper):
+    state = reaper.watch(tmp_path / "state")
+    bad = tmp_path / "bad_client.py"
+    bad.write_text("import sys\nprint('about to fail', flush=True)\nsys.exit(3)\n")
+    result = run_txflow(["run", "custom", "--run-id", "bad-custom", "--state-dir", str(state), "--processes", "1",
+                         "--checkpoints", str(tmp_path / "ckpt"), "--client", str(bad), "--json"],
+                        txflow_env, tmp_path)
+    assert result.returncode == 1
+    report = json.loads(result.stdout)
+    assert "exited with code 3" in report["error"] and "about to fail" in report["error"]
+    assert alive_pids(state) == []

@@ -1,0 +1,164 @@
+"""Durable checkpoints on a real S3 API (moto_server on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import os
+import tarfile
+from pathlib import Path
+
+import boto3
+import fsspec
+import pytest
+
+from tests.helpers import MotoServer, TcpProxy, alive_pids, run_txflow
+from txflow import storage
+from txflow.config import RunConfig
+from txflow.discovery import COMMIT_SUFFIX, discover
+
+pytestmark = pytest.mark.e2e
+
+SECRET_MARKER = "s3-secret-MARKER-42aa"
+BUCKET = "txflow-ckpt"
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        env = server.env(SECRET_MARKER)
+        boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id="txflow-test",
+                     aws_secret_access_key=SECRET_MARKER, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        yield server, env
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(moto, txflow_env, monkeypatch):
+    """AWS_* for this process (s3fs in the test) and for `txflow` subprocesses."""
+    _, env = moto
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return txflow_env | env
+
+
+def bucket_keys(prefix: str) -> dict[str, int]:
+    s3 = boto3.client("s3")
+    keys = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        keys.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+    return keys
+
+
+def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, s3_env, reaper):
+    first_state, second_state = reaper.watch(tmp_path / "s1"), reaper.watch(tmp_path / "s2")
+    root = f"s3://{BUCKET}/runs"
+    first = run_txflow(["run", "sft", "--run-id", "s3-first", "--steps", "8", "--save-every", "3",
+                        "--checkpoints", root, "--state-dir", str(first_state), "--json"], s3_env, tmp_path)
+    assert first.returncode == 0, first.stderr[-4000:]
+    report = json.loads(first.stdout)
+    assert report["status"] == "passed" and report["restore"]["abs_diff"] <= 1e-6
+
+    # Every file of the state directory and the sampler tarball are in the bucket, with commit markers.
+    keys = bucket_keys("runs/s3-first/")
+    state_url = report["checkpoints"]["state"]["url"]
+    state_prefix = state_url.removeprefix(f"s3://{BUCKET}/")
+    sidecar = json.loads(boto3.client("s3").get_object(Bucket=BUCKET, Key=state_prefix + COMMIT_SUFFIX)["Body"].read())
+    assert {f"{state_prefix}/{name}": size for name, size in sidecar["files"].items()}.items() <= keys.items()
+    assert any(k.endswith("/checkpoint_0/commit_success.txt") and k.startswith(state_prefix) for k in keys)
+    sampler_key = report["checkpoints"]["sampler"]["url"].removeprefix(f"s3://{BUCKET}/")
+    assert sampler_key in keys and sampler_key + COMMIT_SUFFIX in keys
+    assert {"runs/s3-first/report.json", "runs/s3-first/manifest.json", "runs/s3-first/metrics.jsonl"} <= set(keys)
+    # Nothing of the run stayed only in a local cache: the state restores from the bucket alone.
+    assert storage.latest_state(f"{root}/s3-first").url == state_url
+
+    # A second run on a fresh cluster and an empty state directory continues from the step-6 state.
+    step6 = next(a["url"] for a in report["artifacts"] if a["path"].endswith("step-000006.tar.gz"))
+    second = run_txflow(["run", "sft", "--run-id", "s3-second", "--steps", "8", "--resume-from", step6,
+                         "--checkpoints", root, "--state-dir", str(second_state), "--json"], s3_env, tmp_path)
+    assert second.returncode == 0, second.stderr[-4000:]
+    resumed = json.loads(second.stdout)
+    assert resumed["resumed_from_step"] == 6
+    assert [m["step"] for m in resumed["metrics"]] == [7, 8]
+    # Its first step's loss is the loss the first run's step-6 state gives on the same batch (step 7's).
+    first_step7 = next(m for m in report["metrics"] if m["step"] == 7)
+    assert abs(resumed["metrics"][0]["nll"] - first_step7["nll"]) <= 1e-6
+    assert alive_pids(first_state) == [] and alive_pids(second_state) == []
+
+    # The S3 secret key reached no log, report or manifest.
+    for output in (first.stdout, first.stderr, second.stdout, second.stderr):
+        assert SECRET_MARKER not in output
+    for top in (first_state, second_state):
+        assert [p for p in Path(top).rglob("*") if p.is_file() and SECRET_MARKER.encode() in p.read_bytes()] == []
+    for key in bucket_keys("runs/"):
+        if key.endswith(".json") or key.endswith(".jsonl"):
+            body = boto3.client("s3").get_object(Bucket=BUCKET, Key=key)["Body"].read()
+            assert SECRET_MARKER.encode() not in body
+
+
+def fake_state(staging: Path, model_id: str, name: str, files: int = 6) -> str:
+    ckpt = staging / model_id / f"{name}.tar.gz" / "checkpoint_0"
+    ckpt.mkdir(parents=True)
+    for marker in ("_CHECKPOINT_METADATA", "_METADATA", "commit_success.txt"):
+        (ckpt / marker).write_text("{}")
+    for i in range(files):
+        (ckpt / "ocdbt.process_0" / "d").mkdir(parents=True, exist_ok=True)
+        (ckpt / "ocdbt.process_0" / "d" / f"part{i}").write_bytes(os.urandom(256 * 1024))
+    return f"tinker://{model_id}/weights/{name}"
+
+
+def test_s3_server_gone_during_commit_fails_with_a_clear_error_and_no_marker(tmp_path, moto, s3_env, monkeypatch):
+    server, _ = moto
+    proxy = TcpProxy(server.port)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # fail fast instead of botocore's retries
+    cfg = RunConfig(run_id="fault", checkpoints=f"s3://{BUCKET}/faults", state_dir=str(tmp_path / "state"),
+                    storage_options={"endpoint_url": f"http://127.0.0.1:{proxy.port}"}).resolved()
+    staging = tmp_path / "staging"
+    path = fake_state(staging, "m1", "step-000002")
+    import s3fs
+
+    original = s3fs.S3FileSystem._put_file
+    calls = []
+
+    async def put_then_vanish(self, *args, **kwargs):
+        result = await original(self, *args, **kwargs)
+        calls.append(args)
+        if len(calls) == 2:
+            proxy.stop()  # the S3 server disappears in the middle of the upload
+        return result
+
+    s3fs.S3FileSystem._put_file = put_then_vanish
+    try:
+        with pytest.raises(OSError, match="no commit marker was written") as failure:
+            storage.commit(cfg, str(staging), path)
+    finally:
+        s3fs.S3FileSystem._put_file = original
+        proxy.stop()
+    assert "s3://txflow-ckpt/faults/fault/m1/step-000002.tar.gz" in str(failure.value)
+    # The server itself kept what arrived: part of the files, and no commit marker.
+    keys = bucket_keys("faults/fault/")
+    assert keys and "faults/fault/m1/step-000002.tar.gz" + COMMIT_SUFFIX not in keys
+    found = discover(f"s3://{BUCKET}/faults/fault", require_commit=True)
+    assert [(a.kind, a.complete, a.committed) for a in found] == [("state", False, False)]
+    assert "no commit marker" in found[0].reason.lower()
+
+
+def test_truncated_object_in_the_bucket_is_reported_incomplete(s3_env):
+    buffer = io.BytesIO()
+    with gzip.GzipFile(fileobj=buffer, mode="wb") as gz, tarfile.open(fileobj=gz, mode="w") as tar:
+        for i in range(4):
+            data = os.urandom(64 * 1024)
+            info = tarfile.TarInfo(f"adapter{i}.safetensors")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    whole = buffer.getvalue()
+    fs = fsspec.filesystem("s3")
+    fs.pipe_file(f"{BUCKET}/trunc/m1/sampler_weights/ok.tar.gz", whole)
+    fs.pipe_file(f"{BUCKET}/trunc/m1/sampler_weights/cut.tar.gz", whole[: len(whole) // 2])
+    found = {a.path: a for a in discover(f"s3://{BUCKET}/trunc")}
+    assert found["m1/sampler_weights/ok.tar.gz"].complete
+    cut = found["m1/sampler_weights/cut.tar.gz"]
+    assert not cut.complete and "truncated" in cut.reason.lower()
