@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.txflow-installed
 
-.PHONY: demo test test-fast venv clean
+.PHONY: demo test test-fast venv clean bench
 
 venv: $(STAMP)
 
@@ -29,3 +29,7 @@ test-fast: $(STAMP)
 
 clean:
 	rm -rf .txflow
+
+# Discovery on S3 versus a bare recursive listing, same store, same run (target ratio <= 1.5).
+bench: $(STAMP)
+	$(BIN)/python scripts/bench_discovery.py --objects 10000

@@ -147,7 +147,9 @@ def train_custom(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: cus
     return Trained(training_client=None, metrics=[{"step": 1, "seconds": round(seconds, 3)}])
 
 
-@task(name="train", retries=1, retry_delay_seconds=1, cache_policy=NO_CACHE)
+# No task-level retries: a retry needs a fresh cluster, which the flow provisions (and the
+# train step then resumes from the last durable state).
+@task(name="train", retries=0, cache_policy=NO_CACHE)
 def train(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: Any) -> Trained:
     """Run the training of `cfg.mode` against the cluster."""
     modes = {"sft": train_sft, "rl": train_rl, "custom": train_custom}

@@ -183,6 +183,15 @@ def deployed(server):
     return result.stdout
 
 
+@dataclass
+class Worker:
+    pid: int
+    log: Path
+
+    def tail(self) -> str:
+        return _tail(self.log)
+
+
 @pytest.fixture(scope="module")
 def worker(server, deployed):
     """`prefect worker start --pool txflow` from the repository root."""
@@ -195,7 +204,7 @@ def worker(server, deployed):
                 assert proc.poll() is None, f"worker exited {proc.returncode}:\n{_tail(log)}"
                 assert time.monotonic() < deadline, f"worker did not register:\n{_tail(log)}"
                 time.sleep(1)
-        yield log
+        yield Worker(pid=proc.pid, log=log)
     finally:
         _stop(proc)
 
@@ -208,7 +217,7 @@ def _run_deployment(server: Server, name: str, params: dict) -> str:
     return match.group(1)
 
 
-def _wait_final(server: Server, flow_run_id: str, worker_log: Path, deadline_s: float = RUN_DEADLINE_S):
+def _wait_final(server: Server, flow_run_id: str, worker: Worker, deadline_s: float = RUN_DEADLINE_S):
     deadline = time.monotonic() + deadline_s
     with api(server) as client:
         while True:
@@ -216,19 +225,19 @@ def _wait_final(server: Server, flow_run_id: str, worker_log: Path, deadline_s: 
             if run.state is not None and run.state.is_final():
                 return run
             assert time.monotonic() < deadline, (
-                f"flow run {flow_run_id} still {run.state and run.state.name} after {deadline_s} s:\n{_tail(worker_log)}")
+                f"flow run {flow_run_id} still {run.state and run.state.name} after {deadline_s} s:\n{worker.tail()}")
             time.sleep(2)
 
 
-def _wait_training_started(state: Path, flow_run_id: str, server: Server, worker_log: Path) -> None:
+def _wait_training_started(state: Path, flow_run_id: str, server: Server, worker: Worker) -> None:
     """Until `<state>/metrics.jsonl` has a line: the cluster runs and trains."""
     deadline = time.monotonic() + RUN_DEADLINE_S
     metrics = state / "metrics.jsonl"
     with api(server) as client:
         while not (metrics.exists() and metrics.read_text().strip()):
             run = client.read_flow_run(uuid.UUID(flow_run_id))
-            assert not (run.state and run.state.is_final()), f"run ended as {run.state.name}:\n{_tail(worker_log)}"
-            assert time.monotonic() < deadline, f"no training step after {RUN_DEADLINE_S} s:\n{_tail(worker_log)}"
+            assert not (run.state and run.state.is_final()), f"run ended as {run.state.name}:\n{worker.tail()}"
+            assert time.monotonic() < deadline, f"no training step after {RUN_DEADLINE_S} s:\n{worker.tail()}"
             time.sleep(1)
 
 
@@ -365,7 +374,7 @@ def test_sft_deployment_run_completes_with_its_artifacts(server, worker, tmp_pat
     flow_run_id = _run_deployment(server, "train/sft", {"config": _config(tmp_path, run_id, steps=6)})
     run = _wait_final(server, flow_run_id, worker)
     print(f"train/sft run {run_id}: {run.state.name} after {time.monotonic() - began:.1f} s")
-    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{_tail(worker)}"
+    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
     assert run.parameters["config"]["run_id"] == run_id
 
     with api(server) as client:
@@ -401,7 +410,7 @@ def test_cancelled_deployment_run_stops_its_cluster(server, worker, tmp_path, re
     server.prefect("flow-run", "cancel", flow_run_id)
     run = _wait_final(server, flow_run_id, worker, deadline_s=300)
     print(f"cancel -> {run.state.name} in {time.monotonic() - cancelled_at:.1f} s")
-    assert run.state.is_cancelled(), f"{run.state.name}: {run.state.message}\n{_tail(worker)}"
+    assert run.state.is_cancelled(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
     assert alive_pids(state) == [], "\n".join(_flow_run_logs(server, flow_run_id)[-20:])
     # The engine's own `finally` stops the cluster (SIGTERM arrives as an exception);
     # the worker then runs on_cancellation in a subprocess of its own, whose
@@ -425,21 +434,6 @@ def _engine_pid(worker_pid: int, flow_run_id: str) -> int:
     raise AssertionError(f"no flow run process for {flow_run_id} under worker {worker_pid}")
 
 
-def _worker_pid(server: Server) -> int:
-    """The `prefect worker start` process of this module (the one whose PREFECT_HOME is ours)."""
-    marker = f"PREFECT_HOME={server.home}".encode()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-                environ = (entry / "environ").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if b"worker\0start" in cmdline and marker in environ:
-                return int(entry.name)
-    raise AssertionError("worker process not found")
-
-
 def test_crashed_deployment_run_stops_its_cluster(server, worker, tmp_path, reaper):
     """SIGKILL of the flow run process: its `finally` never runs; on_crashed, run by the worker, must stop the cluster."""
     state = reaper.watch(tmp_path / "state")
@@ -447,7 +441,7 @@ def test_crashed_deployment_run_stops_its_cluster(server, worker, tmp_path, reap
     flow_run_id = _run_deployment(server, "train/sft", {"config": _config(tmp_path, run_id, steps=500)})
     _wait_training_started(state, flow_run_id, server, worker)
     assert len(alive_pids(state)) == 3
-    os.kill(_engine_pid(_worker_pid(server), flow_run_id), signal.SIGKILL)
+    os.kill(_engine_pid(worker.pid, flow_run_id), signal.SIGKILL)
     killed_at = time.monotonic()
     run = _wait_final(server, flow_run_id, worker, deadline_s=300)
     assert run.state.is_crashed(), f"{run.state.name}: {run.state.message}"
@@ -457,7 +451,7 @@ def test_crashed_deployment_run_stops_its_cluster(server, worker, tmp_path, reap
     while alive_pids(state) and time.monotonic() < deadline:
         time.sleep(1)
     print(f"crash -> cluster stopped in {time.monotonic() - killed_at:.1f} s")
-    assert alive_pids(state) == [], f"on_crashed hook did not stop the cluster:\n{_tail(worker)}"
+    assert alive_pids(state) == [], f"on_crashed hook did not stop the cluster:\n{worker.tail()}"
 
 
 def test_nightly_validation_fails_loudly(server, worker, tmp_path, reaper):
@@ -467,13 +461,14 @@ def test_nightly_validation_fails_loudly(server, worker, tmp_path, reaper):
               "rl": {"mode": "rl", "steps": 6, **bad, "state_dir": str(reaper.watch(tmp_path / "rl"))}}
     flow_run_id = _run_deployment(server, "nightly-validation/nightly", params)
     run = _wait_final(server, flow_run_id, worker, deadline_s=300)
-    assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{_tail(worker)}"
+    assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
     message = run.state.message or ""
     assert "nightly validation FAILED" in message and "sft run" in message and "rl run" in message, message
     assert "no such directory" in message
 
 
 @pytest.mark.skipif(os.environ.get("TXFLOW_NIGHTLY_E2E") != "1", reason="set TXFLOW_NIGHTLY_E2E=1 (several minutes)")
+@pytest.mark.timeout(1800)
 def test_nightly_validation_passes(server, worker, tmp_path, reaper):
     """The nightly deployment with its own parameters, only the output directories moved."""
     from deployments.defaults import NIGHTLY_RL, NIGHTLY_SFT
@@ -486,4 +481,4 @@ def test_nightly_validation_passes(server, worker, tmp_path, reaper):
     flow_run_id = _run_deployment(server, "nightly-validation/nightly", params)
     run = _wait_final(server, flow_run_id, worker, deadline_s=1500)
     print(f"nightly: {run.state.name} after {time.monotonic() - began:.1f} s")
-    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{_tail(worker)}"
+    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"

@@ -113,7 +113,11 @@ class RunConfig(BaseModel, extra="forbid"):
     )
     startup_timeout_s: float = Field(default=300, gt=0, description="Deadline for the cluster to become ready.")
     step_timeout_s: float = Field(default=300, gt=0, description="Deadline for one training request.")
-    train_retries: int = Field(default=1, ge=0, description="Retries of the train step (each resumes).")
+    train_retries: int = Field(
+        default=1, ge=0,
+        description="Cluster faults (a dead rank, a request without progress) survived: each tears the cluster "
+        "down and resumes from the last durable state on a fresh one.",
+    )
 
     @field_validator("run_id")
     @classmethod

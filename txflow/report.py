@@ -13,7 +13,7 @@ from txflow.log import scrub
 
 def build(cfg: RunConfig, status: str, timings: dict, metrics: list[dict], saved: dict | None,
           discovered: dict | None, restore: dict | None, ranks: list[dict], error: str | None,
-          resumed_from_step: int = 0) -> dict:
+          resumed_from_step: int = 0, failures: list[dict] | None = None) -> dict:
     """The report of one run; every key is always present (None when the step did not run)."""
     return {
         "run_id": cfg.run_id,
@@ -32,6 +32,7 @@ def build(cfg: RunConfig, status: str, timings: dict, metrics: list[dict], saved
         "restore": restore,
         "timings_s": timings,
         "cluster": {"ranks": ranks},
+        "failures": [{**f, "message": scrub(f["message"])} for f in failures or []],
         "finished_at": time.time(),
     }
 
@@ -91,6 +92,12 @@ def markdown(report: dict) -> str:
             lines.append(f"- {ckpt['kind']} checkpoint: `{ckpt['tinker_path']}` at `{ckpt['url']}`")
     if report["manifest"]:
         lines.append(f"- manifest: `{report['manifest']}` ({len(report['artifacts'])} artifacts)")
+    if report["failures"]:
+        lines += ["", "## Failures recovered or not", ""]
+        for f in report["failures"]:
+            who = f"rank {f['rank']} ({f['role']})" if f["rank"] is not None else f["role"]
+            lines.append(f"- {who}, exit code {f['exit_code']}, detected at {time.strftime('%H:%M:%S', time.localtime(f['detected_at']))}"
+                         + (f", resumed from step {f['resumed_from_step']}" if f["resumed_from_step"] is not None else ""))
     if report["error"]:
         lines += ["", "## Error", "", "```", report["error"][-3000:], "```"]
     lines += ["", "## Timings (s)", ""] + [f"- {k}: {v:.1f}" for k, v in report["timings_s"].items()]
