@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import time
 import traceback
+from contextlib import contextmanager
 
 from prefect import flow
+from prefect.concurrency.sync import concurrency
 
 from tasks.discover_artifacts import discover_artifacts
 from tasks.evaluate_restore import evaluate_restore
@@ -47,6 +49,17 @@ def _stop_cluster_hook(flow, flow_run, state) -> None:
         stop_cluster(cfg.state_dir)
 
 
+@contextmanager
+def cluster_slots(cfg: RunConfig):
+    """Hold `processes` slots of the Prefect global concurrency limit while the run has a cluster."""
+    if not cfg.concurrency_limit:
+        yield
+        return
+    # strict=False: without the limit on the server (the embedded API) there is nothing to wait for.
+    with concurrency(cfg.concurrency_limit, occupy=cfg.processes, strict=False):
+        yield
+
+
 class Timings(dict):
     """Seconds per step; a step that runs on several clusters adds up."""
 
@@ -74,40 +87,41 @@ def train_flow(config: RunConfig = RunConfig()) -> dict:
     error = None
     ranks: list[dict] = []
     failures: list[Failure] = []
-    for attempt in range(cfg.train_retries + 1):
-        monitor = None
-        try:
-            cluster = timings.run("provision-coordinator", provision_coordinator, cfg, launcher)
-            cluster = timings.run("launch-workers", launch_workers, cfg, cluster, launcher)
-            monitor = RankMonitor(cluster, launcher).start()
-            trained = timings.run("train", train, cfg, cluster, launcher, data)
-            saved = timings.run("save-checkpoint", save_checkpoint, cfg, cluster, launcher, trained, data)
-            discovered = timings.run("discover-artifacts", discover_artifacts, cfg, saved)
-            restore = timings.run("evaluate-restore", evaluate_restore, cfg, cluster, launcher, trained.metrics,
-                                  saved, data)
-            error = None
-        except Exception as exc:
-            error = "".join(traceback.format_exception_only(exc)).strip()
-            fault = _cluster_fault(monitor, exc)
-            if fault is None or attempt == cfg.train_retries:
-                log.error(f"run {cfg.run_id} failed: {error}")
-                if fault is not None:
-                    failures.append(fault)
-                break
-            failures.append(fault)
-            log.warning(f"cluster fault ({fault.message.splitlines()[0]}); tearing down and retrying on a fresh "
-                        f"cluster ({attempt + 1}/{cfg.train_retries})")
-        finally:
-            if monitor is not None:
-                monitor.stop()
+    with cluster_slots(cfg):
+        for attempt in range(cfg.train_retries + 1):
+            monitor = None
             try:
-                ranks = timings.run("teardown", teardown, cfg.state_dir, launcher)
-            except BaseException:
-                ranks = as_json(stop_cluster(cfg.state_dir, launcher))
-        if error is None:
-            break
-        latest = storage.latest_state(cfg.run_root, cfg.plain_storage_options())
-        failures[-1].resumed_from_step = storage.step_of(latest.path) if latest else 0
+                cluster = timings.run("provision-coordinator", provision_coordinator, cfg, launcher)
+                cluster = timings.run("launch-workers", launch_workers, cfg, cluster, launcher)
+                monitor = RankMonitor(cluster, launcher).start()
+                trained = timings.run("train", train, cfg, cluster, launcher, data)
+                saved = timings.run("save-checkpoint", save_checkpoint, cfg, cluster, launcher, trained, data)
+                discovered = timings.run("discover-artifacts", discover_artifacts, cfg, saved)
+                restore = timings.run("evaluate-restore", evaluate_restore, cfg, cluster, launcher, trained.metrics,
+                                      saved, data)
+                error = None
+            except Exception as exc:
+                error = "".join(traceback.format_exception_only(exc)).strip()
+                fault = _cluster_fault(monitor, exc)
+                if fault is None or attempt == cfg.train_retries:
+                    log.error(f"run {cfg.run_id} failed: {error}")
+                    if fault is not None:
+                        failures.append(fault)
+                    break
+                failures.append(fault)
+                log.warning(f"cluster fault ({fault.message.splitlines()[0]}); tearing down and retrying on a fresh "
+                            f"cluster ({attempt + 1}/{cfg.train_retries})")
+            finally:
+                if monitor is not None:
+                    monitor.stop()
+                try:
+                    ranks = timings.run("teardown", teardown, cfg.state_dir, launcher)
+                except BaseException:
+                    ranks = as_json(stop_cluster(cfg.state_dir, launcher))
+            if error is None:
+                break
+            latest = storage.latest_state(cfg.run_root, cfg.plain_storage_options())
+            failures[-1].resumed_from_step = storage.step_of(latest.path) if latest else 0
     timings["total"] = round(time.monotonic() - began, 3)
 
     status = "passed" if error is None and restore and restore["passed"] else "failed"

@@ -71,6 +71,7 @@ def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> Cluster:
         num_processes=cfg.processes,
         base_model_path=base_model_path,
         checkpoints_base=engine_checkpoints_base(cfg),
+        **({"api_key": cfg.api_key} if cfg.api_key is not None else {}),
     )
     register_secret(cluster.api_key.get_secret_value())
     cluster.save()

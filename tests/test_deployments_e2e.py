@@ -209,11 +209,30 @@ def worker(server, deployed):
         _stop(proc)
 
 
-def _run_deployment(server: Server, name: str, params: dict) -> str:
+@pytest.fixture
+def started_runs(server, reaper):
+    """Flow run ids a test started. One still running when the test ends (it failed) is
+    cancelled, so the worker stops its process; then `reaper` stops what is left of its cluster."""
+    ids: list[str] = []
+    yield ids
+    for flow_run_id in ids:
+        with api(server) as client:
+            run = client.read_flow_run(uuid.UUID(flow_run_id))
+            if run.state is None or run.state.is_final():
+                continue
+            subprocess.run([PREFECT, "flow-run", "cancel", flow_run_id], env=server.env, cwd=REPO,
+                           capture_output=True, timeout=120)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and not client.read_flow_run(run.id).state.is_final():
+                time.sleep(2)
+
+
+def _run_deployment(server: Server, name: str, params: dict, started_runs: list[str]) -> str:
     """`prefect deployment run NAME --params JSON`; returns the flow run id."""
     out = server.prefect("deployment", "run", name, "--params", json.dumps(params)).stdout
     match = UUID_RE.search(out)
     assert match, out
+    started_runs.append(match.group(1))
     return match.group(1)
 
 
@@ -355,6 +374,16 @@ def test_deployments_on_the_server(server, deployed):
     assert [s.schedule.cron for s in deployments["train/sft"].schedules + deployments["train/rl"].schedules] == []
 
 
+def test_unknown_config_field_is_rejected_before_any_run(server, deployed):
+    """enforce_parameter_schema: the server checks overrides against RunConfig's schema."""
+    params = {"config": {"mode": "sft", "stepz": 3}}
+    result = subprocess.run([PREFECT, "deployment", "run", "train/sft", "--params", json.dumps(params)],
+                            env=server.env, cwd=REPO, capture_output=True, text=True, timeout=120)
+    output = result.stdout + result.stderr
+    assert result.returncode != 0 and "stepz" in output, output
+    assert not UUID_RE.search(output)
+
+
 def test_nightly_deployment_has_its_cron_schedule(server, deployed):
     with api(server) as client:
         deployment = client.read_deployment_by_name("nightly-validation/nightly")
@@ -365,13 +394,14 @@ def test_nightly_deployment_has_its_cron_schedule(server, deployed):
     assert schedule.schedule.timezone == "UTC"
 
 
-def test_sft_deployment_run_completes_with_its_artifacts(server, worker, tmp_path, reaper):
+def test_sft_deployment_run_completes_with_its_artifacts(server, worker, tmp_path, reaper, started_runs):
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
     state = reaper.watch(tmp_path / "state")
     run_id = f"dep-sft-{uuid.uuid4().hex[:8]}"
     began = time.monotonic()
-    flow_run_id = _run_deployment(server, "train/sft", {"config": _config(tmp_path, run_id, steps=6)})
+    params = {"config": _config(tmp_path, run_id, steps=6)}
+    flow_run_id = _run_deployment(server, "train/sft", params, started_runs)
     run = _wait_final(server, flow_run_id, worker)
     print(f"train/sft run {run_id}: {run.state.name} after {time.monotonic() - began:.1f} s")
     assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
@@ -398,10 +428,11 @@ def test_sft_deployment_run_completes_with_its_artifacts(server, worker, tmp_pat
     assert alive_pids(state) == []
 
 
-def test_cancelled_deployment_run_stops_its_cluster(server, worker, tmp_path, reaper):
+def test_cancelled_deployment_run_stops_its_cluster(server, worker, tmp_path, reaper, started_runs):
     state = reaper.watch(tmp_path / "state")
     run_id = f"dep-cancel-{uuid.uuid4().hex[:8]}"
-    flow_run_id = _run_deployment(server, "train/sft", {"config": _config(tmp_path, run_id, steps=500)})
+    params = {"config": _config(tmp_path, run_id, steps=500)}
+    flow_run_id = _run_deployment(server, "train/sft", params, started_runs)
     _wait_training_started(state, flow_run_id, server, worker)
     pids = [pid for pid, _ in cluster_pids(state)]
     assert len(pids) == 3 and alive_pids(state) == pids  # api, rank 0, rank 1
@@ -434,11 +465,13 @@ def _engine_pid(worker_pid: int, flow_run_id: str) -> int:
     raise AssertionError(f"no flow run process for {flow_run_id} under worker {worker_pid}")
 
 
-def test_crashed_deployment_run_stops_its_cluster(server, worker, tmp_path, reaper):
-    """SIGKILL of the flow run process: its `finally` never runs; on_crashed, run by the worker, must stop the cluster."""
+def test_crashed_deployment_run_stops_its_cluster(server, worker, tmp_path, reaper, started_runs):
+    """SIGKILL of the flow run process: its `finally` never runs, so on_crashed (which the
+    worker runs) must stop the cluster."""
     state = reaper.watch(tmp_path / "state")
     run_id = f"dep-crash-{uuid.uuid4().hex[:8]}"
-    flow_run_id = _run_deployment(server, "train/sft", {"config": _config(tmp_path, run_id, steps=500)})
+    params = {"config": _config(tmp_path, run_id, steps=500)}
+    flow_run_id = _run_deployment(server, "train/sft", params, started_runs)
     _wait_training_started(state, flow_run_id, server, worker)
     assert len(alive_pids(state)) == 3
     os.kill(_engine_pid(worker.pid, flow_run_id), signal.SIGKILL)
@@ -454,12 +487,12 @@ def test_crashed_deployment_run_stops_its_cluster(server, worker, tmp_path, reap
     assert alive_pids(state) == [], f"on_crashed hook did not stop the cluster:\n{worker.tail()}"
 
 
-def test_nightly_validation_fails_loudly(server, worker, tmp_path, reaper):
+def test_nightly_validation_fails_loudly(server, worker, tmp_path, reaper, started_runs):
     """Both runs fail their preflight: the nightly flow run must end Failed, naming both."""
     bad = {"base_model": str(tmp_path / "no-such-model"), "checkpoints": str(tmp_path / "ckpt")}
     params = {"sft": {"mode": "sft", "steps": 6, **bad, "state_dir": str(reaper.watch(tmp_path / "sft"))},
               "rl": {"mode": "rl", "steps": 6, **bad, "state_dir": str(reaper.watch(tmp_path / "rl"))}}
-    flow_run_id = _run_deployment(server, "nightly-validation/nightly", params)
+    flow_run_id = _run_deployment(server, "nightly-validation/nightly", params, started_runs)
     run = _wait_final(server, flow_run_id, worker, deadline_s=300)
     assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
     message = run.state.message or ""
@@ -467,9 +500,33 @@ def test_nightly_validation_fails_loudly(server, worker, tmp_path, reaper):
     assert "no such directory" in message
 
 
-@pytest.mark.skipif(os.environ.get("TXFLOW_NIGHTLY_E2E") != "1", reason="set TXFLOW_NIGHTLY_E2E=1 (several minutes)")
+nightly_e2e = pytest.mark.skipif(os.environ.get("TXFLOW_NIGHTLY_E2E") != "1",
+                                 reason="set TXFLOW_NIGHTLY_E2E=1 (several minutes)")
+
+
+@nightly_e2e
+def test_cancelled_nightly_run_stops_the_subflow_cluster(server, worker, tmp_path, reaper, started_runs):
+    """Cancelled during its SFT subflow: that cluster stops and the RL run never starts."""
+    sft_state, rl_state = reaper.watch(tmp_path / "sft"), reaper.watch(tmp_path / "rl")
+    params = {"sft": {"mode": "sft", "steps": 500, "save_every": 0, "checkpoints": str(tmp_path / "ckpt"),
+                      "state_dir": str(sft_state)},
+              "rl": {"mode": "rl", "steps": 20, "checkpoints": str(tmp_path / "ckpt"), "state_dir": str(rl_state)}}
+    flow_run_id = _run_deployment(server, "nightly-validation/nightly", params, started_runs)
+    _wait_training_started(sft_state, flow_run_id, server, worker)
+    assert len(alive_pids(sft_state)) == 3
+    server.prefect("flow-run", "cancel", flow_run_id)
+    run = _wait_final(server, flow_run_id, worker, deadline_s=300)
+    assert run.state.is_cancelled(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
+    deadline = time.monotonic() + 60  # the worker's hook process may still be on its way
+    while alive_pids(sft_state) and time.monotonic() < deadline:
+        time.sleep(1)
+    assert alive_pids(sft_state) == []
+    assert not (rl_state / "cluster.json").exists()
+
+
+@nightly_e2e
 @pytest.mark.timeout(1800)
-def test_nightly_validation_passes(server, worker, tmp_path, reaper):
+def test_nightly_validation_passes(server, worker, tmp_path, reaper, started_runs):
     """The nightly deployment with its own parameters, only the output directories moved."""
     from deployments.defaults import NIGHTLY_RL, NIGHTLY_SFT
 
@@ -478,7 +535,7 @@ def test_nightly_validation_passes(server, worker, tmp_path, reaper):
               "rl": {**NIGHTLY_RL, "checkpoints": str(tmp_path / "ckpt"),
                      "state_dir": str(reaper.watch(tmp_path / "rl"))}}
     began = time.monotonic()
-    flow_run_id = _run_deployment(server, "nightly-validation/nightly", params)
+    flow_run_id = _run_deployment(server, "nightly-validation/nightly", params, started_runs)
     run = _wait_final(server, flow_run_id, worker, deadline_s=1500)
     print(f"nightly: {run.state.name} after {time.monotonic() - began:.1f} s")
     assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"

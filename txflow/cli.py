@@ -85,6 +85,9 @@ def run(args) -> int:
     values = {field: getattr(args, field) for field in RUN_OPTIONS.values() if getattr(args, field) is not None}
     values["mode"] = args.mode
     values["client_args"] = args.client_args
+    if os.environ.get("TINKER_API_KEY"):
+        # The standard Tinker variable, so the key stays off the command line.
+        values["api_key"] = os.environ["TINKER_API_KEY"]
     try:
         values["storage_options"] = _storage_options(args.storage_option)
     except ValueError as exc:

@@ -72,6 +72,17 @@ class RunConfig(BaseModel, extra="forbid"):
     state_dir: str | None = Field(
         default=None, description="Local run state (cluster.json, one log per rank). Default `.txflow/runs/<run_id>`."
     )
+    api_key: SecretStr | None = Field(
+        default=None,
+        description="Tinker API key the run's clients use (SkyRL-tx does not check it). Default: a random "
+        "`tml-` key per run. Never logged.",
+    )
+    concurrency_limit: str | None = Field(
+        default="txflow-cluster-slots",
+        description="Prefect global concurrency limit of which the run holds `processes` slots while its cluster "
+        "exists, so two runs never take the same slots (create it: `prefect gcl create NAME --limit N`; "
+        "absent: no limit). Empty: no guard.",
+    )
     database_url: SecretStr | None = Field(
         default=None, description="SkyRL-tx database URL. Default: SQLite in the run's state directory."
     )
@@ -126,6 +137,13 @@ class RunConfig(BaseModel, extra="forbid"):
             raise ValueError(
                 f"run_id {value!r} must be 1-64 letters, digits, '-' or '_' (it becomes a directory name)"
             )
+        return value
+
+    @field_validator("api_key")
+    @classmethod
+    def _tinker_key_prefix(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and not value.get_secret_value().startswith("tml-"):
+            raise ValueError("api_key must start with 'tml-' (the Tinker SDK refuses other keys)")
         return value
 
     @field_validator("processes")

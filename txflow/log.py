@@ -47,5 +47,7 @@ def register_run_secrets(cfg) -> None:
 
     for value in cfg.plain_storage_options().values():
         register_secret(value)
+    if cfg.api_key is not None:
+        register_secret(cfg.api_key.get_secret_value())
     if cfg.database_url is not None:
         register_secret(make_url(cfg.database_url.get_secret_value()).password)

@@ -53,10 +53,10 @@ def check_run_root(cfg: RunConfig) -> None:
     except (ValueError, ImportError) as exc:
         raise PreflightError(f"--checkpoints {cfg.checkpoints}: not a usable fsspec URL ({exc})") from None
     try:
-        if fs.exists(f"{root}/report.json"):
+        if fs.exists(f"{root}/report.json") and not cfg.resume_from:
             raise PreflightError(
                 f"Run {cfg.run_id} already completed under {cfg.run_root}; its checkpoints are kept. "
-                f"Use another --run-id"
+                f"Use another --run-id, or --resume-from {cfg.run_root} to continue it"
             )
         fs.makedirs(root, exist_ok=True)
         probe = f"{root}/.txflow-write-probe"

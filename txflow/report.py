@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import time
 
@@ -33,6 +34,7 @@ def build(cfg: RunConfig, status: str, timings: dict, metrics: list[dict], saved
         "timings_s": timings,
         "cluster": {"ranks": ranks},
         "failures": [{**f, "message": scrub(f["message"])} for f in failures or []],
+        "plot": None,
         "finished_at": time.time(),
     }
 
@@ -47,17 +49,48 @@ def checkpoints_block(saved: dict | None) -> dict | None:
     return block
 
 
+CURVES = {"nll": "loss (mean NLL per completion token)", "reward_mean": "mean reward"}
+
+
+def curve_png(metrics: list[dict]) -> bytes | None:
+    """The loss (sft) or reward (rl) curve as a PNG, or None when the metrics have neither."""
+    key = next((k for k in CURVES if metrics and k in metrics[0]), None)
+    if key is None:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6, 3.5), dpi=100)
+    ax = fig.add_subplot()
+    ax.plot([m["step"] for m in metrics], [m[key] for m in metrics], marker="o", markersize=3)
+    ax.set_xlabel("step")
+    ax.set_ylabel(CURVES[key])
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
 def write(cfg: RunConfig, report: dict, metrics_text: str) -> str:
-    """Write report.json and metrics.jsonl into the run root; returns the report URL."""
+    """Write report.json, metrics.jsonl and the curve into the run root; returns the report URL.
+
+    A report.json already there (a run continued with --resume-from) is kept as report-<time>.json.
+    """
     options = cfg.plain_storage_options()
-    url = f"{cfg.run_root}/report.json"
     fs, path = fsspec.core.url_to_fs(cfg.run_root, **options)
     fs.makedirs(path, exist_ok=True)
-    with fsspec.open(f"{cfg.run_root}/metrics.jsonl", "w", **options) as f:
-        f.write(metrics_text)
-    with fsspec.open(url, "w", **options) as f:
-        f.write(json.dumps(report, indent=2))
-    return url
+    if fs.exists(f"{path}/report.json"):
+        fs.copy(f"{path}/report.json", f"{path}/report-{int(time.time())}.json")
+    png = curve_png(report["metrics"])
+    if png is not None:
+        fs.pipe_file(f"{path}/curve.png", png)
+        report["plot"] = f"{cfg.run_root}/curve.png"
+    fs.pipe_file(f"{path}/metrics.jsonl", metrics_text.encode())
+    fs.pipe_file(f"{path}/report.json", json.dumps(report, indent=2).encode())
+    return f"{cfg.run_root}/report.json"
 
 
 def markdown(report: dict) -> str:
@@ -92,6 +125,8 @@ def markdown(report: dict) -> str:
             lines.append(f"- {ckpt['kind']} checkpoint: `{ckpt['tinker_path']}` at `{ckpt['url']}`")
     if report["manifest"]:
         lines.append(f"- manifest: `{report['manifest']}` ({len(report['artifacts'])} artifacts)")
+    if report.get("plot"):
+        lines.append(f"- curve: `{report['plot']}`")
     if report["failures"]:
         lines += ["", "## Failures recovered or not", ""]
         for f in report["failures"]:
