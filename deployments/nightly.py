@@ -31,16 +31,21 @@ def _stop_subflow_clusters(flow, flow_run, state) -> None:
     """
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.logging.loggers import flow_run_logger
 
     with get_client(sync_client=True) as client:
         children = client.read_flow_runs(
             flow_run_filter=FlowRunFilter(parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id]))
         )
+    # Hooks the worker runs log nothing by themselves: say what was stopped, for the UI.
+    log = flow_run_logger(flow_run, flow)
     for child in children:
         config = child.parameters.get("config")
         state_dir = config.get("state_dir") if isinstance(config, dict) else None
         if state_dir:
-            stop_cluster(state_dir)
+            records = stop_cluster(state_dir)
+            log.info(f"{state.name}: stopped the cluster of subflow run {child.name} in {state_dir}: "
+                     + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_code}" for r in records) or "nothing recorded"))
 
 
 def _summary(results: dict[str, dict]) -> str:

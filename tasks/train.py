@@ -68,66 +68,62 @@ def save_progress(cfg: RunConfig, cluster: Cluster, launcher: Launcher, training
     return url
 
 
-def train_sft(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: sft.SFTData) -> Trained:
+def sft_step(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: sft.SFTData):
+    """One SFT step: cross-entropy on a batch; returns its metrics."""
+    adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
+
+    def step_fn(training_client, step: int) -> dict:
+        batch = [data.train[i] for i in sft.batch_indices(len(data.train), step, cfg.batch_size, cfg.seed)]
+        # Both requests in flight before either is awaited, as the Tinker cookbook does.
+        fwd_bwd = training_client.forward_backward([sft.to_datum(e) for e in batch], "cross_entropy")
+        optim = training_client.optim_step(adam)
+        output = wait_result(fwd_bwd, cluster, launcher, cfg.step_timeout_s, f"forward_backward of step {step + 1}")
+        wait_result(optim, cluster, launcher, cfg.step_timeout_s, f"optim_step of step {step + 1}")
+        nll, tokens = sft.mean_nll(output, batch)
+        return {"nll": nll, "tokens": tokens}
+
+    return step_fn
+
+
+def rl_step(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: rl.RLData):
+    """One RL step: sample groups with the current policy, score, update; returns its metrics."""
+    adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
+
+    def step_fn(training_client, step: int) -> dict:
+        policy = training_client.save_weights_and_get_sampling_client()
+        indices = sft.batch_indices(len(data.prompts), step, cfg.batch_size, cfg.seed)
+        groups = rl.sample_groups(policy, data, indices, cfg.group_size, cfg.max_tokens, cfg.temperature,
+                                  cfg.seed * 100_003 + step, cluster, launcher, cfg.step_timeout_s)
+        fwd_bwd = training_client.forward_backward(rl.to_datums(groups, data), cfg.loss)
+        optim = training_client.optim_step(adam)
+        wait_result(fwd_bwd, cluster, launcher, cfg.step_timeout_s, f"forward_backward of step {step + 1}")
+        wait_result(optim, cluster, launcher, cfg.step_timeout_s, f"optim_step of step {step + 1}")
+        rewards = rl.rewards_of(groups)
+        return {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
+                "tokens_sampled": sum(len(r.tokens) for g in groups for r in g)}
+
+    return step_fn
+
+
+def train_loop(cfg: RunConfig, cluster: Cluster, launcher: Launcher, step_fn) -> Trained:
+    """Steps from the resume point to `cfg.steps`: metrics per step, a durable save every `save_every`."""
     log = get_logger()
     training_client, start = _training_client(cfg, cluster, launcher)
     metrics = read_metrics(cfg.state_dir, up_to_step=start)
     write_metrics(cfg.state_dir, metrics)
-    adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
     bar = StepProgress(cfg.steps, start, cfg.run_id)
     try:
         for step in range(start, cfg.steps):
             began = time.monotonic()
-            batch = [data.train[i] for i in sft.batch_indices(len(data.train), step, cfg.batch_size, cfg.seed)]
-            # Both requests in flight before either is awaited, as the Tinker cookbook does.
-            fwd_bwd = training_client.forward_backward([sft.to_datum(e) for e in batch], "cross_entropy")
-            optim = training_client.optim_step(adam)
-            output = wait_result(fwd_bwd, cluster, launcher, cfg.step_timeout_s, f"forward_backward of step {step + 1}")
-            wait_result(optim, cluster, launcher, cfg.step_timeout_s, f"optim_step of step {step + 1}")
-            nll, tokens = sft.mean_nll(output, batch)
-            row = {"step": step + 1, "nll": nll, "tokens": tokens, "seconds": round(time.monotonic() - began, 3)}
+            row = {"step": step + 1, **step_fn(training_client, step), "seconds": 0.0}
+            row["seconds"] = round(time.monotonic() - began, 3)
             metrics.append(row)
             append_metric(cfg.state_dir, row)
-            log.info(f"step {step + 1}/{cfg.steps} nll {nll:.4f} tokens {tokens} {row['seconds']:.2f}s")
-            bar.update(step + 1, nll=f"{nll:.3f}")
-            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-                save_progress(cfg, cluster, launcher, training_client, step + 1)
-    finally:
-        bar.close()
-    return Trained(training_client=training_client, metrics=metrics, resumed_from_step=start)
-
-
-def train_rl(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: rl.RLData) -> Trained:
-    log = get_logger()
-    training_client, start = _training_client(cfg, cluster, launcher)
-    metrics = read_metrics(cfg.state_dir, up_to_step=start)
-    write_metrics(cfg.state_dir, metrics)
-    adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
-    bar = StepProgress(cfg.steps, start, cfg.run_id)
-    try:
-        for step in range(start, cfg.steps):
-            began = time.monotonic()
-            policy = training_client.save_weights_and_get_sampling_client()
-            indices = sft.batch_indices(len(data.prompts), step, cfg.batch_size, cfg.seed)
-            groups = rl.sample_groups(policy, data, indices, cfg.group_size, cfg.max_tokens, cfg.temperature,
-                                      cfg.seed * 100_003 + step, cluster, launcher, cfg.step_timeout_s)
-            fwd_bwd = training_client.forward_backward(rl.to_datums(groups, data), cfg.loss)
-            optim = training_client.optim_step(adam)
-            wait_result(fwd_bwd, cluster, launcher, cfg.step_timeout_s, f"forward_backward of step {step + 1}")
-            wait_result(optim, cluster, launcher, cfg.step_timeout_s, f"optim_step of step {step + 1}")
-            rewards = rl.rewards_of(groups)
-            row = {
-                "step": step + 1,
-                "reward_mean": statistics.fmean(rewards),
-                "reward_std": statistics.pstdev(rewards),
-                "tokens_sampled": sum(len(r.tokens) for g in groups for r in g),
-                "seconds": round(time.monotonic() - began, 3),
-            }
-            metrics.append(row)
-            append_metric(cfg.state_dir, row)
-            log.info(f"step {step + 1}/{cfg.steps} reward {row['reward_mean']:.4f} +- {row['reward_std']:.4f} "
-                     f"tokens {row['tokens_sampled']} {row['seconds']:.2f}s")
-            bar.update(step + 1, reward=f"{row['reward_mean']:.3f}")
+            values = " ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
+                              for k, v in row.items() if k != "step")
+            log.info(f"step {step + 1}/{cfg.steps} {values}")
+            headline = next(k for k in row if k != "step")
+            bar.update(step + 1, **{headline: f"{row[headline]:.3f}"})
             if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
                 save_progress(cfg, cluster, launcher, training_client, step + 1)
     finally:
@@ -152,5 +148,7 @@ def train_custom(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: cus
 @task(name="train", retries=0, cache_policy=NO_CACHE)
 def train(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: Any) -> Trained:
     """Run the training of `cfg.mode` against the cluster."""
-    modes = {"sft": train_sft, "rl": train_rl, "custom": train_custom}
-    return modes[cfg.mode](cfg, cluster, launcher, data)
+    if cfg.mode == "custom":
+        return train_custom(cfg, cluster, launcher, data)
+    step_fn = (sft_step if cfg.mode == "sft" else rl_step)(cfg, cluster, launcher, data)
+    return train_loop(cfg, cluster, launcher, step_fn)

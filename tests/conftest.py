@@ -4,10 +4,14 @@ reaper that stops every cluster process a test started, also when it fails."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
+import pgserver
 import pytest
 
+from tests.helpers import PASSWORD_MARKER
 from txflow.cluster import stop_cluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -48,3 +52,26 @@ def reaper():
     reaper = Reaper()
     yield reaper
     reaper.stop_all()
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A real PostgreSQL (unix socket only, no TCP) with a user whose password is the marker.
+
+    Yields a function that creates a fresh database and returns its URL: one per run,
+    since a SkyRL-tx engine serves every request in its database.
+    """
+    # Not under pytest's 0700 temp root: the server runs as its own system user.
+    data_dir = Path(tempfile.mkdtemp(prefix="txflow-pg-"))
+    server = pgserver.get_server(data_dir, cleanup_mode="stop")
+
+    def new_database(name: str) -> str:
+        server.psql(f"CREATE DATABASE {name} OWNER txflow;")
+        return f"postgresql://txflow:{PASSWORD_MARKER}@/{name}?host={data_dir}"
+
+    try:
+        server.psql(f"CREATE USER txflow WITH PASSWORD '{PASSWORD_MARKER}';")
+        yield new_database
+    finally:
+        server.cleanup()
+        shutil.rmtree(data_dir, ignore_errors=True)

@@ -9,6 +9,10 @@ from pathlib import Path
 
 from txflow.processes import is_alive
 
+# Secrets a run is given in tests; none may appear in any output of the run.
+PASSWORD_MARKER = "pw-MARKER-7f3c91"
+API_KEY_MARKER = "tml-key-MARKER-0c55e1"
+
 
 def cluster_pids(state_dir: Path) -> list[tuple[int, int | None]]:
     """(pid, start_time) of every process recorded in cluster.json."""

@@ -522,6 +522,7 @@ def test_cancelled_nightly_run_stops_the_subflow_cluster(server, worker, tmp_pat
         time.sleep(1)
     assert alive_pids(sft_state) == []
     assert not (rl_state / "cluster.json").exists()
+    assert any("stopped the cluster of subflow run" in line for line in _flow_run_logs(server, flow_run_id))
 
 
 @nightly_e2e

@@ -13,7 +13,7 @@ import boto3
 import fsspec
 import pytest
 
-from tests.helpers import MotoServer, TcpProxy, alive_pids, run_txflow
+from tests.helpers import API_KEY_MARKER, PASSWORD_MARKER, MotoServer, TcpProxy, alive_pids, run_txflow
 from txflow import storage
 from txflow.config import RunConfig
 from txflow.discovery import COMMIT_SUFFIX, discover
@@ -53,11 +53,14 @@ def bucket_keys(prefix: str) -> dict[str, int]:
     return keys
 
 
-def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, s3_env, reaper):
+def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, s3_env, reaper, postgres):
     first_state, second_state = reaper.watch(tmp_path / "s1"), reaper.watch(tmp_path / "s2")
     root = f"s3://{BUCKET}/runs"
+    # The first run carries three secrets: a database password, the S3 secret key and a Tinker API key.
+    env = s3_env | {"TINKER_API_KEY": API_KEY_MARKER}
     first = run_txflow(["run", "sft", "--run-id", "s3-first", "--steps", "8", "--save-every", "3",
-                        "--checkpoints", root, "--state-dir", str(first_state), "--json"], s3_env, tmp_path)
+                        "--database-url", postgres("tinker_s3"), "--checkpoints", root,
+                        "--state-dir", str(first_state), "--json"], env, tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     report = json.loads(first.stdout)
     assert report["status"] == "passed" and report["restore"]["abs_diff"] <= 1e-6
@@ -88,15 +91,16 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
     assert abs(resumed["metrics"][0]["nll"] - first_step7["nll"]) <= 1e-6
     assert alive_pids(first_state) == [] and alive_pids(second_state) == []
 
-    # The S3 secret key reached no log, report or manifest.
+    # No secret reached a log, report, manifest, artifact or the Prefect store.
+    markers = [SECRET_MARKER, PASSWORD_MARKER, API_KEY_MARKER]
     for output in (first.stdout, first.stderr, second.stdout, second.stderr):
-        assert SECRET_MARKER not in output
-    for top in (first_state, second_state):
-        assert [p for p in Path(top).rglob("*") if p.is_file() and SECRET_MARKER.encode() in p.read_bytes()] == []
+        assert [m for m in markers if m in output] == []
+    for top in (first_state, second_state, Path(s3_env["PREFECT_HOME"])):
+        files = [p for p in Path(top).rglob("*") if p.is_file()]
+        assert files and [(p, m) for p in files for m in markers if m.encode() in p.read_bytes()] == []
     for key in bucket_keys("runs/"):
-        if key.endswith(".json") or key.endswith(".jsonl"):
-            body = boto3.client("s3").get_object(Bucket=BUCKET, Key=key)["Body"].read()
-            assert SECRET_MARKER.encode() not in body
+        body = boto3.client("s3").get_object(Bucket=BUCKET, Key=key)["Body"].read()
+        assert [m for m in markers if m.encode() in body] == [], key
 
 
 def fake_state(staging: Path, model_id: str, name: str, files: int = 6) -> str:

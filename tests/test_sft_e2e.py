@@ -5,40 +5,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
-import pgserver
 import sqlalchemy
 import pytest
 
-from tests.helpers import alive_pids, run_txflow
+from tests.helpers import PASSWORD_MARKER, alive_pids, run_txflow
 from txflow.cluster import stop_cluster
 
 pytestmark = pytest.mark.e2e
 
-PASSWORD_MARKER = "pw-MARKER-7f3c91"
 
 
 @pytest.fixture(scope="module")
-def postgres_url(tmp_path_factory):
-    """A real PostgreSQL (unix socket only, no TCP) with a user whose password is the marker."""
-    # Not under pytest's 0700 temp root: the server runs as its own system user.
-    data_dir = Path(tempfile.mkdtemp(prefix="txflow-pg-"))
-    server = pgserver.get_server(data_dir, cleanup_mode="stop")
-    try:
-        server.psql(f"CREATE USER txflow WITH PASSWORD '{PASSWORD_MARKER}'; CREATE DATABASE tinker OWNER txflow;")
-        yield f"postgresql://txflow:{PASSWORD_MARKER}@/tinker?host={data_dir}", server
-    finally:
-        server.cleanup()
-        shutil.rmtree(data_dir, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory, postgres_url):
+def sft_run(tmp_path_factory, postgres):
     """One real run shared by the assertions below (it is the expensive part)."""
-    url, server = postgres_url
+    url = postgres("tinker_sft")
     work = tmp_path_factory.mktemp("sft")
     env = dict(os.environ)
     env.pop("PREFECT_API_URL", None)
@@ -49,7 +31,7 @@ def sft_run(tmp_path_factory, postgres_url):
                              "--checkpoints", str(work / "ckpt"), "--database-url", url, "--json"], env, work)
     finally:
         stop_cluster(state, grace_s=1.0)
-    return {"result": result, "work": work, "state": state, "root": work / "ckpt" / "e2e-sft", "server": server}
+    return {"result": result, "work": work, "state": state, "root": work / "ckpt" / "e2e-sft", "database_url": url}
 
 
 def test_sft_run_passes_and_reports(sft_run):
@@ -84,9 +66,9 @@ def test_no_process_of_the_run_is_left(sft_run):
     assert alive_pids(sft_run["state"]) == []
 
 
-def test_the_run_used_postgres(sft_run, postgres_url):
+def test_the_run_used_postgres(sft_run):
     # The URL was really used: SkyRL-tx's tables there hold this run's models.
-    engine = sqlalchemy.create_engine(postgres_url[0])
+    engine = sqlalchemy.create_engine(sft_run["database_url"])
     try:
         with engine.connect() as conn:
             assert conn.execute(sqlalchemy.text("SELECT count(*) FROM models")).scalar() >= 2
