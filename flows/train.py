@@ -41,12 +41,26 @@ class RunFailed(RuntimeError):
         self.report = report
 
 
+def _with_run_id(config: RunConfig, flow_run) -> RunConfig:
+    """`config`, with a run_id derived from the Prefect flow run when it has none, so that the
+    hooks (which only see the flow run) compute the same state_dir as the flow."""
+    if config.run_id is not None or flow_run is None:
+        return config
+    return config.model_copy(
+        update={"run_id": f"{config.mode}-{flow_run.created:%Y%m%d-%H%M%S}-{flow_run.id.hex[:4]}"})
+
+
 def _stop_cluster_hook(flow, flow_run, state) -> None:
     """on_cancellation / on_crashed: the flow's own finally may not run, so stop from cluster.json."""
+    from prefect.logging.loggers import flow_run_logger
+
     config = flow_run.parameters.get("config") or {}
     cfg = RunConfig.model_validate(config) if isinstance(config, dict) else config
-    if cfg.state_dir:
-        stop_cluster(cfg.state_dir)
+    cfg = _with_run_id(cfg, flow_run).resolved()
+    records = stop_cluster(cfg.state_dir)
+    flow_run_logger(flow_run, flow).info(
+        f"{state.name}: stopped the cluster in {cfg.state_dir}: "
+        + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_code}" for r in records) or "nothing recorded"))
 
 
 @contextmanager
@@ -74,7 +88,9 @@ class Timings(dict):
 @flow(name="train", on_cancellation=[_stop_cluster_hook], on_crashed=[_stop_cluster_hook])
 def train_flow(config: RunConfig = RunConfig()) -> dict:
     """Fine-tune a LoRA adapter on a SkyRL-tx cluster and prove the checkpoint restores."""
-    cfg = config.resolved()
+    from prefect.context import FlowRunContext
+
+    cfg = _with_run_id(config, getattr(FlowRunContext.get(), "flow_run", None)).resolved()
     log = get_logger()
     register_run_secrets(cfg)
     log.info(f"run {cfg.run_id}: mode {cfg.mode}, {cfg.processes} processes, root {cfg.run_root}, "
