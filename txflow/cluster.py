@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import subprocess
-import time
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Literal
@@ -149,16 +148,6 @@ def stop_cluster(state_dir: str | Path, launcher: Launcher | None = None, grace_
         return []
     cluster = Cluster.load(state_dir)
     return (launcher or LocalLauncher()).stop(cluster, grace_s)
-
-
-def wait_until(predicate, timeout_s: float, interval_s: float = 0.2) -> bool:
-    """Poll `predicate` until it is true or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 def describe_exit(record: ProcessRecord, code: int) -> str:

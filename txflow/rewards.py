@@ -23,11 +23,6 @@ def low_token_ids(prompt: str, completion_text: str, completion_tokens: list[int
     return sum(t < LOW_TOKEN_ID for t in completion_tokens) / len(completion_tokens)
 
 
-def short_completion(prompt: str, completion_text: str, completion_tokens: list[int], row: dict) -> float:
-    """1 for an empty completion down to 0 for 32 characters or more."""
-    return max(0.0, 1.0 - len(completion_text) / 32)
-
-
 class RewardError(ValueError):
     """The reward function cannot be used; the message says why."""
 

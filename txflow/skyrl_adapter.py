@@ -17,11 +17,18 @@ workaround can go:
    ("Array has no addressable shards"); `backend_config` derives a mesh whose
    product equals the device count, and a sampling batch that is a multiple of
    fsdp (sampling `num_samples=1` otherwise fails with fsdp > 1).
-
 4. JAX's coordination service binds `[::]:<port>` (every interface) whatever
    host the coordinator address names; SkyRL-tx offers no setting for it. Rank
    0 gets `JAX_COORDINATOR_BIND_ADDRESS` (read by `jax.distributed.initialize`)
    so that it binds only the configured interface (`coordinator_env`).
+5. Checkpoints: `save_state` writes an Orbax DIRECTORY named `<name>.tar.gz`,
+   `save_weights_for_sampler` a real tarball under `sampler_weights/`; on S3 the
+   state never reaches the bucket. The engine therefore always writes to local
+   staging and txflow commits (see `txflow.storage`); the layout is named only
+   here (`relative_checkpoint_path`, `tinker_path_for`). A checkpoint copied back
+   from durable storage is registered in the engine's database
+   (`register_checkpoint`), the only way 0.3.0 serves a checkpoint it did not
+   write itself.
 
 Module names differ in the unified `skyrl` 0.4.0 package (`skyrl.tinker.api`,
 `skyrl.tinker.engine`, `skyrl.backends.jax`); they are only named here.
@@ -38,8 +45,6 @@ from typing import Any
 
 from txflow.config import RunConfig
 
-SKYRL_TX_VERSION = "0.3.0"
-API_MODULE = "tx.tinker.api"
 ENGINE_MODULE = "tx.tinker.engine"
 WORKER_MODULE = "tx.tinker.backends.jax"
 DATABASE_URL_ENV = "TX_DATABASE_URL"

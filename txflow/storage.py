@@ -25,17 +25,12 @@ import shutil
 from pathlib import Path
 
 import fsspec
-from fsspec.utils import get_protocol
 
 from txflow import skyrl_adapter
 from txflow.config import RunConfig
 from txflow.discovery import Artifact, discover, write_commit
 
 STEP_NAME = re.compile(r"step-(\d+)")
-
-
-def is_local(url: str) -> bool:
-    return get_protocol(url) in ("file", "local")
 
 
 def engine_checkpoints_base(cfg: RunConfig) -> str:
