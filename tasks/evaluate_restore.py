@@ -71,22 +71,26 @@ def verify_client_checkpoints(cfg: RunConfig, cluster: Cluster, launcher: Launch
         check = {"kind": ckpt["kind"], "tinker_path": ckpt["tinker_path"], "url": ckpt["url"]}
         model_id = ckpt["tinker_path"].removeprefix("tinker://").split("/")[0]
         try:
-            # The client chose the LoRA rank; the engine still knows it for the client's model.
-            rank = rest.get_training_run(model_id).result().lora_rank
-            restored = restore(cfg, cluster, launcher, client, ckpt["url"], rank) if ckpt["kind"] == "state" else \
-                client.create_lora_training_client(base_model=cluster.base_model_path, rank=rank)
-            try:
-                if ckpt["kind"] == "state":
+            if ckpt["kind"] == "state":
+                # The client chose the LoRA rank; the engine still knows it for the client's model.
+                rank = rest.get_training_run(model_id).result().lora_rank
+                restored = restore(cfg, cluster, launcher, client, ckpt["url"], rank)
+                try:
                     check["loss"] = evaluation.eval_loss(restored, data.probe, cluster, launcher, cfg.step_timeout_s)
-                    check["passed"] = math.isfinite(check["loss"])
-                else:
-                    sampler = restored_sampler(cfg, cluster, client, restored, ckpt["url"])
-                    tokens = evaluation.greedy_tokens(sampler, prompts, cluster, launcher, cfg.step_timeout_s,
-                                                      cfg.seed)
-                    check["tokens"] = tokens
-                    check["passed"] = all(len(t) > 0 for t in tokens)
-            finally:
-                evaluation.unload(cluster, restored.model_id)
+                finally:
+                    evaluation.unload(cluster, restored.model_id)
+                check["passed"] = math.isfinite(check["loss"])
+            else:
+                # Into the client's own adapter slot, one request: SkyRL-tx 0.3.0 with 2 processes failed
+                # ("passed to device_put is not the same on each process") when a fresh model's sampler
+                # requests were batched together.
+                path = storage.import_checkpoint(cfg, cluster.checkpoints_base, ckpt["url"], "sampler", model_id,
+                                                 "restored")
+                sampler = client.create_sampling_client(model_path=path)
+                tokens = evaluation.greedy_tokens(sampler, prompts[:1], cluster, launcher, cfg.step_timeout_s,
+                                                  cfg.seed)
+                check["tokens"] = tokens
+                check["passed"] = all(len(t) > 0 for t in tokens)
         except Exception as exc:  # a checkpoint that cannot be loaded fails its check, not the listing
             check["passed"], check["error"] = False, f"{type(exc).__name__}: {exc}"
         checks.append(check)
