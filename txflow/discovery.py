@@ -107,9 +107,12 @@ def discover(
         else:
             artifacts.append(_artifact(root, rel, "file", "file", files[rel], 1))
 
-    for artifact in artifacts:
-        if artifact.kind != "file":
-            _check_commit(fs, artifact, files, fs_paths, require_commit)
+    checked = [a for a in artifacts if a.kind != "file"]
+    # All commit markers in one batched read (concurrent on object stores), not one request each.
+    sidecars = [fs_paths[a.path + COMMIT_SUFFIX] for a in checked if a.path + COMMIT_SUFFIX in files]
+    contents = fs.cat(sidecars, on_error="return") if sidecars else {}
+    for artifact in checked:
+        _check_commit(artifact, files, fs_paths, contents, require_commit)
     return sorted(artifacts, key=lambda a: a.path)
 
 
@@ -303,10 +306,10 @@ def _is_auxiliary(rel: str, files: dict[str, int]) -> bool:
 
 
 def _check_commit(
-    fs: fsspec.AbstractFileSystem,
     artifact: Artifact,
     files: dict[str, int],
     fs_paths: dict[str, str],
+    contents: dict,
     require_commit: bool,
 ) -> None:
     """Set `committed` when the artifact's sidecar matches what is on storage, else explain why not."""
@@ -316,7 +319,10 @@ def _check_commit(
             _fail(artifact, f"There is no commit marker {posixpath.basename(sidecar)!r}: the save did not finish.")
         return
     try:
-        recorded = json.loads(fs.cat_file(fs_paths[sidecar]))["files"]
+        content = contents.get(fs_paths[sidecar])
+        if content is None or isinstance(content, Exception):
+            raise ValueError(str(content))
+        recorded = json.loads(content)["files"]
     except (ValueError, KeyError, TypeError) as exc:
         _fail(artifact, f"The commit marker {sidecar!r} is unreadable ({exc}); the save did not finish.")
         return
