@@ -25,7 +25,7 @@ import yaml
 
 from tests.helpers import alive_pids, cluster_pids
 from txflow.config import RunConfig
-from txflow.processes import free_port, is_alive, start_time
+from txflow.processes import free_port, is_alive, proc_stats, start_time
 
 pytestmark = pytest.mark.e2e
 
@@ -42,14 +42,8 @@ UUID_RE = re.compile(r"UUID: ([0-9a-f-]{36})")
 def _descendants(pid: int) -> list[tuple[int, int | None]]:
     """(pid, start time) of every live descendant of `pid`, whatever its session."""
     children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-            children.setdefault(ppid, []).append(int(entry.name))
+    for child, fields in proc_stats():
+        children.setdefault(int(fields[1]), []).append(child)
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):

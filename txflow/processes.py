@@ -60,24 +60,26 @@ def is_alive(pid: int, started: int | None = None) -> bool:
     return now is not None and (started is None or now == started)
 
 
-def group_alive(pgid: int) -> bool:
-    """True while any process of group `pgid` exists (zombies included until reaped)."""
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
+def proc_stats():
+    """(pid, fields after the command name of /proc/<pid>/stat) of every process: state, ppid, pgrp, ..."""
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 stat = (entry / "stat").read_text()
             except OSError:
                 continue
-            fields = stat[stat.rindex(")") + 2 :].split()
-            if int(fields[2]) == pgid and fields[0] != "Z":
-                return True
-    return False
+            yield int(entry.name), stat[stat.rindex(")") + 2 :].split()
+
+
+def group_alive(pgid: int) -> bool:
+    """True while any live (not zombie) process of group `pgid` exists."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return any(int(fields[2]) == pgid and fields[0] != "Z" for _, fields in proc_stats())
 
 
 def stop_groups(pgids: list[int], grace_s: float = 5.0) -> None:
