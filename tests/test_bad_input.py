@@ -4,6 +4,7 @@ rank monitor's one-time report of a dead process."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -112,8 +113,6 @@ def test_monitor_reports_a_dead_rank_once_with_its_exit_code(tmp_path):
         time.sleep(0.5)
         assert monitor.failures == []
         killed_at = time.time()
-        import os
-
         os.kill(cluster.rank(1).pid, signal.SIGKILL)
         assert monitor.failed.wait(timeout=5)
         time.sleep(0.5)  # several more polls

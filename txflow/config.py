@@ -172,7 +172,7 @@ class RunConfig(BaseModel, extra="forbid"):
     @model_validator(mode="after")
     def _mesh_matches_devices(self) -> RunConfig:
         devices = self.processes * self.devices_per_process
-        fsdp = self.mesh.fsdp or devices // (self.mesh.tp * self.mesh.ep) or 1
+        fsdp = self.fsdp
         product = fsdp * self.mesh.tp * self.mesh.ep
         if product != devices:
             raise ValueError(
@@ -206,7 +206,7 @@ class RunConfig(BaseModel, extra="forbid"):
 
     @property
     def fsdp(self) -> int:
-        return self.mesh.fsdp or (self.processes * self.devices_per_process) // (self.mesh.tp * self.mesh.ep)
+        return self.mesh.fsdp or (self.processes * self.devices_per_process) // (self.mesh.tp * self.mesh.ep) or 1
 
     @property
     def run_root(self) -> str:
