@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from txflow.discovery import COMMIT_SUFFIX, commit_record, discover
+
 FILES_PER_CHECKPOINT = 48
 
 
@@ -32,8 +34,7 @@ def layout(objects: int) -> dict[str, bytes]:
         names += [f"checkpoint_0/ocdbt.process_0/d/{i:04x}" for i in range(FILES_PER_CHECKPOINT - len(names))]
         for name in names:
             keys[f"{ckpt}/{name}"] = b"x" * 16
-        keys[f"{ckpt}.txflow-commit"] = (
-            '{"files": {' + ", ".join(f'"{n}": 16' for n in names) + "}}").encode()
+        keys[f"{ckpt}{COMMIT_SUFFIX}"] = commit_record({n: 16 for n in names})
     for i in range(objects - len(keys)):
         keys[f"logs/extra-{i:05d}.txt"] = b"x"
     return keys
@@ -47,7 +48,6 @@ def main() -> int:
 
     import fsspec
 
-    from txflow.discovery import discover
     from txflow.processes import free_port, port_open, spawn, stop_groups
 
     server = None
@@ -81,6 +81,7 @@ def main() -> int:
             classify.append(time.perf_counter() - t0)
         assert len(listed) == args.objects, len(listed)
         assert all(a.complete for a in artifacts), [a for a in artifacts if not a.complete][:1]
+        assert all(a.committed for a in artifacts if a.kind == "state"), "a commit marker was not verified"
         find_s, discover_s = statistics.median(baseline), statistics.median(classify)
         print(f"objects {args.objects}  artifacts {len(artifacts)}  find {find_s:.3f} s  "
               f"discover {discover_s:.3f} s  ratio {discover_s / find_s:.2f} (target <= 1.5)")

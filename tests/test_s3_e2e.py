@@ -12,11 +12,12 @@ from pathlib import Path
 import boto3
 import fsspec
 import pytest
+import s3fs
 
 from tests.helpers import API_KEY_MARKER, PASSWORD_MARKER, MotoServer, TcpProxy, alive_pids, run_txflow
 from txflow import storage
 from txflow.config import RunConfig
-from txflow.discovery import COMMIT_SUFFIX, discover
+from txflow.discovery import COMMIT_SUFFIX, discover, write_commit
 
 pytestmark = pytest.mark.e2e
 
@@ -166,3 +167,32 @@ def test_truncated_object_in_the_bucket_is_reported_incomplete(s3_env):
     assert found["m1/sampler_weights/ok.tar.gz"].complete
     cut = found["m1/sampler_weights/cut.tar.gz"]
     assert not cut.complete and "truncated" in cut.reason.lower()
+
+
+def test_commit_markers_are_verified_from_the_listing_and_a_damaged_state_is_read_and_rejected(s3_env, monkeypatch):
+    """On S3 a committed checkpoint costs no request beyond the one listing; an object cut after the
+    commit makes discovery read that one marker and report the checkpoint incomplete."""
+    fs = fsspec.filesystem("s3", skip_instance_cache=True)
+    names = ["checkpoint_0/_CHECKPOINT_METADATA", "checkpoint_0/_METADATA", "checkpoint_0/commit_success.txt",
+             "checkpoint_0/ocdbt.process_0/d/0001"]
+    for step in (1, 2):
+        ckpt = f"{BUCKET}/etag/m1/step-00000{step}.tar.gz"
+        fs.pipe({f"{ckpt}/{n}": b"x" * (10 + i) for i, n in enumerate(names)})
+        write_commit(f"s3://{ckpt}")
+    cat_calls = []  # every object read (GET) s3fs makes, whatever public method leads to it
+    original_cat_file = s3fs.S3FileSystem._cat_file
+
+    async def counting_cat_file(self, path, *args, **kwargs):
+        cat_calls.append(path)
+        return await original_cat_file(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counting_cat_file)
+    found = discover(f"s3://{BUCKET}/etag", require_commit=True)
+    assert [a.committed and a.complete for a in found] == [True, True] and cat_calls == []
+
+    fs.pipe_file(f"{BUCKET}/etag/m1/step-000002.tar.gz/checkpoint_0/_METADATA", b"x")  # cut after the commit
+    found = {a.path: a for a in discover(f"s3://{BUCKET}/etag", require_commit=True)}
+    assert found["m1/step-000001.tar.gz"].committed
+    damaged = found["m1/step-000002.tar.gz"]
+    assert not damaged.committed and not damaged.complete and "commit marker recorded 11" in damaged.reason
+    assert cat_calls == [f"{BUCKET}/etag/m1/step-000002.tar.gz{COMMIT_SUFFIX}"]
