@@ -2,7 +2,8 @@
 
 Creates N objects under a root on an S3 API (a moto_server it starts on
 127.0.0.1, or the one AWS_ENDPOINT_URL names), laid out like a run root with
-many Orbax checkpoints, then times, in the same run and on the same store,
+many Orbax checkpoints (upstream's many-file state layout, the harder case
+for the classifier; txflow's own state is one file), then times, in the same run and on the same store,
 `fs.find(root, detail=True)` (the baseline) and `txflow.discovery.discover(root)`
 (classification included). Prints both and their ratio; the target is <= 1.5.
 

@@ -121,3 +121,12 @@ class TcpProxy:
                 sock.close()
             except OSError:
                 pass
+
+
+def private_mounts_work() -> bool:
+    """Whether this machine lets us give a process its own mount namespace (root on Linux)."""
+    try:
+        return subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
+                              capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False

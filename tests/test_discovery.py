@@ -117,6 +117,19 @@ def test_orbax_directory_is_one_complete_state_artifact(root, orbax_files):
     assert artifact.files == len(orbax_files)
 
 
+def test_txflow_state_directory_is_one_complete_state_artifact(root):
+    put(root, "m1/step-000004.tar.gz/txflow-state.msgpack", b"s" * 100)
+    put(root, "m1/step-000008.tar.gz/txflow-state.msgpack.partial", b"s" * 40)  # a save cut short
+
+    done, cut = discover(root)
+
+    assert (done.kind, done.format, done.path, done.files, done.bytes) == (
+        "state", "directory", "m1/step-000004.tar.gz", 1, 100)
+    assert done.complete, done.reason
+    assert (cut.kind, cut.path, cut.complete) == ("state", "m1/step-000008.tar.gz", False)
+    assert "did not finish" in cut.reason
+
+
 def test_plain_directory_gives_one_file_artifact_per_file(root):
     put(root, "logs/metrics.jsonl", b'{"loss": 1.0}\n')
     put(root, "logs/report.json", b"{}")

@@ -270,3 +270,17 @@ def test_stop_by_the_starting_launcher_records_the_real_exit_codes(local_cluster
 
 def test_stop_cluster_without_cluster_json_is_a_no_op(tmp_path):
     assert stop_cluster(tmp_path / "never-started") == []
+
+
+def test_private_disk_command_gives_the_process_an_empty_directory_of_its_own(tmp_path):
+    from tests.helpers import private_mounts_work
+    from txflow.cluster import private_disk_command
+
+    if not private_mounts_work():
+        pytest.skip("unshare --mount is not permitted on this machine")
+    (tmp_path / "shared.txt").write_text("on the coordinator's disk")
+    cmd = private_disk_command(str(tmp_path), ["sh", "-c", f"ls -A {tmp_path}; touch {tmp_path}/rank1.txt"])
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == f"txflow: private node disk: {tmp_path} holds 0 entries"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shared.txt"]  # what the rank wrote stayed private

@@ -7,6 +7,7 @@ import io
 import json
 import os
 import tarfile
+import warnings
 from pathlib import Path
 
 import boto3
@@ -14,8 +15,11 @@ import fsspec
 import pytest
 import s3fs
 
-from tests.helpers import API_KEY_MARKER, PASSWORD_MARKER, MotoServer, TcpProxy, alive_pids, run_txflow
+from tests.helpers import (API_KEY_MARKER, PASSWORD_MARKER, MotoServer, TcpProxy, alive_pids, private_mounts_work,
+                           run_txflow)
 from txflow import storage
+from txflow.cluster import ISOLATE_WORKER_DISKS_ENV
+from txflow.skyrl_adapter import STATE_FILE
 from txflow.config import RunConfig
 from txflow.discovery import COMMIT_SUFFIX, discover, write_commit
 
@@ -57,6 +61,13 @@ def bucket_keys(prefix: str) -> dict[str, int]:
 def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, s3_env, reaper, postgres):
     first_state, second_state = reaper.watch(tmp_path / "s1"), reaper.watch(tmp_path / "s2")
     root = f"s3://{BUCKET}/runs"
+    # Rank 1 runs with its own empty state directory (a private tmpfs), as on another node: the
+    # ranks share no filesystem, so saves, restores and the resume must not need one.
+    isolated = private_mounts_work()
+    if isolated:
+        s3_env = s3_env | {ISOLATE_WORKER_DISKS_ENV: "1"}
+    else:
+        warnings.warn("unshare --mount is not permitted here: the ranks of this test share a disk")
     # The first run carries three secrets: a database password, the S3 secret key and a Tinker API key.
     env = s3_env | {"TINKER_API_KEY": API_KEY_MARKER}
     first = run_txflow(["run", "sft", "--run-id", "s3-first", "--steps", "8", "--save-every", "3",
@@ -72,7 +83,7 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
     state_prefix = state_url.removeprefix(f"s3://{BUCKET}/")
     sidecar = json.loads(boto3.client("s3").get_object(Bucket=BUCKET, Key=state_prefix + COMMIT_SUFFIX)["Body"].read())
     assert {f"{state_prefix}/{name}": size for name, size in sidecar["files"].items()}.items() <= keys.items()
-    assert any(k.endswith("/checkpoint_0/commit_success.txt") and k.startswith(state_prefix) for k in keys)
+    assert f"{state_prefix}/{STATE_FILE}" in keys and sidecar["files"] == {STATE_FILE: keys[f"{state_prefix}/{STATE_FILE}"]}
     sampler_key = report["checkpoints"]["sampler"]["url"].removeprefix(f"s3://{BUCKET}/")
     assert sampler_key in keys and sampler_key + COMMIT_SUFFIX in keys
     assert {"runs/s3-first/report.json", "runs/s3-first/manifest.json", "runs/s3-first/metrics.jsonl"} <= set(keys)
@@ -90,7 +101,11 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
     # Its first step's loss is the loss the first run's step-6 state gives on the same batch (step 7's).
     first_step7 = next(m for m in report["metrics"] if m["step"] == 7)
     assert abs(resumed["metrics"][0]["nll"] - first_step7["nll"]) <= 1e-6
+    assert resumed["restore"]["passed"] and resumed["restore"]["sampler_tokens_match"]
     assert alive_pids(first_state) == [] and alive_pids(second_state) == []
+    if isolated:  # rank 1 of both runs really saw an empty state directory of its own
+        for state in (first_state, second_state):
+            assert f"txflow: private node disk: {state} holds 0 entries" in (state / "logs" / "rank1.log").read_text()
 
     # No secret reached a log, report, manifest, artifact or the Prefect store.
     markers = [SECRET_MARKER, PASSWORD_MARKER, API_KEY_MARKER]

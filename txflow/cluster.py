@@ -101,16 +101,28 @@ class Launcher(ABC):
         """Stop every process of the cluster; returns the records with exit codes."""
 
 
+ISOLATE_WORKER_DISKS_ENV = "TXFLOW_ISOLATE_WORKER_DISKS"
+
+
 class LocalLauncher(Launcher):
-    """Every process a subprocess of this machine, each in its own process group."""
+    """Every process a subprocess of this machine, each in its own process group.
+
+    With `TXFLOW_ISOLATE_WORKER_DISKS=1` (Linux, root), each worker rank runs in
+    its own mount namespace where the run's state directory, staging included,
+    is an empty private tmpfs: the ranks share no run files, as on separate
+    nodes. This is how the tests prove checkpoints need no shared filesystem.
+    """
 
     name = "local"
 
     def __init__(self) -> None:
         self._popen: dict[int, subprocess.Popen] = {}
+        self.isolate_worker_disks = os.environ.get(ISOLATE_WORKER_DISKS_ENV) == "1"
 
     def start(self, cluster, role, rank, cmd, env, ports, log_name):
         log = cluster.log_path(log_name)
+        if role == "worker" and self.isolate_worker_disks:
+            cmd = private_disk_command(cluster.state_dir, cmd)
         proc = processes.spawn(cmd, log, env=env)
         self._popen[proc.pid] = proc
         record = ProcessRecord(
@@ -139,6 +151,14 @@ class LocalLauncher(Launcher):
                 record.exit_code = -9
         cluster.save()
         return cluster.processes
+
+
+def private_disk_command(directory: str, cmd: list[str]) -> list[str]:
+    """`cmd` in a new mount namespace where `directory` is an empty tmpfs; `unshare` and `sh` exec, so
+    the pid stays the command's. The first log line says what the rank sees there."""
+    script = ('mount -t tmpfs txflow-node-disk "$0" || exit 97; '
+              'echo "txflow: private node disk: $0 holds $(ls -A "$0" | wc -l) entries"; exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, directory, *cmd]
 
 
 def stop_cluster(state_dir: str | Path, launcher: Launcher | None = None, grace_s: float = 5.0) -> list[ProcessRecord]:

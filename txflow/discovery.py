@@ -13,8 +13,10 @@ format) is read.
 
 What SkyRL-tx leaves under its checkpoints base:
 
-- `save_state(name)`: a DIRECTORY `<model_id>/<name>.tar.gz/` (the suffix lies)
-  holding a Flax/Orbax checkpoint step `checkpoint_0/`.
+- `save_state(name)`: a DIRECTORY `<model_id>/<name>.tar.gz/` (the suffix lies).
+  With txflow's engine (see `skyrl_adapter`, 6.) it holds one file,
+  `txflow-state.msgpack`; upstream's own engine writes a Flax/Orbax checkpoint
+  step `checkpoint_0/` there instead. Both are recognised.
 - `save_weights_for_sampler(name)`: a real gzip tarball FILE
   `<model_id>/sampler_weights/<name>.tar.gz` plus a `<name>.tar.gz.probe` marker.
 """
@@ -33,6 +35,8 @@ from typing import Literal
 
 import fsspec
 from pydantic import BaseModel
+
+from txflow.skyrl_adapter import STATE_FILE
 
 COMMIT_SUFFIX = ".txflow-commit"
 """Sidecar written LAST by our save step, next to the artifact: `<artifact url>.txflow-commit`."""
@@ -229,14 +233,19 @@ def _children(files: dict[str, int]) -> dict[str, set[str]]:
 
 
 def _orbax_layout(children: dict[str, set[str]]) -> tuple[list[str], dict[str, list[str]]]:
-    """Find the Orbax artifact dirs and, for each, the step dirs it holds."""
-    candidates = [d for d, names in children.items() if _looks_like_step(names)]
+    """Find the state artifact dirs and, for each Orbax one, the step dirs it holds."""
+    txflow_states = [d for d, names in children.items() if STATE_FILE in names or _partial(STATE_FILE) in names]
+    candidates = [d for d, names in children.items() if d not in txflow_states and _looks_like_step(names)]
     # An Orbax step holds nested dirs that look like steps too (ocdbt.process_0
     # has its own manifest.ocdbt): keep only the outermost.
     step_dirs = _outermost(candidates)
-    artifact_dirs = _outermost([_artifact_dir(d) for d in step_dirs])
+    artifact_dirs = _outermost([_artifact_dir(d) for d in step_dirs] + txflow_states)
     steps = {a: [s for s in step_dirs if _inside(s, a)] for a in artifact_dirs}
     return artifact_dirs, steps
+
+
+def _partial(name: str) -> str:
+    return name + ".partial"
 
 
 def _looks_like_step(names: set[str]) -> bool:
@@ -252,6 +261,9 @@ def _state_artifact(
     root: str, adir: str, step_dirs: list[str], members: dict[str, int], children: dict[str, set[str]]
 ) -> Artifact:
     problems = [p for step in step_dirs if (p := _step_problem(step, children[step]))]
+    if not step_dirs and STATE_FILE not in members:
+        problems.append(f"{STATE_FILE!r} is missing (only its partial write is there): the save did not finish; "
+                        "save the state again.")
     artifact = _artifact(root, adir, "state", "directory", sum(members.values()), len(members))
     return _fail(artifact, " ".join(problems)) if problems else artifact
 

@@ -21,7 +21,7 @@ workaround can go:
    host the coordinator address names; SkyRL-tx offers no setting for it. Rank
    0 gets `JAX_COORDINATOR_BIND_ADDRESS` (read by `jax.distributed.initialize`)
    so that it binds only the configured interface (`coordinator_env`).
-5. Checkpoints: `save_state` writes an Orbax DIRECTORY named `<name>.tar.gz`,
+5. Checkpoints: `save_state` writes a DIRECTORY named `<name>.tar.gz`,
    `save_weights_for_sampler` a real tarball under `sampler_weights/`; on S3 the
    state never reaches the bucket. The engine therefore always writes to local
    staging and txflow commits (see `txflow.storage`); the layout is named only
@@ -29,6 +29,25 @@ workaround can go:
    from durable storage is registered in the engine's database
    (`register_checkpoint`), the only way 0.3.0 serves a checkpoint it did not
    write itself.
+6. No filesystem is shared between ranks. Upstream saves the training state
+   with `flax...save_checkpoint_multiprocess` (Orbax): every rank writes its
+   shards into a directory rank 0 creates, so with node-local disks the other
+   ranks wait for a directory they never see (600 s, then "Timed out waiting
+   for array_metadatas base directory creation"), and a restore needs every
+   rank's shards on every node. Sampler weights are written by every rank, but
+   a sampler txflow imports from durable storage exists only where the import
+   ran. So the engine and the workers run through this module
+   (`engine`/`worker` entry points), which replaces three backend methods
+   (`install_checkpoint_io`): a state save gathers the LoRA weights and their
+   optimizer state to every host (a collective; LoRA state is megabytes, not
+   the model) and rank 0 alone writes ONE file, `txflow-state.msgpack`, into
+   the checkpoint directory; a state or sampler load reads the file on rank 0
+   and broadcasts its bytes. Every checkpoint file therefore lives on rank 0's
+   node, the coordinator node where txflow commits it (`txflow.storage`) with
+   fsspec. We gather and broadcast instead of teaching Orbax to write to S3
+   from every rank because the upstream path through cloudpathlib never
+   reaches the bucket (see the notes), and one file per checkpoint is what the
+   commit verifies cheaply. Can go when upstream saves without a shared disk.
 
 Module names differ in the unified `skyrl` 0.4.0 package (`skyrl.tinker.api`,
 `skyrl.tinker.engine`, `skyrl.backends.jax`); they are only named here.
@@ -39,8 +58,11 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import shutil
 import sys
+import tempfile
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from txflow.config import RunConfig
@@ -117,8 +139,8 @@ def coordinator_env(coordinator_address: str | None) -> dict[str, str]:
 
 
 def engine_command(engine_argv: list[str]) -> list[str]:
-    """Rank 0: the engine, which hosts the JAX coordinator."""
-    return [sys.executable, "-m", ENGINE_MODULE, *engine_argv]
+    """Rank 0: the engine, which hosts the JAX coordinator (with txflow's checkpoint I/O, see 6.)."""
+    return [sys.executable, "-m", "txflow.skyrl_adapter", "engine", *engine_argv]
 
 
 def api_command(engine_argv: list[str], host: str, port: int) -> list[str]:
@@ -131,7 +153,8 @@ def worker_command(coordinator_address: str, num_processes: int, rank: int) -> l
     return [
         sys.executable,
         "-m",
-        WORKER_MODULE,
+        "txflow.skyrl_adapter",
+        "worker",
         "--coordinator-address",
         coordinator_address,
         "--num-processes",
@@ -157,8 +180,8 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
 def relative_checkpoint_path(tinker_path: str) -> str:
     """Where SkyRL-tx 0.3.0 writes a checkpoint, relative to its checkpoints base.
 
-    State: a directory `<model_id>/<name>.tar.gz/` (an Orbax checkpoint despite the
-    suffix); sampler: a gzip tarball `<model_id>/sampler_weights/<name>.tar.gz`.
+    State: a directory `<model_id>/<name>.tar.gz/` (holding `STATE_FILE`, see 6., despite
+    the suffix); sampler: a gzip tarball `<model_id>/sampler_weights/<name>.tar.gz`.
     """
     model_id, kind, name = parse_tinker_path(tinker_path)
     return f"{model_id}/{name}.tar.gz" if kind == "state" else f"{model_id}/sampler_weights/{name}.tar.gz"
@@ -246,8 +269,172 @@ def serve_api(argv: list[str]) -> None:
     uvicorn.run(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
 
 
+# --- checkpoint I/O without a shared filesystem (6.) ---------------------------
+
+STATE_FILE = "txflow-state.msgpack"
+"""The one file of a training-state checkpoint, inside the `<name>.tar.gz/` directory upstream names."""
+STATE_FORMAT = 1
+
+
+def install_checkpoint_io() -> None:
+    """Replace the backend's state save/load and sampler load, in this process (engine or worker)."""
+    from tx.tinker.backends.jax import JaxBackendImpl
+
+    upstream_load_sampler = JaxBackendImpl.load_sampler_checkpoint
+
+    def load_sampler_checkpoint(self, model_id, checkpoint_id, checkpoint_path):
+        _load_sampler(self, upstream_load_sampler, model_id, checkpoint_id, checkpoint_path)
+
+    # The rank-0 wrapper serialises broadcast arguments by these annotations: keep upstream's.
+    for name, replacement in (("save_checkpoint", _save_state), ("load_checkpoint", _load_state),
+                              ("load_sampler_checkpoint", load_sampler_checkpoint)):
+        replacement.__annotations__ = dict(getattr(JaxBackendImpl, name).__annotations__)
+        setattr(JaxBackendImpl, name, replacement)
+
+
+def _save_state(self, output_path, model_id) -> None:
+    """Every rank: gather the adapter's weights and optimizer state; rank 0: write them to one file."""
+    import jax
+    import numpy as np
+    from flax import serialization
+    from jax.experimental import multihost_utils
+
+    data = self._extract_checkpoint_data(model_id)
+    leaves = jax.tree_util.tree_flatten_with_path(_state_arrays(data))[0]
+    values = [leaf for _, leaf in leaves]
+    if jax.process_count() > 1:
+        values = multihost_utils.process_allgather(values, tiled=True)  # collective: every rank calls it
+    if jax.process_index() != 0:
+        return
+    record = {
+        "format": STATE_FORMAT,
+        "lora_config": json.dumps(data["lora_config"]),
+        "arrays": {jax.tree_util.keystr(path): np.asarray(v) for (path, _), v in zip(leaves, values)},
+    }
+    directory = Path(str(output_path))
+    if directory.exists():  # upstream saves with overwrite=True
+        shutil.rmtree(directory)
+    directory.mkdir(parents=True)
+    partial = directory / (STATE_FILE + ".partial")
+    partial.write_bytes(serialization.msgpack_serialize(record))
+    partial.replace(directory / STATE_FILE)  # a crash mid-write leaves no state file, so no checkpoint
+
+
+def _load_state(self, checkpoint_path, model_id) -> None:
+    """Rank 0 reads the state file and broadcasts it; every rank inserts its shards."""
+    import jax
+    from flax import serialization
+
+    rank0 = jax.process_index() == 0
+    payload = error = None
+    if rank0:
+        try:
+            payload = (Path(str(checkpoint_path)) / STATE_FILE).read_bytes()
+        except OSError as exc:
+            error = FileNotFoundError(f"Training checkpoint not found in {checkpoint_path}: {exc}")
+    payload = _broadcast_bytes(payload)
+    if payload is None:
+        # Nothing else in this command is collective: the other ranks go back to their loop and
+        # rank 0 reports the error to the client.
+        if error is not None:
+            raise error
+        return
+    record = serialization.msgpack_restore(payload)
+    target = self._extract_checkpoint_data(model_id)
+    lora_config = json.loads(record["lora_config"])
+    problem = _state_mismatch(record, lora_config, target)
+    if problem:  # every rank decides the same from the same bytes; only rank 0 raises
+        if rank0:
+            raise ValueError(f"Training checkpoint {checkpoint_path} does not fit model {model_id}: {problem}")
+        return
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(_state_arrays(target))
+    saved = record["arrays"]
+    restored = [
+        jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index, v=saved[jax.tree_util.keystr(p)]: v[index])
+        for p, leaf in leaves
+    ]
+    arrays = jax.tree_util.tree_unflatten(treedef, restored)
+    self._insert_checkpoint_data(model_id, {**arrays, "lora_config": lora_config})
+
+
+def _state_arrays(data: dict) -> dict:
+    return {"lora_weights": data["lora_weights"], "optimizer_state": data["optimizer_state"]}
+
+
+def _state_mismatch(record: dict, lora_config: dict, target: dict) -> str | None:
+    import jax
+
+    if record.get("format") != STATE_FORMAT:
+        return f"state format {record.get('format')!r}, expected {STATE_FORMAT}"
+    if lora_config.get("rank") != target["lora_config"]["rank"]:
+        return f"LoRA rank {lora_config.get('rank')} in the checkpoint, {target['lora_config']['rank']} in the model"
+    saved = record["arrays"]
+    for path, leaf in jax.tree_util.tree_flatten_with_path(_state_arrays(target))[0]:
+        key = jax.tree_util.keystr(path)
+        if key not in saved:
+            return f"{key} is missing"
+        if tuple(saved[key].shape) != tuple(leaf.shape) or saved[key].dtype != leaf.dtype:
+            return f"{key} is {saved[key].dtype}{list(saved[key].shape)}, expected {leaf.dtype}{list(leaf.shape)}"
+    return None
+
+
+def _load_sampler(self, upstream, model_id, checkpoint_id, checkpoint_path) -> None:
+    """Rank 0 reads the sampler tarball and broadcasts it; the other ranks load it from a temp file."""
+    import jax
+
+    if jax.process_count() == 1:
+        return upstream(self, model_id, checkpoint_id, checkpoint_path)
+    rank0 = jax.process_index() == 0
+    payload = None
+    if rank0:
+        try:
+            payload = Path(str(checkpoint_path)).read_bytes()
+        except OSError:
+            pass
+    payload = _broadcast_bytes(payload)
+    if payload is None:
+        # Inside a sample command: every rank must stop here, or the ranks fall out of step.
+        raise FileNotFoundError(f"Sampler checkpoint {checkpoint_path} is not readable on rank 0")
+    if rank0:
+        return upstream(self, model_id, checkpoint_id, checkpoint_path)
+    with tempfile.TemporaryDirectory(prefix="txflow-sampler-") as tmp:
+        local = Path(tmp) / Path(str(checkpoint_path)).name
+        local.write_bytes(payload)
+        upstream(self, model_id, checkpoint_id, local)
+
+
+def _broadcast_bytes(data: bytes | None) -> bytes | None:
+    """Rank 0's `data` on every rank (None when rank 0 has none); collective when several processes run."""
+    import jax
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    if jax.process_count() == 1:
+        return data
+    size = np.array([-1 if data is None else len(data)], dtype=np.int64)
+    size = int(multihost_utils.broadcast_one_to_all(size)[0])
+    if size < 0:
+        return None
+    buffer = np.frombuffer(data, dtype=np.uint8) if jax.process_index() == 0 else np.zeros(size, dtype=np.uint8)
+    return multihost_utils.broadcast_one_to_all(buffer).tobytes()
+
+
+def run_upstream(module: str, argv: list[str]) -> None:
+    """Run an upstream entry point (engine or worker) with txflow's checkpoint I/O installed."""
+    import importlib
+
+    install_checkpoint_io()
+    sys.argv = [module, *argv]
+    importlib.import_module(module).main()
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "api":
-        serve_api(sys.argv[2:])
+    command, rest = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
+    if command == "api":
+        serve_api(rest)
+    elif command == "engine":
+        run_upstream(ENGINE_MODULE, rest)
+    elif command == "worker":
+        run_upstream(WORKER_MODULE, rest)
     else:
-        sys.exit("usage: python -m txflow.skyrl_adapter api --host H --port P <engine args>")
+        sys.exit("usage: python -m txflow.skyrl_adapter {api --host H --port P|engine|worker} <upstream args>")

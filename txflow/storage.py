@@ -14,8 +14,9 @@ each checkpoint durable itself:
   resumes read the durable copy, on a fresh cluster as well.
 
 The same path serves local roots (a copy) and object stores, so every local
-end-to-end test exercises it. With several nodes each node stages its own
-ranks' files; the local launcher has one node, so one staging directory.
+end-to-end test exercises it. Staging is on the coordinator node only: the
+engine's checkpoint I/O runs on rank 0 (`skyrl_adapter`, 6.), so no other
+rank's disk holds a checkpoint file and no filesystem is shared between ranks.
 """
 
 from __future__ import annotations
