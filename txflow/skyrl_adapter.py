@@ -274,19 +274,25 @@ def serve_api(argv: list[str]) -> None:
 STATE_FILE = "txflow-state.msgpack"
 """The one file of a training-state checkpoint, inside the `<name>.tar.gz/` directory upstream names."""
 STATE_FORMAT = 1
+UPSTREAM_STATE_DIR = "checkpoint_0"  # what upstream's Orbax save leaves in the directory
+STATE_TAG, UPSTREAM_TAG = b"S", b"O"  # first byte of what rank 0 broadcasts on a state load
 
 
 def install_checkpoint_io() -> None:
     """Replace the backend's state save/load and sampler load, in this process (engine or worker)."""
     from tx.tinker.backends.jax import JaxBackendImpl
 
+    upstream_load_state = JaxBackendImpl.load_checkpoint
     upstream_load_sampler = JaxBackendImpl.load_sampler_checkpoint
+
+    def load_checkpoint(self, checkpoint_path, model_id):
+        _load_state(self, upstream_load_state, checkpoint_path, model_id)
 
     def load_sampler_checkpoint(self, model_id, checkpoint_id, checkpoint_path):
         _load_sampler(self, upstream_load_sampler, model_id, checkpoint_id, checkpoint_path)
 
     # The rank-0 wrapper serialises broadcast arguments by these annotations: keep upstream's.
-    for name, replacement in (("save_checkpoint", _save_state), ("load_checkpoint", _load_state),
+    for name, replacement in (("save_checkpoint", _save_state), ("load_checkpoint", load_checkpoint),
                               ("load_sampler_checkpoint", load_sampler_checkpoint)):
         replacement.__annotations__ = dict(getattr(JaxBackendImpl, name).__annotations__)
         setattr(JaxBackendImpl, name, replacement)
@@ -320,7 +326,7 @@ def _save_state(self, output_path, model_id) -> None:
     partial.replace(directory / STATE_FILE)  # a crash mid-write leaves no state file, so no checkpoint
 
 
-def _load_state(self, checkpoint_path, model_id) -> None:
+def _load_state(self, upstream, checkpoint_path, model_id) -> None:
     """Rank 0 reads the state file and broadcasts it; every rank inserts its shards."""
     import jax
     from flax import serialization
@@ -328,10 +334,14 @@ def _load_state(self, checkpoint_path, model_id) -> None:
     rank0 = jax.process_index() == 0
     payload = error = None
     if rank0:
+        directory = Path(str(checkpoint_path))
         try:
-            payload = (Path(str(checkpoint_path)) / STATE_FILE).read_bytes()
+            payload = STATE_TAG + (directory / STATE_FILE).read_bytes()
         except OSError as exc:
-            error = FileNotFoundError(f"Training checkpoint not found in {checkpoint_path}: {exc}")
+            if (directory / UPSTREAM_STATE_DIR).is_dir():
+                payload = UPSTREAM_TAG
+            else:
+                error = FileNotFoundError(f"Training checkpoint not found in {checkpoint_path}: {exc}")
     payload = _broadcast_bytes(payload)
     if payload is None:
         # Nothing else in this command is collective: the other ranks go back to their loop and
@@ -339,7 +349,11 @@ def _load_state(self, checkpoint_path, model_id) -> None:
         if error is not None:
             raise error
         return
-    record = serialization.msgpack_restore(payload)
+    if payload == UPSTREAM_TAG:
+        # Saved by upstream's engine (or txflow before 6.): Orbax restores on every rank, which works
+        # where every rank sees the whole directory (one machine), as when it was saved.
+        return upstream(self, checkpoint_path, model_id)
+    record = serialization.msgpack_restore(payload[len(STATE_TAG):])
     target = self._extract_checkpoint_data(model_id)
     lora_config = json.loads(record["lora_config"])
     problem = _state_mismatch(record, lora_config, target)

@@ -1,0 +1,79 @@
+"""txflow's state checkpoint I/O in the SkyRL-tx backend (skyrl_adapter, point 6), in one process on the
+tiny model: exact round trip, one file, checkpoints of upstream's Orbax format still load, clear errors.
+The multi-process, no-shared-disk path runs end to end in tests/test_s3_e2e.py."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from txflow import skyrl_adapter
+from txflow.tiny_model import resolve_base_model
+
+
+@pytest.fixture(scope="module")
+def backend():
+    from tx.tinker.backends.jax import JaxBackendConfig, JaxBackendImpl
+
+    originals = {n: JaxBackendImpl.__dict__[n] for n in ("save_checkpoint", "load_checkpoint", "load_sampler_checkpoint")}
+    upstream_save = originals["save_checkpoint"]
+    skyrl_adapter.install_checkpoint_io()
+    try:
+        impl = JaxBackendImpl(resolve_base_model("tiny"), JaxBackendConfig(max_lora_adapters=8, max_lora_rank=8))
+        impl.upstream_save = lambda path, model_id: upstream_save(impl, path, model_id)
+        yield impl
+    finally:
+        for name, function in originals.items():
+            setattr(JaxBackendImpl, name, function)
+
+
+def new_model(backend, model_id: str, rank: int = 4, seed: int = 0) -> None:
+    from tx.tinker import types
+
+    backend.create_model(model_id, types.LoraConfig(rank=rank, alpha=8.0, seed=seed))
+
+
+def state_of(backend, model_id: str) -> list[np.ndarray]:
+    data = backend._extract_checkpoint_data(model_id)
+    return [np.asarray(x) for x in jax.tree.leaves({"w": data["lora_weights"], "o": data["optimizer_state"]})]
+
+
+def assert_same_state(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    assert len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b))
+
+
+def test_state_round_trip_is_exact_and_one_file(backend, tmp_path):
+    new_model(backend, "saved", seed=1)
+    new_model(backend, "restored", seed=2)
+    saved = state_of(backend, "saved")
+    assert not all(np.array_equal(x, y) for x, y in zip(saved, state_of(backend, "restored")))  # seeds differ
+
+    backend.save_checkpoint(tmp_path / "step-000001.tar.gz", "saved")
+    assert [p.name for p in (tmp_path / "step-000001.tar.gz").iterdir()] == [skyrl_adapter.STATE_FILE]
+    backend.load_checkpoint(tmp_path / "step-000001.tar.gz", "restored")
+
+    assert_same_state(state_of(backend, "restored"), saved)
+
+
+def test_a_checkpoint_in_upstreams_orbax_format_still_loads(backend, tmp_path):
+    new_model(backend, "orbax-saved", seed=3)
+    new_model(backend, "orbax-restored", seed=4)
+    backend.upstream_save(tmp_path / "old.tar.gz", "orbax-saved")
+    assert (tmp_path / "old.tar.gz" / skyrl_adapter.UPSTREAM_STATE_DIR).is_dir()
+
+    backend.load_checkpoint(tmp_path / "old.tar.gz", "orbax-restored")
+
+    assert_same_state(state_of(backend, "orbax-restored"), state_of(backend, "orbax-saved"))
+
+
+def test_missing_checkpoint_and_other_rank_fail_clearly(backend, tmp_path):
+    new_model(backend, "rank8", rank=8)
+    with pytest.raises(FileNotFoundError, match="Training checkpoint not found"):
+        backend.load_checkpoint(tmp_path / "nothing.tar.gz", "rank8")
+    new_model(backend, "rank4", rank=4)
+    backend.save_checkpoint(tmp_path / "r4.tar.gz", "rank4")
+    before = state_of(backend, "rank8")
+    with pytest.raises(ValueError, match="LoRA rank 4 in the checkpoint, 8 in the model"):
+        backend.load_checkpoint(tmp_path / "r4.tar.gz", "rank8")
+    assert_same_state(state_of(backend, "rank8"), before)  # nothing was half-loaded
