@@ -16,7 +16,7 @@ from txflow.cluster import Cluster, Launcher, describe_exit
 from txflow.config import RunConfig
 from txflow.log import get_logger, register_secret
 from txflow.storage import engine_checkpoints_base
-from txflow.tiny_model import resolve_base_model
+from txflow.tiny_model import cache_dir, resolve_base_model
 
 
 def child_env(cfg: RunConfig, database_url: str) -> dict[str, str]:
@@ -24,6 +24,9 @@ def child_env(cfg: RunConfig, database_url: str) -> dict[str, str]:
     env = dict(os.environ)
     env[skyrl_adapter.DATABASE_URL_ENV] = database_url
     env["PYTHONUNBUFFERED"] = "1"
+    # Compiled programs persist across runs: a new cluster skips most of its ~10 s of JIT per rank.
+    # An explicit JAX_COMPILATION_CACHE_DIR (or "" to switch it off) wins.
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_dir() / "jax-compilation"))
     if Path(cfg.base_model).is_dir() or cfg.base_model == "tiny":
         # A local model needs no hub; never let a rank try to reach one.
         env["HF_HUB_OFFLINE"] = "1"

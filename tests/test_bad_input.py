@@ -123,3 +123,28 @@ def test_monitor_reports_a_dead_rank_once_with_its_exit_code(tmp_path):
     finally:
         monitor.stop()
         launcher.stop(cluster, grace_s=1.0)
+
+
+def test_monitor_names_the_killed_rank_before_the_peer_that_aborted_because_of_it(tmp_path):
+    cluster = Cluster(run_id="m", launcher="local", state_dir=str(tmp_path), host="127.0.0.1", api_port=1,
+                      coordinator_port=None, num_processes=2, base_model_path="x", checkpoints_base="y")
+    (tmp_path / "logs").mkdir()
+    launcher = LocalLauncher()
+    # Rank 0 aborts as soon as rank 1 is gone, as a JAX rank does when its peer vanishes mid-collective.
+    follower = [sys.executable, "-c", "import os, sys, time\nwhile os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+                "os.abort()", str(tmp_path / "peer-alive")]
+    (tmp_path / "peer-alive").touch()
+    launcher.start(cluster, "coordinator", 0, follower, {}, {}, "rank0")
+    launcher.start(cluster, "worker", 1, [sys.executable, "-c", "import time; time.sleep(60)"], {}, {}, "rank1")
+    monitor = RankMonitor(cluster, launcher, interval_s=3600)  # polled by hand: both deaths in one pass
+    try:
+        os.kill(cluster.rank(1).pid, signal.SIGKILL)
+        (tmp_path / "peer-alive").unlink()
+        deadline = time.monotonic() + 10
+        while any(launcher.exit_code(r) is None for r in cluster.processes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = monitor.poll()
+        assert (first.rank, first.exit_code) == (1, -signal.SIGKILL)
+        assert [(f.rank, f.exit_code) for f in monitor.failures] == [(1, -signal.SIGKILL), (0, -signal.SIGABRT)]
+    finally:
+        launcher.stop(cluster, grace_s=1.0)

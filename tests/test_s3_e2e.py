@@ -101,6 +101,8 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
     # Its first step's loss is the loss the first run's step-6 state gives on the same batch (step 7's).
     first_step7 = next(m for m in report["metrics"] if m["step"] == 7)
     assert abs(resumed["metrics"][0]["nll"] - first_step7["nll"]) <= 1e-6
+    # Continued to step 8, it ends where the first run ended: the same loss on the same held-out batch.
+    assert abs(resumed["restore"]["loss_before"] - report["restore"]["loss_before"]) <= 1e-6
     assert resumed["restore"]["passed"] and resumed["restore"]["sampler_tokens_match"]
     assert alive_pids(first_state) == [] and alive_pids(second_state) == []
     if isolated:  # rank 1 of both runs really saw an empty state directory of its own

@@ -9,6 +9,7 @@ waits on Tinker futures stop at once.
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -56,7 +57,7 @@ class RankMonitor:
 
     def poll(self) -> Failure | None:
         """Check every process once; returns the first new failure (also recorded and logged once)."""
-        first = None
+        found = []
         for record in list(self.cluster.processes):
             if record.pid in self._seen:
                 continue
@@ -65,13 +66,16 @@ class RankMonitor:
                 continue
             self._seen.add(record.pid)
             record.exit_code = code
-            failure = Failure(rank=record.rank, role=record.role, exit_code=code, detected_at=time.time(),
-                              message=describe_exit(record, code))
+            found.append(Failure(rank=record.rank, role=record.role, exit_code=code, detected_at=time.time(),
+                                 message=describe_exit(record, code)))
+        # A JAX rank whose peer vanished mid-collective aborts (SIGABRT): when both are found in one
+        # pass, the other death is the cause, so it comes first.
+        found.sort(key=lambda f: f.exit_code == -signal.SIGABRT)
+        for failure in found:
             self.failures.append(failure)
             get_logger().error(f"dead process detected: {failure.message}")
             self.failed.set()
-            first = first or failure
-        return first
+        return found[0] if found else None
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
