@@ -129,12 +129,12 @@ def discover(
 
     checked = [a for a in artifacts if a.kind != "file"]
     actual = {a.path: _artifact_files(a, files, members) for a in checked}
-    unverified = [a for a in checked if not _commit_matches_listing(a, actual[a.path], etags)]
+    unverified = {a.path for a in checked if not _commit_matches_listing(a, actual[a.path], etags)}
     # The sidecars the listing could not verify, in one batched read (concurrent on object stores).
-    sidecars = [fs_paths[a.path + COMMIT_SUFFIX] for a in unverified if a.path + COMMIT_SUFFIX in files]
+    sidecars = [fs_paths[p + COMMIT_SUFFIX] for p in sorted(unverified) if p + COMMIT_SUFFIX in files]
     contents = fs.cat(sidecars, on_error="return") if sidecars else {}
     for artifact in checked:
-        if artifact in unverified:
+        if artifact.path in unverified:
             _check_commit(artifact, actual[artifact.path], files, fs_paths, contents, require_commit)
         else:
             artifact.committed = True
@@ -353,7 +353,7 @@ def _is_auxiliary(rel: str, files: dict[str, int]) -> bool:
 def _commit_matches_listing(artifact: Artifact, actual: dict[str, int], etags: dict[str, str]) -> bool:
     """True when the sidecar's listed ETag is the MD5 of the record of exactly the files listed now."""
     etag = etags.get(artifact.path + COMMIT_SUFFIX)
-    return etag is not None and hashlib.md5(commit_record(actual)).hexdigest() == etag
+    return etag is not None and hashlib.md5(commit_record(actual), usedforsecurity=False).hexdigest() == etag
 
 
 def _check_commit(
