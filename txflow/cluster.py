@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import subprocess
 from abc import ABC, abstractmethod
 from pathlib import Path
@@ -168,6 +169,22 @@ def stop_cluster(state_dir: str | Path, launcher: Launcher | None = None, grace_
         return []
     cluster = Cluster.load(state_dir)
     return (launcher or LocalLauncher()).stop(cluster, grace_s)
+
+
+def exited(cluster: Cluster, launcher: Launcher, skip: set[int] = frozenset()) -> list[tuple[ProcessRecord, int]]:
+    """(record, exit code) of every process of the cluster that has exited, pids in `skip` aside.
+
+    A JAX rank whose peer vanished mid-collective aborts (SIGABRT) within a
+    second, so when several are found at once the other deaths come first:
+    they are the cause.
+    """
+    found = []
+    for record in list(cluster.processes):
+        code = None if record.pid in skip else launcher.exit_code(record)
+        if code is not None:
+            record.exit_code = code
+            found.append((record, code))
+    return sorted(found, key=lambda item: item[1] == -signal.SIGABRT)
 
 
 def describe_exit(record: ProcessRecord, code: int) -> str:

@@ -9,12 +9,11 @@ waits on Tinker futures stop at once.
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from dataclasses import dataclass, field
 
-from txflow.cluster import Cluster, Launcher, describe_exit
+from txflow.cluster import Cluster, Launcher, describe_exit, exited
 from txflow.log import get_logger
 
 
@@ -57,25 +56,16 @@ class RankMonitor:
 
     def poll(self) -> Failure | None:
         """Check every process once; returns the first new failure (also recorded and logged once)."""
-        found = []
-        for record in list(self.cluster.processes):
-            if record.pid in self._seen:
-                continue
-            code = self.launcher.exit_code(record)
-            if code is None:
-                continue
+        first = None
+        for record, code in exited(self.cluster, self.launcher, skip=self._seen):  # the cause first
             self._seen.add(record.pid)
-            record.exit_code = code
-            found.append(Failure(rank=record.rank, role=record.role, exit_code=code, detected_at=time.time(),
-                                 message=describe_exit(record, code)))
-        # A JAX rank whose peer vanished mid-collective aborts (SIGABRT): when both are found in one
-        # pass, the other death is the cause, so it comes first.
-        found.sort(key=lambda f: f.exit_code == -signal.SIGABRT)
-        for failure in found:
+            failure = Failure(rank=record.rank, role=record.role, exit_code=code, detected_at=time.time(),
+                              message=describe_exit(record, code))
             self.failures.append(failure)
             get_logger().error(f"dead process detected: {failure.message}")
             self.failed.set()
-        return found[0] if found else None
+            first = first or failure
+        return first
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -7,7 +7,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import tinker
 
-from txflow.cluster import Cluster, Launcher, describe_exit
+from txflow.cluster import Cluster, Launcher, describe_exit, exited
 
 
 def service_client(cluster: Cluster) -> tinker.ServiceClient:
@@ -25,12 +25,9 @@ class RankDied(RuntimeError):
 
 
 def check_ranks(cluster: Cluster, launcher: Launcher) -> None:
-    """Raise RankDied naming the first process of the cluster that has exited."""
-    for record in cluster.processes:
-        code = launcher.exit_code(record)
-        if code is not None:
-            record.exit_code = code
-            raise RankDied(describe_exit(record, code), record.rank, code)
+    """Raise RankDied naming the process whose exit broke the cluster, if one has exited."""
+    for record, code in exited(cluster, launcher)[:1]:
+        raise RankDied(describe_exit(record, code), record.rank, code)
 
 
 def wait_result(future, cluster: Cluster, launcher: Launcher, timeout_s: float, what: str):
