@@ -26,7 +26,9 @@ class RankDied(RuntimeError):
 
 def check_ranks(cluster: Cluster, launcher: Launcher) -> None:
     """Raise RankDied naming the process whose exit broke the cluster, if one has exited."""
-    for record, code in exited(cluster, launcher)[:1]:
+    found = exited(cluster, launcher)
+    if found:
+        record, code = found[0]
         raise RankDied(describe_exit(record, code), record.rank, code)
 
 
