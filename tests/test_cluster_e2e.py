@@ -17,6 +17,7 @@ from tasks.launch_workers import launch_workers
 from tasks.provision_coordinator import provision_coordinator
 from tasks.teardown import teardown
 from tests.helpers import alive_pids, cluster_pids, run_txflow, txflow_cmd
+from txflow import tinker_client
 from txflow.cluster import LocalLauncher
 from txflow.config import RunConfig
 
@@ -58,9 +59,17 @@ def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, 
     assert listening_addresses(cluster.api_port) == {"127.0.0.1"}
     assert listening_addresses(cluster.coordinator_port) == {"127.0.0.1"}
     assert "api_key" not in (Path(cfg.state_dir) / "cluster.json").read_text()
+    # The readiness client's session heartbeats from a background thread until someone closes it.
+    heartbeats = [c.holder._session_heartbeat_task for c in tinker_client._open_clients[cfg.state_dir]]
+    assert heartbeats and not any(h.done() for h in heartbeats)
 
     ranks = teardown.fn(cfg.state_dir, launcher)
     assert alive_pids(cfg.state_dir) == []
+    # Teardown stopped them: a long-lived process must not heartbeat a cluster that is gone.
+    deadline = time.monotonic() + 5
+    while not all(h.done() for h in heartbeats) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert all(h.cancelled() for h in heartbeats) and cfg.state_dir not in tinker_client._open_clients
     assert [r["rank"] for r in ranks] == [None, 0, 1]
     assert all(r["exit_code"] is not None for r in ranks)
 

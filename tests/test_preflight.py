@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from pathlib import Path
 
@@ -296,3 +297,17 @@ def test_txflow_run_reusing_a_completed_run_id_exits_2_and_keeps_its_report(tmp_
     assert report.read_bytes() == original
     assert sorted(p.name for p in report.parent.iterdir()) == ["report.json"]
     assert not (state / "cluster.json").exists()
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "120"), ("45", "45")])
+def test_cli_gives_the_embedded_prefect_server_time_to_start_unless_told(tmp_path, monkeypatch, cli_env, preset,
+                                                                          expected):
+    # Prefect's 20 s default failed a run on a busy machine while the server migrated its new database.
+    name = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+    monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if preset is not None:
+        monkeypatch.setenv(name, preset)
+    (tmp_path / "notes.txt").write_text("x")
+    assert cli_exit(["discover", str(tmp_path)]) == 0
+    assert os.environ[name] == expected

@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     # Prefect's embedded server otherwise sends telemetry heartbeats (no network here, and
     # they contend for its SQLite file under load: "database is locked").
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # The embedded server creates and migrates a fresh SQLite database on first use; on a busy
+    # 2-core machine that took more than Prefect's default 20 s, and the run failed before it began.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     return run(args) if args.command == "run" else discover_cmd(args)
 
 

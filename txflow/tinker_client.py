@@ -4,15 +4,36 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
 
 import tinker
 
 from txflow.cluster import Cluster, Launcher, describe_exit, exited
 
 
+# ServiceClients opened per cluster (by state directory). Each one heartbeats its session from a
+# background thread until closed; nothing closes it when the cluster goes away, so a long-lived
+# process (a Prefect worker, the test suite) would heartbeat dead clusters forever.
+_open_clients: dict[str, list[tinker.ServiceClient]] = {}
+
+
+def _key(state_dir) -> str:
+    return str(Path(state_dir).absolute())
+
+
 def service_client(cluster: Cluster) -> tinker.ServiceClient:
-    """A ServiceClient for the cluster's API (never the hosted default)."""
-    return tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key.get_secret_value())
+    """A ServiceClient for the cluster's API (never the hosted default); teardown closes it."""
+    client = tinker.ServiceClient(base_url=cluster.base_url, api_key=cluster.api_key.get_secret_value())
+    _open_clients.setdefault(_key(cluster.state_dir), []).append(client)
+    return client
+
+
+def close_clients(state_dir) -> int:
+    """Stop the session heartbeats of every client opened for the cluster in `state_dir`."""
+    clients = _open_clients.pop(_key(state_dir), [])
+    for client in clients:
+        client.holder.close()
+    return len(clients)
 
 
 class RankDied(RuntimeError):
