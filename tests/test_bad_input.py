@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -123,6 +124,44 @@ def test_monitor_reports_a_dead_rank_once_with_its_exit_code(tmp_path):
     finally:
         monitor.stop()
         launcher.stop(cluster, grace_s=1.0)
+
+
+class DeadRankLauncher(LocalLauncher):
+    """Reports rank 1 as killed by SIGKILL, without starting anything."""
+
+    def exit_code(self, record):
+        return -signal.SIGKILL if record.rank == 1 else None
+
+
+def test_a_death_the_monitor_thread_is_recording_still_counts_as_a_cluster_fault(tmp_path, monkeypatch):
+    # Seen in the fault test: the request failed with RankDied while the monitor thread had marked
+    # the dead rank seen but not yet recorded it; the flow's own poll found nothing new and failed
+    # the run instead of retrying on a fresh cluster.
+    from flows.train import _cluster_fault
+    from txflow import monitor as monitor_module
+    from txflow.cluster import ProcessRecord
+
+    cluster = Cluster(run_id="m", launcher="local", state_dir=str(tmp_path), host="127.0.0.1", api_port=1,
+                      coordinator_port=None, num_processes=2, base_model_path="x", checkpoints_base="y")
+    cluster.processes = [ProcessRecord(role=role, rank=rank, pid=pid, pgid=pid, host="127.0.0.1", log="")
+                         for role, rank, pid in (("coordinator", 0, 10**7), ("worker", 1, 10**7 + 1))]
+    describing = threading.Event()
+    real_describe = monitor_module.describe_exit
+
+    def slow_describe(record, code):  # the log tail is read between "seen" and "recorded"
+        describing.set()
+        time.sleep(0.5)
+        return real_describe(record, code)
+
+    monkeypatch.setattr(monitor_module, "describe_exit", slow_describe)
+    monitor = RankMonitor(cluster, DeadRankLauncher(), interval_s=0.01).start()
+    try:
+        assert describing.wait(timeout=5)
+        fault = _cluster_fault(monitor, RuntimeError("rank 1 (worker) was killed by signal 9"))
+    finally:
+        monitor.stop()
+    assert fault is not None and (fault.rank, fault.exit_code) == (1, -signal.SIGKILL)
+    assert len(monitor.failures) == 1
 
 
 def test_monitor_names_the_killed_rank_before_the_peer_that_aborted_because_of_it(tmp_path):

@@ -44,6 +44,9 @@ class RankMonitor:
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._seen: set[int] = set()
+        # The flow polls too when a request fails; without the lock it could find a death that
+        # the thread has marked seen but not yet recorded, and take a cluster fault for a plain error.
+        self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name=f"rank-monitor-{self.cluster.run_id}", daemon=True)
 
     def start(self) -> RankMonitor:
@@ -55,16 +58,21 @@ class RankMonitor:
         self._thread.join(timeout=5)
 
     def poll(self) -> Failure | None:
-        """Check every process once; returns the first new failure (also recorded and logged once)."""
+        """Check every process once; returns the first new failure (also recorded and logged once).
+
+        Safe to call from any thread: when it returns, every death it or a concurrent call
+        found is in `failures`.
+        """
         first = None
-        for record, code in exited(self.cluster, self.launcher, skip=self._seen):  # the cause first
-            self._seen.add(record.pid)
-            failure = Failure(rank=record.rank, role=record.role, exit_code=code, detected_at=time.time(),
-                              message=describe_exit(record, code))
-            self.failures.append(failure)
-            get_logger().error(f"dead process detected: {failure.message}")
-            self.failed.set()
-            first = first or failure
+        with self._lock:
+            for record, code in exited(self.cluster, self.launcher, skip=self._seen):  # the cause first
+                self._seen.add(record.pid)
+                failure = Failure(rank=record.rank, role=record.role, exit_code=code, detected_at=time.time(),
+                                  message=describe_exit(record, code))
+                self.failures.append(failure)
+                get_logger().error(f"dead process detected: {failure.message}")
+                self.failed.set()
+                first = first or failure
         return first
 
     def _run(self) -> None:
