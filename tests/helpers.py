@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +23,13 @@ def cluster_pids(state_dir: Path) -> list[tuple[int, int | None]]:
 
 def alive_pids(state_dir: Path) -> list[int]:
     return [pid for pid, started in cluster_pids(state_dir) if is_alive(pid, started)]
+
+
+def new_prefect_home(path: Path, prefect_db: Path) -> Path:
+    """`path` as a Prefect home holding a copy of the migrated template database (conftest's prefect_db)."""
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(prefect_db, path / "prefect.db")
+    return path
 
 
 def txflow_cmd(*args: str) -> list[str]:

@@ -23,7 +23,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import alive_pids, cluster_pids
+from tests.helpers import alive_pids, cluster_pids, new_prefect_home
 from txflow.config import RunConfig
 from txflow.processes import free_port, is_alive, proc_stats, start_time
 
@@ -121,10 +121,10 @@ def _base_env(home: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, prefect_db):
     """`prefect server start` on a free loopback port with a temporary PREFECT_HOME."""
     work = tmp_path_factory.mktemp("prefect")
-    home, logs = work / "home", work / "logs"
+    home, logs = new_prefect_home(work / "home", prefect_db), work / "logs"
     logs.mkdir()
     port = free_port()
     server_env = _base_env(home)

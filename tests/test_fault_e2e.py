@@ -30,13 +30,27 @@ def start_run(tmp_path: Path, env: dict, run_id: str, *extra: str) -> tuple[subp
     return proc, state, (out, err)
 
 
-def wait_for_steps(proc: subprocess.Popen, state: Path, steps: int, log: Path, timeout: float = 400) -> None:
-    metrics = state / "metrics.jsonl"
+def last_step(state: Path) -> int:
+    """The last step in metrics.jsonl (a resume first cuts it back to the step it resumes from)."""
+    path = state / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return max((json.loads(line)["step"] for line in lines if line.strip()), default=0)
+
+
+def wait_for(proc: subprocess.Popen, log: Path, ready, what: str, timeout: float = 400) -> None:
     deadline = time.monotonic() + timeout
-    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= steps):
+    while not ready():
         assert proc.poll() is None, log.read_text()[-4000:]
-        assert time.monotonic() < deadline, f"fewer than {steps} steps after {timeout} s"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
         time.sleep(0.2)
+
+
+def kill_rank(state: Path, rank: int) -> tuple[int, float]:
+    """SIGKILL `rank` of the cluster in cluster.json; returns its pid and the time of the kill."""
+    pid = next(p["pid"] for p in json.loads((state / "cluster.json").read_text())["processes"] if p["rank"] == rank)
+    killed_at = time.time()
+    os.kill(pid, signal.SIGKILL)
+    return pid, killed_at
 
 
 def finish(proc: subprocess.Popen, files, timeout: float = 600) -> int:
@@ -53,34 +67,43 @@ def finish(proc: subprocess.Popen, files, timeout: float = 600) -> int:
             f.close()
 
 
-@pytest.mark.parametrize("victim", [1, 0], ids=["worker", "rank0"])
-def test_killed_rank_is_detected_and_the_run_resumes_on_a_fresh_cluster(tmp_path, txflow_env, reaper, victim):
-    run_id = f"kill-rank{victim}"
-    proc, state, files = start_run(tmp_path, txflow_env, run_id, "--steps", "14", "--save-every", "4")
+def test_killed_ranks_are_detected_and_the_run_resumes_on_a_fresh_cluster_each_time(tmp_path, txflow_env, reaper):
+    """A worker is killed on the first cluster, then rank 0 (engine and JAX coordinator) on the second:
+    each death is named within seconds and the run resumes from its last durable state on a fresh
+    cluster, twice, and passes."""
+    run_id, log = "kill-ranks", tmp_path / "kill-ranks.log"
+    proc, state, files = start_run(tmp_path, txflow_env, run_id, "--steps", "14", "--save-every", "4",
+                                   "--train-retries", "2")
     reaper.watch(state)
+    clusters, kills = [], []
     try:
-        wait_for_steps(proc, state, 6, tmp_path / f"{run_id}.log")
-        first_cluster = cluster_pids(state)
-        pid = next(p["pid"] for p in json.loads((state / "cluster.json").read_text())["processes"]
-                   if p["rank"] == victim)
-        killed_at = time.time()
-        os.kill(pid, signal.SIGKILL)
+        wait_for(proc, log, lambda: last_step(state) >= 6, "step 6 on the first cluster")
+        clusters.append(cluster_pids(state))
+        kills.append(kill_rank(state, 1))
+        # Past the save at step 8 on a new cluster (the first one never gets beyond step 7).
+        wait_for(proc, log, lambda: cluster_pids(state) != clusters[0] and last_step(state) >= 9,
+                 "step 9 on the second cluster")
+        clusters.append(cluster_pids(state))
+        kills.append(kill_rank(state, 0))
     finally:
         code = finish(proc, files)
-    log = (tmp_path / f"{run_id}.log").read_text()
-    assert code == 0, log[-4000:]
+    text = log.read_text()
+    assert code == 0, text[-4000:]
     report = json.loads((tmp_path / f"{run_id}.json").read_text())
     assert report["status"] == "passed"
-    [failure] = report["failures"]
-    assert failure["rank"] == victim and failure["exit_code"] == -signal.SIGKILL
-    assert 0 <= failure["detected_at"] - killed_at < 5
-    assert failure["resumed_from_step"] >= 4 and report["resumed_from_step"] == failure["resumed_from_step"]
+    failures = report["failures"]
+    assert [(f["rank"], f["exit_code"]) for f in failures] == [(1, -signal.SIGKILL), (0, -signal.SIGKILL)]
+    for failure, (_, killed_at) in zip(failures, kills):
+        assert 0 <= failure["detected_at"] - killed_at < 5, failure
+    assert [f["resumed_from_step"] for f in failures] == [4, 8] and report["resumed_from_step"] == 8
     assert report["metrics"][-1]["step"] == 14 and report["restore"]["passed"]
     # Each dead process is logged once, not every interval. (A rank whose peer vanished
     # mid-collective may abort as well, and is then logged once too.)
-    deaths = re.findall(r"dead process detected: rank (\d+) .*?, pid (\d+),", log)
-    assert (str(victim), str(pid)) in deaths and len(set(deaths)) == len(deaths), deaths
-    assert [pid for pid, started in first_cluster if is_alive(pid, started)] == []
+    deaths = re.findall(r"dead process detected: rank (\d+) .*?, pid (\d+),", text)
+    assert {("1", str(kills[0][0])), ("0", str(kills[1][0]))} <= set(deaths) and len(set(deaths)) == len(deaths)
+    # Three clusters in all; nothing of any of them is left.
+    assert cluster_pids(state) not in clusters
+    assert [pid for cluster in clusters for pid, started in cluster if is_alive(pid, started)] == []
     assert alive_pids(state) == []
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import sqlalchemy
 import pytest
 
-from tests.helpers import PASSWORD_MARKER, alive_pids, run_txflow
+from tests.helpers import PASSWORD_MARKER, alive_pids, new_prefect_home, run_txflow
 from txflow.cluster import stop_cluster
 
 pytestmark = pytest.mark.e2e
@@ -18,13 +18,14 @@ pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="module")
-def sft_run(tmp_path_factory, postgres):
+def sft_run(tmp_path_factory, postgres, prefect_db):
     """One real run shared by the assertions below (it is the expensive part)."""
     url = postgres("tinker_sft")
     work = tmp_path_factory.mktemp("sft")
     env = dict(os.environ)
     env.pop("PREFECT_API_URL", None)
-    env.update(PREFECT_HOME=str(work / "prefect-home"), DO_NOT_TRACK="1", TINKER_TELEMETRY="0")
+    env.update(PREFECT_HOME=str(new_prefect_home(work / "prefect-home", prefect_db)), DO_NOT_TRACK="1",
+               TINKER_TELEMETRY="0")
     state = work / "state"
     try:
         result = run_txflow(["run", "sft", "--run-id", "e2e-sft", "--state-dir", str(state),
