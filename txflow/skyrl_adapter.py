@@ -48,6 +48,13 @@ workaround can go:
    from every rank because the upstream path through cloudpathlib never
    reaches the bucket (see the notes), and one file per checkpoint is what the
    commit verifies cheaply. Can go when upstream saves without a shared disk.
+7. SIGTERM does not stop a rank of a multi-process cluster: `jax.distributed.
+   initialize` installs TSL's preemption notifier, which catches SIGTERM and
+   only logs "SIGTERM caught", so every teardown waited out its grace period
+   before SIGKILL. SkyRL-tx does nothing with preemption notices, so after
+   initialize the engine and the workers get the default SIGTERM action back
+   (`_default_sigterm_after_distributed_init`). Can go when upstream handles
+   preemption or exits on it.
 
 Module names differ in the unified `skyrl` 0.4.0 package (`skyrl.tinker.api`,
 `skyrl.tinker.engine`, `skyrl.backends.jax`); they are only named here.
@@ -433,11 +440,28 @@ def _broadcast_bytes(data: bytes | None) -> bytes | None:
     return multihost_utils.broadcast_one_to_all(buffer).tobytes()
 
 
+def _default_sigterm_after_distributed_init() -> None:
+    """Make `jax.distributed.initialize` give SIGTERM its default action back (point 7)."""
+    import signal
+
+    import jax
+
+    initialize = jax.distributed.initialize
+
+    def initialize_then_default_sigterm(*args, **kwargs):
+        initialize(*args, **kwargs)
+        # A kernel-level action: it stops the rank also while its main thread waits in a collective.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    jax.distributed.initialize = initialize_then_default_sigterm
+
+
 def run_upstream(module: str, argv: list[str]) -> None:
     """Run an upstream entry point (engine or worker) with txflow's checkpoint I/O installed."""
     import importlib
 
     install_checkpoint_io()
+    _default_sigterm_after_distributed_init()
     sys.argv = [module, *argv]
     importlib.import_module(module).main()
 
