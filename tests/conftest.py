@@ -6,18 +6,16 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import pgserver
 import pytest
 
-from tests.helpers import PASSWORD_MARKER, new_prefect_home
+from tests.helpers import PASSWORD_MARKER, PREFECT, new_prefect_home
 from txflow.cluster import stop_cluster
 
 REPO = Path(__file__).resolve().parents[1]
-PREFECT = str(Path(sys.executable).parent / "prefect")
 
 
 @pytest.fixture(scope="session")

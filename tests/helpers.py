@@ -10,6 +10,9 @@ from pathlib import Path
 
 from txflow.processes import is_alive
 
+# The Prefect CLI of the interpreter running the tests (the project venv).
+PREFECT = str(Path(sys.executable).parent / "prefect")
+
 # Secrets a run is given in tests; none may appear in any output of the run.
 PASSWORD_MARKER = "pw-MARKER-7f3c91"
 API_KEY_MARKER = "tml-key-MARKER-0c55e1"

@@ -12,7 +12,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from contextlib import contextmanager
@@ -23,14 +22,13 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import alive_pids, cluster_pids, new_prefect_home
+from tests.helpers import PREFECT, alive_pids, cluster_pids, new_prefect_home
 from txflow.config import RunConfig
 from txflow.processes import free_port, is_alive, proc_stats, start_time
 
 pytestmark = pytest.mark.e2e
 
 REPO = Path(__file__).resolve().parents[1]
-PREFECT = str(Path(sys.executable).parent / "prefect")
 RUN_DEADLINE_S = 600
 DEPLOYMENTS = {"train/sft", "train/rl", "nightly-validation/nightly"}
 UUID_RE = re.compile(r"UUID: ([0-9a-f-]{36})")

@@ -16,6 +16,7 @@ import pytest
 
 from tests.helpers import alive_pids, cluster_pids, txflow_cmd
 from txflow.processes import is_alive
+from txflow.run_files import read_metrics
 
 pytestmark = pytest.mark.e2e
 
@@ -32,9 +33,7 @@ def start_run(tmp_path: Path, env: dict, run_id: str, *extra: str) -> tuple[subp
 
 def last_step(state: Path) -> int:
     """The last step in metrics.jsonl (a resume first cuts it back to the step it resumes from)."""
-    path = state / "metrics.jsonl"
-    lines = path.read_text().splitlines() if path.exists() else []
-    return max((json.loads(line)["step"] for line in lines if line.strip()), default=0)
+    return max((row["step"] for row in read_metrics(state)), default=0)
 
 
 def wait_for(proc: subprocess.Popen, log: Path, ready, what: str, timeout: float = 400) -> None:
