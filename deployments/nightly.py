@@ -14,7 +14,7 @@ from prefect.artifacts import create_markdown_artifact
 
 from deployments.defaults import NIGHTLY_RL, NIGHTLY_SFT
 from flows.train import RunFailed, train_flow
-from txflow.cluster import stop_cluster
+from txflow.launchers import stop_cluster
 from txflow.config import RunConfig, new_run_id
 from txflow.log import get_logger
 

@@ -3,15 +3,19 @@ save-checkpoint -> discover-artifacts -> evaluate-restore, and teardown of
 every process whatever happens.
 
 A cluster fault (a rank that dies, a request without progress for
-`step_timeout_s`) tears the cluster down and runs the steps again on a freshly
-provisioned one, resuming from the last durable state, up to `train_retries`
-times. Every such failure is in the report."""
+`step_timeout_s`) tears the cluster down and continues on a freshly
+provisioned one, up to `train_retries` times. A retry redoes only what the
+fault interrupted: training resumes from the last durable step, a fault after
+training resumes at the failed step from the committed final state, and a
+custom client (which only knows how to start) runs again. Every such failure,
+and where the retry resumed, is in the report."""
 
 from __future__ import annotations
 
 import time
 import traceback
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from prefect import flow
 from prefect.concurrency.sync import concurrency
@@ -25,11 +29,14 @@ from tasks.teardown import teardown
 from tasks.train import train
 from txflow import report as run_report
 from txflow import storage
-from txflow.cluster import LocalLauncher, as_json, stop_cluster
+from txflow.cluster import as_json
 from txflow.config import RunConfig
+from txflow.handle import ClusterHandle
+from txflow.launchers import get_launcher, stop_cluster
 from txflow.log import get_logger, register_run_secrets
-from txflow.monitor import Failure, RankMonitor
+from txflow.monitor import Failure, NoProgress
 from txflow.preflight import prepare
+from txflow.results import Discovered, RestoreCheck, Saved, Trained
 from txflow.run_files import metrics_path, read_metrics
 
 
@@ -59,7 +66,7 @@ def _stop_cluster_hook(flow, flow_run, state) -> None:
     cfg = _with_run_id(cfg, flow_run).resolved()
     records = stop_cluster(cfg.state_dir)
     flow_run_logger(flow_run, flow).info(
-        f"{state.name}: stopped the cluster in {cfg.state_dir}: "
+        f"{state.name} hook: stopped the cluster in {cfg.state_dir}: "
         + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_code}" for r in records) or "nothing recorded"))
 
 
@@ -85,6 +92,36 @@ class Timings(dict):
             self[name] = round(self.get(name, 0.0) + time.monotonic() - start, 3)
 
 
+@dataclass
+class Progress:
+    """What the steps have produced so far; a retry runs only the steps still missing."""
+
+    trained: Trained | None = None
+    saved: Saved | None = None
+    discovered: Discovered | None = None
+    restore: RestoreCheck | None = None
+    step: str | None = None  # the step running now
+    train_runs: int = 0
+    failures: list[Failure] = field(default_factory=list)
+
+    def run(self, timings: Timings, name: str, fn, *args):
+        self.step = name
+        return timings.run(name, fn, *args)
+
+
+def _steps(cfg: RunConfig, handle: ClusterHandle, data, done: Progress, timings: Timings) -> None:
+    """The steps after the cluster is up, skipping those an earlier attempt finished."""
+    if done.trained is None:
+        done.train_runs += 1
+        done.trained = done.run(timings, "train", train, cfg, handle, data, done.train_runs)
+    if done.saved is None:
+        done.saved = done.run(timings, "save-checkpoint", save_checkpoint, cfg, handle, done.trained, data)
+    if done.discovered is None:
+        done.discovered = done.run(timings, "discover-artifacts", discover_artifacts, cfg, done.saved)
+    done.restore = done.run(timings, "evaluate-restore", evaluate_restore, cfg, handle, done.trained.metrics,
+                            done.saved, data)
+
+
 @flow(name="train", on_cancellation=[_stop_cluster_hook], on_crashed=[_stop_cluster_hook])
 def train_flow(config: RunConfig = RunConfig()) -> dict:
     """Fine-tune a LoRA adapter on a SkyRL-tx cluster and prove the checkpoint restores."""
@@ -93,57 +130,50 @@ def train_flow(config: RunConfig = RunConfig()) -> dict:
     cfg = _with_run_id(config, getattr(FlowRunContext.get(), "flow_run", None)).resolved()
     log = get_logger()
     register_run_secrets(cfg)
-    log.info(f"run {cfg.run_id}: mode {cfg.mode}, {cfg.processes} processes, root {cfg.run_root}, "
-             f"state {cfg.state_dir}")
+    log.info(f"run {cfg.run_id}: mode {cfg.mode}, {cfg.processes} processes on the {cfg.launcher} launcher, "
+             f"root {cfg.run_root}, state {cfg.state_dir}")
     timings = Timings()
     began = time.monotonic()
     data = timings.run("preflight", prepare, cfg)
-    launcher = LocalLauncher()
-    trained = saved = discovered = restore = None
+    launcher = get_launcher(cfg.launcher)
+    done = Progress()
     error = None
     ranks: list[dict] = []
-    failures: list[Failure] = []
     with cluster_slots(cfg):
         for attempt in range(cfg.train_retries + 1):
-            monitor = None
+            handle = None
             try:
-                cluster = timings.run("provision-coordinator", provision_coordinator, cfg, launcher)
-                cluster = timings.run("launch-workers", launch_workers, cfg, cluster, launcher)
-                monitor = RankMonitor(cluster, launcher).start()
-                trained = timings.run("train", train, cfg, cluster, launcher, data)
-                saved = timings.run("save-checkpoint", save_checkpoint, cfg, cluster, launcher, trained, data)
-                discovered = timings.run("discover-artifacts", discover_artifacts, cfg, saved)
-                restore = timings.run("evaluate-restore", evaluate_restore, cfg, cluster, launcher, trained.metrics,
-                                      saved, data)
+                done.step = "provision-coordinator"
+                handle = timings.run("provision-coordinator", provision_coordinator, cfg, launcher)
+                done.step = "launch-workers"
+                timings.run("launch-workers", launch_workers, cfg, handle)
+                _steps(cfg, handle, data, done, timings)
                 error = None
             except Exception as exc:
                 error = "".join(traceback.format_exception_only(exc)).strip()
-                fault = _cluster_fault(monitor, exc)
+                fault = _cluster_fault(handle, exc)
+                if fault is not None:
+                    fault.step = done.step
+                    done.failures.append(fault)
                 if fault is None or attempt == cfg.train_retries:
-                    log.error(f"run {cfg.run_id} failed: {error}")
-                    if fault is not None:
-                        failures.append(fault)
+                    log.error(f"run {cfg.run_id} failed in {done.step}: {error}")
                     break
-                failures.append(fault)
-                log.warning(f"cluster fault ({fault.message.splitlines()[0]}); tearing down and retrying on a fresh "
-                            f"cluster ({attempt + 1}/{cfg.train_retries})")
+                log.warning(f"cluster fault in {done.step} ({fault.message.splitlines()[0]}); tearing down and "
+                            f"continuing on a fresh cluster ({attempt + 1}/{cfg.train_retries})")
             finally:
-                if monitor is not None:
-                    monitor.stop()
                 try:
-                    ranks = timings.run("teardown", teardown, cfg.state_dir, launcher)
+                    ranks = timings.run("teardown", teardown, handle, cfg.state_dir)
                 except BaseException:
-                    ranks = as_json(stop_cluster(cfg.state_dir, launcher))
+                    ranks = as_json(handle.stop() if handle is not None else stop_cluster(cfg.state_dir))
             if error is None:
                 break
-            latest = storage.latest_state(cfg.run_root, cfg.plain_storage_options())
-            failures[-1].resumed_from_step = storage.step_of(latest.path) if latest else 0
+            _note_resume_point(cfg, done)
     timings["total"] = round(time.monotonic() - began, 3)
 
-    status = "passed" if error is None and restore and restore["passed"] else "failed"
-    metrics = trained.metrics if trained else read_metrics(cfg.state_dir)
-    report = run_report.build(cfg, status, dict(timings), metrics, saved, discovered, restore, ranks, error,
-                              trained.resumed_from_step if trained else 0, [f.as_dict() for f in failures])
+    status = "passed" if error is None and done.restore and done.restore.passed else "failed"
+    metrics = done.trained.metrics if done.trained else read_metrics(cfg.state_dir)
+    report = run_report.build(cfg, status, error, dict(timings), metrics, done.trained, done.saved, done.discovered,
+                              done.restore, ranks, done.failures)
     path = metrics_path(cfg.state_dir)
     run_report.write(cfg, report, path.read_text() if path.exists() else "")
     run_report.publish_artifacts(report)
@@ -153,18 +183,30 @@ def train_flow(config: RunConfig = RunConfig()) -> dict:
     return report
 
 
-def _cluster_fault(monitor: RankMonitor | None, exc: Exception) -> Failure | None:
-    """The failure to retry on a fresh cluster, or None when `exc` is not a cluster fault.
+def _note_resume_point(cfg: RunConfig, done: Progress) -> None:
+    """Record on the last failure where the retry picks up."""
+    failure = done.failures[-1]
+    if done.trained is None:
+        failure.resumed_at = "train"
+        if cfg.mode != "custom":
+            latest = storage.latest_state(cfg.run_root, cfg.plain_storage_options())
+            failure.resumed_from_step = storage.step_of(latest.path) if latest else 0
+    else:
+        failure.resumed_at = "save-checkpoint" if done.saved is None else (
+            "discover-artifacts" if done.discovered is None else "evaluate-restore")
+
+
+def _cluster_fault(handle: ClusterHandle | None, exc: Exception) -> Failure | None:
+    """The failure to continue from on a fresh cluster, or None when `exc` is not a cluster fault.
 
     A dead process is one (whatever error the request in flight surfaced first);
     so is a request that made no progress within its deadline.
     """
-    if monitor is not None:
-        known = len(monitor.failures)
-        monitor.poll()
-        dead = [f for f in monitor.failures if f.role != "api"] or monitor.failures
-        if dead and (monitor.failed.is_set() or len(monitor.failures) > known):
-            return dead[0]
-    if isinstance(exc, TimeoutError):
+    if handle is not None:
+        handle.monitor.poll()  # a death the request surfaced before the monitor's next look
+        failure = handle.monitor.first_failure()
+        if failure is not None:
+            return failure
+    if isinstance(exc, NoProgress):
         return Failure(rank=None, role="request", exit_code=None, detected_at=time.time(), message=str(exc))
     return None

@@ -8,10 +8,11 @@ from prefect.cache_policies import NO_CACHE
 from txflow.config import RunConfig
 from txflow.discovery import discover, write_manifest
 from txflow.log import get_logger
+from txflow.results import Discovered, Saved
 
 
 @task(name="discover-artifacts", retries=2, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def discover_artifacts(cfg: RunConfig, saved: dict) -> dict:
+def discover_artifacts(cfg: RunConfig, saved: Saved) -> Discovered:
     """List and check every artifact under the run root, write manifest.json, and fail
     when a checkpoint this run saved is missing, incomplete or uncommitted."""
     log = get_logger()
@@ -19,14 +20,14 @@ def discover_artifacts(cfg: RunConfig, saved: dict) -> dict:
     artifacts = discover(cfg.run_root, options, require_commit=True)
     manifest = write_manifest(cfg.run_root, artifacts, options)
     by_url = {a.url: a for a in artifacts}
-    for ckpt in saved["checkpoints"]:
-        found = by_url.get(ckpt["url"])
+    for ckpt in saved.checkpoints:
+        found = by_url.get(ckpt.url)
         if found is None:
-            raise FileNotFoundError(f"The {ckpt['kind']} checkpoint this run saved is not in storage at {ckpt['url']}")
+            raise FileNotFoundError(f"The {ckpt.kind} checkpoint this run saved is not in storage at {ckpt.url}")
         if not (found.complete and found.committed):
-            raise RuntimeError(f"The {ckpt['kind']} checkpoint at {ckpt['url']} is not usable: "
+            raise RuntimeError(f"The {ckpt.kind} checkpoint at {ckpt.url} is not usable: "
                                f"{found.reason or 'not committed'}")
     for a in artifacts:
         log.info(f"{a.kind:8} {a.format:9} {'ok' if a.complete else 'INCOMPLETE'} {a.bytes:>10} B "
                  f"{a.files:>4} files {a.url}" + (f" ({a.reason})" if a.reason else ""))
-    return {"manifest": manifest, "artifacts": [a.model_dump() for a in artifacts]}
+    return Discovered(manifest=manifest, artifacts=artifacts)

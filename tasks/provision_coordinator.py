@@ -11,10 +11,12 @@ import httpx
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import processes, skyrl_adapter
-from txflow.cluster import Cluster, Launcher, describe_exit
+from txflow import skyrl_adapter
+from txflow.cluster import Cluster, Launcher
 from txflow.config import RunConfig
+from txflow.handle import ClusterHandle
 from txflow.log import get_logger, register_secret
+from txflow.monitor import NoProgress
 from txflow.storage import engine_checkpoints_base
 from txflow.tiny_model import cache_dir, resolve_base_model
 
@@ -33,69 +35,72 @@ def child_env(cfg: RunConfig, database_url: str) -> dict[str, str]:
     return env
 
 
-def wait_for_api(cluster: Cluster, launcher: Launcher, timeout_s: float) -> None:
+def wait_for_api(handle: ClusterHandle, timeout_s: float) -> None:
     """Wait until the API answers /healthz (liveness of the API only, not readiness)."""
-    api = next(p for p in cluster.processes if p.role == "api")
+    cluster = handle.cluster
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        code = launcher.exit_code(api)
-        if code is not None:
-            raise RuntimeError(f"The Tinker API server died while starting: {describe_exit(api, code)}")
+        handle.monitor.raise_if_failed()
         try:
             if httpx.get(f"{cluster.base_url}/api/v1/healthz", timeout=1.0).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.2)
-    raise TimeoutError(
-        f"The Tinker API server did not answer on {cluster.base_url} within {timeout_s:.0f} s. "
-        f"Last lines of {api.log}:\n{processes.tail(api.log)}"
-    )
+        time.sleep(0.1)
+    api = next(p for p in cluster.processes if p.role == "api")
+    raise NoProgress(f"The Tinker API server did not answer on {cluster.base_url} within {timeout_s:.0f} s. "
+                     f"Last lines of {api.log}:\n{handle.launcher.tail(api)}")
 
 
+# Retries are safe here: a failed attempt stops what it started, and the next one starts afresh.
 @task(name="provision-coordinator", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> Cluster:
-    """Start the API server, then rank 0; record both in cluster.json as soon as they exist."""
+def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
+    """Start the API server, then rank 0; each is in cluster.json as soon as it exists, and a
+    monitor watches them from the start."""
     log = get_logger()
     state_dir = Path(cfg.state_dir)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
     db_url = cfg.resolved_database_url()
-
-    base_model_path = resolve_base_model(cfg.base_model)
-    api_port = processes.free_port(cfg.host)
-    coordinator_port = processes.free_port(cfg.host) if cfg.processes > 1 else None
     cluster = Cluster(
         run_id=cfg.run_id,
         launcher=cfg.launcher,
         state_dir=str(state_dir),
         host=cfg.host,
-        api_port=api_port,
-        coordinator_port=coordinator_port,
+        api_port=0,
+        coordinator_port=None,
         num_processes=cfg.processes,
-        base_model_path=base_model_path,
+        base_model_path=resolve_base_model(cfg.base_model),
         checkpoints_base=engine_checkpoints_base(cfg),
         **({"api_key": cfg.api_key} if cfg.api_key is not None else {}),
     )
     register_secret(cluster.api_key.get_secret_value())
-    cluster.save()
-    engine_argv = skyrl_adapter.engine_args(cfg, base_model_path, cluster.checkpoints_base, cluster.coordinator_address)
-    env = child_env(cfg, db_url)
+    handle = None
     try:
-        # The API first: it creates the database tables the engine then polls.
-        api = launcher.start(cluster, "api", None, skyrl_adapter.api_command(engine_argv, cfg.host, api_port), env,
-                             {"http": api_port}, "api")
+        launcher.place(cluster, cfg.host)
+        handle = ClusterHandle.watch(cluster, launcher)
+        engine_argv = skyrl_adapter.engine_args(cfg, cluster.base_model_path, cluster.checkpoints_base,
+                                                cluster.coordinator_address)
+        env = child_env(cfg, db_url)
+        # The API first (it creates the database tables), then rank 0 without waiting for it: the
+        # engine waits for the tables itself after its imports (adapter point 8).
+        api = launcher.start(cluster, "api", None, skyrl_adapter.api_command(engine_argv, cluster.host,
+                                                                             cluster.api_port),
+                             env, {"http": cluster.api_port}, "api")
         log.info(f"Tinker API server pid {api.pid} on {cluster.base_url}, log {api.log}")
-        wait_for_api(cluster, launcher, cfg.startup_timeout_s)
-        ports = {"coordinator": coordinator_port} if coordinator_port else {}
+        ports = {"coordinator": cluster.coordinator_port} if cluster.coordinator_port else {}
         rank0_env = env | skyrl_adapter.coordinator_env(cluster.coordinator_address)
         rank0 = launcher.start(cluster, "coordinator", 0, skyrl_adapter.engine_command(engine_argv), rank0_env,
                                ports, "rank0")
         log.info(
-            f"rank 0 (engine{', JAX coordinator ' + cluster.coordinator_address if coordinator_port else ''}) "
+            f"rank 0 (engine{', JAX coordinator ' + cluster.coordinator_address if cluster.coordinator_port else ''}) "
             f"pid {rank0.pid}, log {rank0.log}; command: {' '.join(skyrl_adapter.engine_command(engine_argv))}"
         )
+        wait_for_api(handle, cfg.startup_timeout_s)
     except BaseException:
         # A retry must start from nothing: stop what this attempt started.
-        launcher.stop(cluster)
+        if handle is not None:
+            handle.stop()
+        else:
+            launcher.stop(cluster)
         raise
-    return cluster
+    return handle

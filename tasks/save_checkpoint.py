@@ -1,6 +1,7 @@
-"""Step 4, save-checkpoint: the final training state and sampler weights under
-the run root, made durable and committed, plus the live model's reference
-values that evaluate-restore must reproduce."""
+"""Step 4, save-checkpoint: the final training state (committed by the train
+step at its last step) and the sampler weights under the run root, made
+durable and committed, plus the live model's reference values that
+evaluate-restore must reproduce."""
 
 from __future__ import annotations
 
@@ -8,12 +9,14 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from txflow import evaluation, skyrl_adapter, storage
-from txflow.cluster import Cluster, Launcher
 from txflow.config import RunConfig
 from txflow.discovery import discover
+from txflow.handle import ClusterHandle
 from txflow.log import get_logger
-from txflow.tinker_client import wait_result
-from tasks.train import Trained
+from txflow.monitor import retry_unless_cluster_fault
+from txflow.results import Checkpoint, LiveReference, Saved, Trained
+from tasks.train import training_client_at
+
 
 def eval_prompts(cfg: RunConfig, data) -> list[list[int]]:
     """Prompts whose greedy continuations compare the live and the restored model."""
@@ -22,44 +25,55 @@ def eval_prompts(cfg: RunConfig, data) -> list[list[int]]:
     return [evaluation.prompt_of(e) for e in data.eval]
 
 
-def save_client_checkpoints(cfg: RunConfig, cluster: Cluster) -> dict:
+def save_client_checkpoints(cfg: RunConfig, handle: ClusterHandle) -> Saved:
     """custom mode: the client saved what it wanted; commit every checkpoint it left in staging."""
     checkpoints = []
-    for artifact in discover(cluster.checkpoints_base):
+    base = handle.cluster.checkpoints_base
+    for artifact in discover(base):
         path = skyrl_adapter.tinker_path_for(artifact.path)
         if artifact.kind in ("state", "sampler") and path and not skyrl_adapter.is_ephemeral_sampler(artifact.path):
-            checkpoints.append({"kind": artifact.kind, "tinker_path": path,
-                                "url": storage.commit(cfg, cluster.checkpoints_base, path)})
+            checkpoints.append(Checkpoint(kind=artifact.kind, tinker_path=path,
+                                          url=storage.commit(cfg, base, path)))
     if not checkpoints:
-        raise FileNotFoundError(f"The custom client saved no checkpoint (nothing under {cluster.checkpoints_base})")
-    return {"checkpoints": checkpoints, "live": None}
+        raise FileNotFoundError(f"The custom client saved no checkpoint (nothing under {base})")
+    return Saved(checkpoints=checkpoints)
 
 
-@task(name="save-checkpoint", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
-def save_checkpoint(cfg: RunConfig, cluster: Cluster, launcher: Launcher, trained: Trained, data) -> dict:
-    """Save state and sampler weights, commit them to the run root, and record where they live."""
+def live_client(cfg: RunConfig, handle: ClusterHandle, trained: Trained):
+    """The trained model on `handle`: the live client, or, when training ran on a cluster that has
+    since failed, a fresh client holding the committed final state (weights and optimizer)."""
+    if trained.handle is handle:
+        return trained.training_client, False
+    step = storage.step_of(trained.final_state.url)
+    get_logger().info(f"save-checkpoint resumes on a fresh cluster from the committed final state of step {step} "
+                      f"({trained.final_state.url}); training does not run again")
+    return training_client_at(cfg, handle, (trained.final_state.url, step)), True
+
+
+@task(name="save-checkpoint", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_cluster_fault,
+      cache_policy=NO_CACHE)
+def save_checkpoint(cfg: RunConfig, handle: ClusterHandle, trained: Trained, data) -> Saved:
+    """Save the sampler weights, commit them to the run root, and record where everything lives."""
     log = get_logger()
     if cfg.mode == "custom":
-        return save_client_checkpoints(cfg, cluster)
-    client = trained.training_client
+        return save_client_checkpoints(cfg, handle)
+    client, from_committed = live_client(cfg, handle, trained)
     timeout = cfg.step_timeout_s
-    # Reference values of the live model, taken before anything is written.
+    # Reference values of the live model, taken before the sampler weights are written.
     prompts = eval_prompts(cfg, data)
     live_sampler = client.save_weights_and_get_sampling_client()
-    tokens = evaluation.greedy_tokens(live_sampler, prompts, cluster, launcher, timeout, cfg.seed)
+    tokens = evaluation.greedy_tokens(live_sampler, prompts, handle, timeout, cfg.seed)
     examples = data.eval if cfg.mode == "sft" else evaluation.rollout_examples(prompts, tokens)
-    loss = evaluation.eval_loss(client, examples, cluster, launcher, timeout)
+    loss = evaluation.eval_loss(client, examples, handle, timeout)
 
-    name = storage.checkpoint_name(trained.metrics[-1]["step"] if trained.metrics else cfg.steps)
-    state = wait_result(client.save_state(name), cluster, launcher, timeout, "save_state").path
-    sampler = wait_result(client.save_weights_for_sampler(name), cluster, launcher, timeout,
-                          "save_weights_for_sampler").path
+    name = storage.checkpoint_name(storage.step_of(trained.final_state.url))
+    sampler_path = handle.wait(client.save_weights_for_sampler(name), "save_weights_for_sampler", timeout).path
     # The sampling clients of training wrote transient sampler weights next to the real ones.
-    storage.remove_ephemeral_samplers(cluster.checkpoints_base)
-    checkpoints = [{"kind": kind, "tinker_path": path, "url": storage.commit(cfg, cluster.checkpoints_base, path)}
-                   for kind, path in (("state", state), ("sampler", sampler))]
-    log.info("saved and committed " + "; ".join(f"{c['kind']} {c['tinker_path']} -> {c['url']}" for c in checkpoints))
-    return {
-        "checkpoints": checkpoints,
-        "live": {"eval_loss": loss, "greedy_tokens": tokens, "prompts": prompts, "examples": examples},
-    }
+    storage.remove_ephemeral_samplers(handle.cluster.checkpoints_base)
+    sampler = Checkpoint(kind="sampler", tinker_path=sampler_path,
+                         url=storage.commit(cfg, handle.cluster.checkpoints_base, sampler_path))
+    checkpoints = [trained.final_state, sampler]
+    log.info("saved and committed " + "; ".join(f"{c.kind} {c.tinker_path} -> {c.url}" for c in checkpoints))
+    return Saved(checkpoints=checkpoints,
+                 live=LiveReference(eval_loss=loss, greedy_tokens=tokens, prompts=prompts, examples=examples,
+                                    from_committed_state=from_committed))

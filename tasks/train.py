@@ -1,35 +1,24 @@
-"""Step 3, train: sft, rl or a custom client, with periodic save_state so a
-retry resumes from the last saved step instead of step 0."""
+"""Step 3, train: sft, rl or a custom client. Periodic save_state, and a save
+at the last step, so a retry resumes from the last durable step and no step
+after training ever needs to train again."""
 
 from __future__ import annotations
 
 import statistics
 import time
 from pathlib import Path
-from dataclasses import dataclass, field
 from typing import Any
 
-import tinker
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from txflow import custom, rl, sft, storage
-from txflow.cluster import Cluster, Launcher
 from txflow.config import RunConfig
+from txflow.handle import ClusterHandle
 from txflow.log import get_logger
 from txflow.progress import StepProgress
+from txflow.results import Checkpoint, Trained
 from txflow.run_files import append_metric, read_metrics, write_metrics
-from txflow.tinker_client import service_client, wait_result
-
-
-@dataclass
-class Trained:
-    """The live model after the train step, for save-checkpoint and evaluate-restore."""
-
-    training_client: Any
-    metrics: list[dict]
-    resumed_from_step: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 def resume_point(cfg: RunConfig) -> tuple[str, int] | None:
@@ -42,34 +31,34 @@ def resume_point(cfg: RunConfig) -> tuple[str, int] | None:
     return storage.resolve_resume_from(cfg) if cfg.resume_from else None
 
 
-def _training_client(cfg: RunConfig, cluster: Cluster, launcher: Launcher):
-    """A fresh LoRA client; on a resume it loads the durable state (with its optimizer) first."""
-    client = service_client(cluster)
-    training_client = client.create_lora_training_client(base_model=cluster.base_model_path, rank=cfg.lora_rank,
-                                                         seed=cfg.seed)
-    point = resume_point(cfg)
+def training_client_at(cfg: RunConfig, handle: ClusterHandle, point: tuple[str, int] | None):
+    """A fresh LoRA client on `handle`; given a (URL, step) it first loads that durable state, optimizer included."""
+    client = handle.service_client()
+    training_client = client.create_lora_training_client(base_model=handle.cluster.base_model_path,
+                                                         rank=cfg.lora_rank, seed=cfg.seed)
     if point is None:
-        return training_client, 0
+        return training_client
     url, step = point
-    path = storage.import_checkpoint(cfg, cluster.checkpoints_base, url, "state", training_client.model_id,
+    path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, url, "state", training_client.model_id,
                                      f"resume-{step:06d}")
-    wait_result(training_client.load_state_with_optimizer(path), cluster, launcher, cfg.step_timeout_s,
-                f"loading the state of step {step}")
-    get_logger().info(f"resumed from step {step}: {url}")
-    return training_client, step
+    handle.wait(training_client.load_state_with_optimizer(path), f"loading the state of step {step}",
+                cfg.step_timeout_s)
+    return training_client
 
 
-def save_progress(cfg: RunConfig, cluster: Cluster, launcher: Launcher, training_client, step: int) -> str:
+def save_progress(cfg: RunConfig, handle: ClusterHandle, training_client, step: int) -> Checkpoint:
     """save_state at `step` and commit it to the run root, so that a retry resumes there."""
     future = training_client.save_state(storage.checkpoint_name(step))
-    saved = wait_result(future, cluster, launcher, cfg.step_timeout_s, f"save_state at step {step}")
-    url = storage.commit(cfg, cluster.checkpoints_base, saved.path)
+    saved = handle.wait(future, f"save_state at step {step}", cfg.step_timeout_s)
+    url = storage.commit(cfg, handle.cluster.checkpoints_base, saved.path)
     get_logger().info(f"saved state at step {step}: {url}")
-    return url
+    return Checkpoint(kind="state", tinker_path=saved.path, url=url)
 
 
-def sft_step(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: sft.SFTData):
+def sft_step(cfg: RunConfig, handle: ClusterHandle, data: sft.SFTData):
     """One SFT step: cross-entropy on a batch; returns its metrics."""
+    import tinker
+
     adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
 
     def step_fn(training_client, step: int) -> dict:
@@ -77,27 +66,29 @@ def sft_step(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: sft.SFT
         # Both requests in flight before either is awaited, as the Tinker cookbook does.
         fwd_bwd = training_client.forward_backward([sft.to_datum(e) for e in batch], "cross_entropy")
         optim = training_client.optim_step(adam)
-        output = wait_result(fwd_bwd, cluster, launcher, cfg.step_timeout_s, f"forward_backward of step {step + 1}")
-        wait_result(optim, cluster, launcher, cfg.step_timeout_s, f"optim_step of step {step + 1}")
+        output = handle.wait(fwd_bwd, f"forward_backward of step {step + 1}", cfg.step_timeout_s)
+        handle.wait(optim, f"optim_step of step {step + 1}", cfg.step_timeout_s)
         nll, tokens = sft.mean_nll(output, batch)
         return {"nll": nll, "tokens": tokens}
 
     return step_fn
 
 
-def rl_step(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: rl.RLData):
+def rl_step(cfg: RunConfig, handle: ClusterHandle, data: rl.RLData):
     """One RL step: sample groups with the current policy, score, update; returns its metrics."""
+    import tinker
+
     adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
 
     def step_fn(training_client, step: int) -> dict:
         policy = training_client.save_weights_and_get_sampling_client()
         indices = sft.batch_indices(len(data.prompts), step, cfg.batch_size, cfg.seed)
         groups = rl.sample_groups(policy, data, indices, cfg.group_size, cfg.max_tokens, cfg.temperature,
-                                  cfg.seed * 100_003 + step, cluster, launcher, cfg.step_timeout_s)
+                                  cfg.seed * 100_003 + step, handle, cfg.step_timeout_s)
         fwd_bwd = training_client.forward_backward(rl.to_datums(groups, data), cfg.loss)
         optim = training_client.optim_step(adam)
-        wait_result(fwd_bwd, cluster, launcher, cfg.step_timeout_s, f"forward_backward of step {step + 1}")
-        wait_result(optim, cluster, launcher, cfg.step_timeout_s, f"optim_step of step {step + 1}")
+        handle.wait(fwd_bwd, f"forward_backward of step {step + 1}", cfg.step_timeout_s)
+        handle.wait(optim, f"optim_step of step {step + 1}", cfg.step_timeout_s)
         rewards = rl.rewards_of(groups)
         return {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
                 "tokens_sampled": sum(len(r.tokens) for g in groups for r in g)}
@@ -105,12 +96,23 @@ def rl_step(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: rl.RLDat
     return step_fn
 
 
-def train_loop(cfg: RunConfig, cluster: Cluster, launcher: Launcher, step_fn) -> Trained:
-    """Steps from the resume point to `cfg.steps`: metrics per step, a durable save every `save_every`."""
+STEPS = {"sft": sft_step, "rl": rl_step}
+
+
+def train_loop(cfg: RunConfig, handle: ClusterHandle, step_fn) -> Trained:
+    """Steps from the resume point to `cfg.steps`: metrics per step, a durable save every `save_every`
+    and at the last step."""
     log = get_logger()
-    training_client, start = _training_client(cfg, cluster, launcher)
+    point = resume_point(cfg)
+    start = point[1] if point else 0
+    training_client = training_client_at(cfg, handle, point)
+    if point:
+        log.info(f"resumed from step {start}: {point[0]}")
     metrics = read_metrics(cfg.state_dir, up_to_step=start)
     write_metrics(cfg.state_dir, metrics)
+    final = None
+    if point and start >= cfg.steps:  # the last step was already committed (a fault after it)
+        final = Checkpoint(kind="state", tinker_path=storage.tinker_path_of(cfg, point[0]), url=point[0])
     bar = StepProgress(cfg.steps, start, cfg.run_id)
     try:
         for step in range(start, cfg.steps):
@@ -124,31 +126,37 @@ def train_loop(cfg: RunConfig, cluster: Cluster, launcher: Launcher, step_fn) ->
             log.info(f"step {step + 1}/{cfg.steps} {values}")
             headline = next(k for k in row if k != "step")
             bar.update(step + 1, **{headline: f"{row[headline]:.3f}"})
-            if cfg.save_every and (step + 1) % cfg.save_every == 0 and step + 1 < cfg.steps:
-                save_progress(cfg, cluster, launcher, training_client, step + 1)
+            if step + 1 == cfg.steps:
+                final = save_progress(cfg, handle, training_client, step + 1)
+            elif cfg.save_every and (step + 1) % cfg.save_every == 0:
+                save_progress(cfg, handle, training_client, step + 1)
     finally:
         bar.close()
-    return Trained(training_client=training_client, metrics=metrics, resumed_from_step=start)
+    return Trained(metrics=metrics, final_state=final, resumed_from_step=start, training_client=training_client,
+                   handle=handle)
 
 
-def train_custom(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: custom.CustomData) -> Trained:
+def train_custom(cfg: RunConfig, handle: ClusterHandle, data: custom.CustomData, attempt: int) -> Trained:
     log = get_logger()
-    values = {"base_url": cluster.base_url, "base_model": cluster.base_model_path, "run_id": cfg.run_id,
-              "checkpoint_root": cfg.run_root}
+    values = {"base_url": handle.cluster.base_url, "base_model": handle.cluster.base_model_path,
+              "run_id": cfg.run_id, "checkpoint_root": cfg.run_root}
     command = data.command + custom.fill(cfg.client_args, values)
+    if attempt > 1:
+        log.warning(f"re-running the custom client from the start (run {attempt}): a cluster fault interrupted "
+                    f"it, and only the client knows how to resume")
     log.info(f"custom client: {' '.join(command)}")
     log_path = Path(cfg.state_dir) / "logs" / "client.log"
-    seconds = custom.run_client(command, custom.client_env(cluster), log_path, cluster, launcher, log.info)
+    seconds = custom.run_client(command, custom.client_env(handle.cluster), log_path, handle, log.info)
     log.info(f"custom client finished in {seconds:.1f} s")
-    return Trained(training_client=None, metrics=[{"step": 1, "seconds": round(seconds, 3)}])
+    return Trained(metrics=[{"step": 1, "seconds": round(seconds, 3)}], final_state=None, client_runs=attempt,
+                   handle=handle)
 
 
 # No task-level retries: a retry needs a fresh cluster, which the flow provisions (and the
 # train step then resumes from the last durable state).
 @task(name="train", retries=0, cache_policy=NO_CACHE)
-def train(cfg: RunConfig, cluster: Cluster, launcher: Launcher, data: Any) -> Trained:
-    """Run the training of `cfg.mode` against the cluster."""
+def train(cfg: RunConfig, handle: ClusterHandle, data: Any, attempt: int = 1) -> Trained:
+    """Run the training of `cfg.mode` against the cluster; `attempt` counts the runs of this step."""
     if cfg.mode == "custom":
-        return train_custom(cfg, cluster, launcher, data)
-    step_fn = (sft_step if cfg.mode == "sft" else rl_step)(cfg, cluster, launcher, data)
-    return train_loop(cfg, cluster, launcher, step_fn)
+        return train_custom(cfg, handle, data, attempt)
+    return train_loop(cfg, handle, STEPS[cfg.mode](cfg, handle, data))

@@ -17,8 +17,7 @@ from tasks.launch_workers import launch_workers
 from tasks.provision_coordinator import provision_coordinator
 from tasks.teardown import teardown
 from tests.helpers import alive_pids, cluster_pids, run_txflow, txflow_cmd
-from txflow import tinker_client
-from txflow.cluster import LocalLauncher
+from txflow.launchers.local import LocalLauncher
 from txflow.config import RunConfig
 
 pytestmark = pytest.mark.e2e
@@ -40,11 +39,12 @@ def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, 
     reaper.watch(cfg.state_dir)
     launcher = LocalLauncher()
 
-    cluster = provision_coordinator.fn(cfg, launcher)
+    handle = provision_coordinator.fn(cfg, launcher)
+    cluster = handle.cluster
     recorded = json.loads((Path(cfg.state_dir) / "cluster.json").read_text())
     assert {p["role"] for p in recorded["processes"]} == {"api", "coordinator"}
 
-    cluster = launch_workers.fn(cfg, cluster, launcher)
+    launch_workers.fn(cfg, handle)
     recorded = json.loads((Path(cfg.state_dir) / "cluster.json").read_text())
     by_role = {p["role"]: p for p in recorded["processes"]}
     assert set(by_role) == {"api", "coordinator", "worker"}
@@ -60,16 +60,19 @@ def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, 
     assert listening_addresses(cluster.coordinator_port) == {"127.0.0.1"}
     assert "api_key" not in (Path(cfg.state_dir) / "cluster.json").read_text()
     # The readiness client's session heartbeats from a background thread until someone closes it.
-    heartbeats = [c.holder._session_heartbeat_task for c in tinker_client._open_clients[cfg.state_dir]]
+    heartbeats = [c.holder._session_heartbeat_task for c in handle.clients]
     assert heartbeats and not any(h.done() for h in heartbeats)
+    # The worker joined only once rank 0's coordinator listened (adapter point 8), not by JAX's retries.
+    assert f"coordinator {cluster.coordinator_address} accepts connections; joining" in \
+        Path(by_role["worker"]["log"]).read_text()
 
-    ranks = teardown.fn(cfg.state_dir, launcher)
+    ranks = teardown.fn(handle, cfg.state_dir)
     assert alive_pids(cfg.state_dir) == []
     # Teardown stopped them: a long-lived process must not heartbeat a cluster that is gone.
     deadline = time.monotonic() + 5
     while not all(h.done() for h in heartbeats) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert all(h.cancelled() for h in heartbeats) and cfg.state_dir not in tinker_client._open_clients
+    assert all(h.cancelled() for h in heartbeats) and handle.clients == []
     assert [r["rank"] for r in ranks] == [None, 0, 1]
     # Every process stopped on SIGTERM, none needed the SIGKILL after the grace period: JAX's
     # preemption notifier would swallow SIGTERM in both ranks (adapter point 7).
@@ -90,12 +93,12 @@ def test_readiness_timeout_names_the_missing_rank_with_its_log(tmp_path, reaper)
                     checkpoints=str(tmp_path / "ckpt"), startup_timeout_s=25).resolved()
     reaper.watch(cfg.state_dir)
     launcher = StuckWorkerLauncher()
-    cluster = provision_coordinator.fn(cfg, launcher)
+    handle = provision_coordinator.fn(cfg, launcher)
     try:
         with pytest.raises(TimeoutError) as failure:
-            launch_workers.fn(cfg, cluster, launcher)
+            launch_workers.fn(cfg, handle)
     finally:
-        teardown.fn(cfg.state_dir, launcher)
+        teardown.fn(handle, cfg.state_dir)
     message = str(failure.value)
     assert "rank 1" in message and "worker stuck before joining" in message
     assert alive_pids(cfg.state_dir) == []

@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 from txflow import processes
-from txflow.cluster import Cluster, LocalLauncher, stop_cluster
+from txflow.cluster import Cluster
+from txflow.launchers import stop_cluster
+from txflow.launchers.local import LocalLauncher
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
 # Leader and grandchild both ignore SIGTERM (an ignored disposition survives exec).
@@ -274,7 +276,7 @@ def test_stop_cluster_without_cluster_json_is_a_no_op(tmp_path):
 
 def test_private_disk_command_gives_the_process_an_empty_directory_of_its_own(tmp_path):
     from tests.helpers import private_mounts_work
-    from txflow.cluster import private_disk_command
+    from txflow.launchers.local import private_disk_command
 
     if not private_mounts_work():
         pytest.skip("unshare --mount is not permitted on this machine")

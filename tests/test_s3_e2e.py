@@ -18,7 +18,7 @@ import s3fs
 from tests.helpers import (API_KEY_MARKER, PASSWORD_MARKER, MotoServer, TcpProxy, alive_pids, private_mounts_work,
                            run_txflow)
 from txflow import storage
-from txflow.cluster import ISOLATE_WORKER_DISKS_ENV
+from txflow.launchers.local import ISOLATE_WORKER_DISKS_ENV
 from txflow.skyrl_adapter import STATE_FILE
 from txflow.config import RunConfig
 from txflow.discovery import COMMIT_SUFFIX, discover, write_commit

@@ -1,4 +1,14 @@
-"""`txflow run sft|rl|custom [options]` and `txflow discover URL`."""
+"""`txflow run sft|rl|custom [options]` and `txflow discover URL`.
+
+The options of `txflow run` are generated from `RunConfig`: every field has a
+flag (nested models flattened, `--mesh-fsdp`), with the field's description as
+its help, so the CLI, the deployments and the UI form cannot drift apart.
+
+`txflow run` checks everything before it starts anything (the same pre-flight
+the flow runs), then starts the embedded Prefect server itself, so that the
+server dies with this process (`txflow.lifeline`), while the flow's modules
+import.
+"""
 
 from __future__ import annotations
 
@@ -8,54 +18,65 @@ import logging
 import os
 import signal
 import sys
+import typing
 
-from pydantic import ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from txflow.config import RunConfig
-from txflow.progress import PROGRESS_ENV
 
-# CLI flag -> RunConfig field; the defaults and help texts come from the model.
-RUN_OPTIONS = {
-    "--steps": "steps",
-    "--processes": "processes",
-    "--base-model": "base_model",
-    "--checkpoints": "checkpoints",
-    "--dataset": "dataset",
-    "--lora-rank": "lora_rank",
-    "--learning-rate": "learning_rate",
-    "--batch-size": "batch_size",
-    "--save-every": "save_every",
-    "--seed": "seed",
-    "--run-id": "run_id",
-    "--state-dir": "state_dir",
-    "--database-url": "database_url",
-    "--host": "host",
-    "--startup-timeout": "startup_timeout_s",
-    "--step-timeout": "step_timeout_s",
-    "--train-retries": "train_retries",
-    "--group-size": "group_size",
-    "--loss": "loss",
-    "--reward": "reward",
-    "--max-tokens": "max_tokens",
-    "--temperature": "temperature",
-    "--client": "client",
-    "--resume-from": "resume_from",
+# Flags whose name is not the field's name with '-' for '_'.
+FLAG_NAMES = {
+    "storage_options": "--storage-option",
+    "client_args": "--client-arg",
+    "startup_timeout_s": "--startup-timeout",
+    "step_timeout_s": "--step-timeout",
 }
+# Fields given as the positional argument, not as a flag.
+POSITIONAL = {"mode"}
+API_KEY_ENV = "TINKER_API_KEY"
+
+
+def flag_of(name: str) -> str:
+    return FLAG_NAMES.get(name) or "--" + name.replace("_", "-")
+
+
+def _run_options(model: type[BaseModel], parser, prefix: str = "") -> None:
+    """One flag per field of `model` (recursively for nested models); dest is the dotted field path."""
+    for name, info in model.model_fields.items():
+        if name in POSITIONAL and not prefix:
+            continue
+        dest = prefix + name
+        annotation = info.annotation
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        inner = args[0] if len(args) == 1 else annotation
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            _run_options(inner, parser, prefix=dest + ".")
+            continue
+        flag = flag_of(dest.replace(".", "_"))
+        help_text = info.description or ""
+        origin = typing.get_origin(annotation)
+        if origin is list:
+            parser.add_argument(flag, dest=dest, action="append", metavar="VALUE", help=help_text + " (repeatable)")
+        elif origin is dict:
+            parser.add_argument(flag, dest=dest, action="append", metavar="KEY=VALUE",
+                                help=help_text + " (repeatable)")
+        elif typing.get_origin(inner) is typing.Literal:
+            parser.add_argument(flag, dest=dest, choices=list(typing.get_args(inner)), help=help_text)
+        elif inner is SecretStr and name == "api_key":
+            parser.add_argument(flag, dest=dest, metavar="KEY",
+                                help=help_text + f" Prefer {API_KEY_ENV} in the environment: a flag shows in `ps`.")
+        else:
+            parser.add_argument(flag, dest=dest, metavar=name.upper().removesuffix("_S"), help=help_text)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="txflow", description="LoRA fine-tuning on a self-hosted SkyRL-tx cluster")
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run the train flow in-process on Prefect's embedded API")
-    run.add_argument("mode", choices=["sft", "rl", "custom"])
-    for flag, field in RUN_OPTIONS.items():
-        info = RunConfig.model_fields[field]
-        run.add_argument(flag, dest=field, default=None, help=info.description)
-    run.add_argument("--client-arg", dest="client_args", action="append", default=[], metavar="ARG",
-                     help=RunConfig.model_fields["client_args"].description + " (repeatable)")
-    run.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
-                     help="fsspec storage option for the checkpoint root (repeatable; never logged)")
-    run.add_argument("--json", action="store_true", help="print the run report as JSON on stdout")
+    run = sub.add_parser("run", help="run the train flow in-process on Prefect's embedded API",
+                         argument_default=argparse.SUPPRESS)
+    run.add_argument("mode", choices=list(typing.get_args(RunConfig.model_fields["mode"].annotation)))
+    _run_options(RunConfig, run)
+    run.add_argument("--json", action="store_true", default=False, help="print the run report as JSON on stdout")
     discover = sub.add_parser("discover", help="list the artifacts under an fsspec URL")
     discover.add_argument("url")
     discover.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
@@ -76,45 +97,64 @@ def _storage_options(pairs: list[str]) -> dict[str, str]:
     return options
 
 
+def config_values(args: argparse.Namespace) -> dict:
+    """The RunConfig fields given on the command line, nested where the model nests them."""
+    values: dict = {}
+    for dest, value in vars(args).items():
+        if dest in ("command", "json"):
+            continue
+        if dest == "storage_options":
+            value = _storage_options(value)
+        target = values
+        *parents, leaf = dest.split(".")
+        for parent in parents:
+            target = target.setdefault(parent, {})
+        target[leaf] = value
+    if "api_key" not in values and os.environ.get(API_KEY_ENV):
+        # The standard Tinker variable, so the key stays off the command line.
+        values["api_key"] = os.environ[API_KEY_ENV]
+    return values
+
+
 def _on_sigterm(signum, frame):
     # Turn SIGTERM into the same path as Ctrl-C, so the flow's teardown runs.
     raise KeyboardInterrupt(f"signal {signum}")
 
 
 def run(args) -> int:
-    values = {field: getattr(args, field) for field in RUN_OPTIONS.values() if getattr(args, field) is not None}
-    values["mode"] = args.mode
-    values["client_args"] = args.client_args
-    if os.environ.get("TINKER_API_KEY"):
-        # The standard Tinker variable, so the key stays off the command line.
-        values["api_key"] = os.environ["TINKER_API_KEY"]
     try:
-        values["storage_options"] = _storage_options(args.storage_option)
+        config = RunConfig.model_validate(config_values(args)).resolved()
     except ValueError as exc:
-        print(f"txflow: {exc}", file=sys.stderr)
+        if isinstance(exc, ValidationError):
+            exc = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        print(f"txflow: invalid options: {exc}", file=sys.stderr)
         return 2
+    from txflow.preflight import PreflightError, prepare
+
     try:
-        config = RunConfig.model_validate(values).resolved()
-    except ValidationError as exc:
-        errors = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-        print(f"txflow: invalid options: {errors}", file=sys.stderr)
+        prepare(config)  # bad input: one line and exit 2, before anything starts
+    except PreflightError as exc:
+        print(f"txflow: {exc}", file=sys.stderr)
         return 2
     print(f"txflow: run {config.run_id}, state directory {config.state_dir}", file=sys.stderr)
     signal.signal(signal.SIGTERM, _on_sigterm)
+    from txflow.progress import PROGRESS_ENV
+
     if sys.stderr.isatty():
         os.environ.setdefault(PROGRESS_ENV, "1")
 
-    from flows.train import RunFailed, train_flow
-    from txflow.preflight import PreflightError
+    from txflow import embedded_prefect
 
-    try:
-        report = train_flow(config=config)
-        code = 0
-    except RunFailed as failed:
-        report, code = failed.report, 1
-    except (PreflightError, ValueError) as exc:
-        print(f"txflow: {exc}", file=sys.stderr)
-        return 2
+    with embedded_prefect.server(config.state_dir) as prefect_server:
+        from flows.train import RunFailed, train_flow  # imports while the server starts
+
+        if prefect_server is not None:
+            prefect_server.wait_ready()
+        try:
+            report = train_flow(config=config)
+            code = 0
+        except RunFailed as failed:
+            report, code = failed.report, 1
     if args.json:
         json.dump(report, sys.stdout, indent=2)
         print()
@@ -146,13 +186,11 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Logs go to stderr; stdout carries only the --json report.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect and Tinker request otherwise
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     # Prefect's embedded server otherwise sends telemetry heartbeats (no network here, and
     # they contend for its SQLite file under load: "database is locked").
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # The embedded server creates and migrates a fresh SQLite database on first use; on a busy
-    # 2-core machine that took more than Prefect's default 20 s, and the run failed before it began.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     return run(args) if args.command == "run" else discover_cmd(args)
 
 

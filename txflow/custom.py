@@ -9,9 +9,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from txflow import processes, sft
-from txflow.cluster import Cluster, Launcher
-from txflow.tinker_client import RankDied, check_ranks
+from txflow import lifeline, processes, sft
+from txflow.cluster import Cluster
 
 PLACEHOLDERS = ("base_url", "base_model", "run_id", "checkpoint_root")
 
@@ -48,14 +47,14 @@ class ClientFailed(RuntimeError):
     """The custom client exited with a non-zero status."""
 
 
-def run_client(command: list[str], env: dict[str, str], log_path: Path, cluster: Cluster, launcher: Launcher,
-               emit, poll_s: float = 0.2) -> float:
+def run_client(command: list[str], env: dict[str, str], log_path: Path, handle, emit, poll_s: float = 0.2) -> float:
     """Run the client to completion; its output goes to `log_path` and, line by line, to `emit`.
 
-    A rank that dies meanwhile stops the client and fails the step at once.
+    A rank that dies meanwhile (the monitor says so) stops the client and fails the step at once.
+    The client runs under the lifeline guard, so it dies with this process too.
     """
     began = time.monotonic()
-    proc = processes.spawn(command, log_path, env=env)
+    proc = processes.spawn(lifeline.guarded(command), log_path, env=lifeline.child_env(env))
     sent = 0
     try:
         while True:
@@ -63,11 +62,7 @@ def run_client(command: list[str], env: dict[str, str], log_path: Path, cluster:
             sent = _forward_new_lines(log_path, sent, emit)
             if code is not None:
                 break
-            try:
-                check_ranks(cluster, launcher)
-            except RankDied:
-                processes.stop_groups([proc.pid], grace_s=2.0)
-                raise
+            handle.monitor.raise_if_failed()
             time.sleep(poll_s)
     finally:
         if proc.poll() is None:

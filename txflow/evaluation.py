@@ -4,20 +4,17 @@
 from __future__ import annotations
 
 import httpx
-import tinker
 
 from txflow import sft
-from txflow.cluster import Cluster, Launcher
-from txflow.tinker_client import wait_result
+from txflow.handle import ClusterHandle
 
 GREEDY_TOKENS = 8
 
 
-def eval_loss(training_client, examples: list[sft.Example], cluster: Cluster, launcher: Launcher,
-              timeout_s: float) -> float:
+def eval_loss(training_client, examples: list[sft.Example], handle: ClusterHandle, timeout_s: float) -> float:
     """Mean NLL per completion token of `examples` under the client's weights (forward only)."""
     future = training_client.forward([sft.to_datum(e) for e in examples], "cross_entropy")
-    output = wait_result(future, cluster, launcher, timeout_s, "the evaluation forward pass")
+    output = handle.wait(future, "the evaluation forward pass", timeout_s)
     return sft.mean_nll(output, examples)[0]
 
 
@@ -33,17 +30,19 @@ def rollout_examples(prompts: list[list[int]], completions: list[list[int]]) -> 
             for p, c in zip(prompts, completions)]
 
 
-def greedy_tokens(sampling_client, prompts: list[list[int]], cluster: Cluster, launcher: Launcher,
-                  timeout_s: float, seed: int) -> list[list[int]]:
+def greedy_tokens(sampling_client, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float,
+                  seed: int) -> list[list[int]]:
     """Greedy continuations of every prompt; all requests in flight together."""
+    import tinker
+
     params = tinker.types.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, seed=seed)
     futures = [sampling_client.sample(prompt=tinker.types.ModelInput.from_ints(p), num_samples=1,
                                       sampling_params=params) for p in prompts]
-    return [list(wait_result(f, cluster, launcher, timeout_s, "a greedy sample").sequences[0].tokens)
-            for f in futures]
+    return [list(handle.wait(f, "a greedy sample", timeout_s).sequences[0].tokens) for f in futures]
 
 
-def unload(cluster: Cluster, model_id: str) -> None:
+def unload(handle: ClusterHandle, model_id: str) -> None:
     """Free a LoRA adapter slot; SkyRL-tx keeps it until the session times out otherwise."""
+    cluster = handle.cluster
     httpx.post(f"{cluster.base_url}/api/v1/unload_model", json={"model_id": model_id, "type": "unload_model"},
                headers={"X-API-Key": cluster.api_key.get_secret_value()}, timeout=30).raise_for_status()

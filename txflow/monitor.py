@@ -1,36 +1,71 @@
-"""Watch every process of a running cluster and report the first one that dies.
+"""The one place that decides whether a cluster is healthy.
 
 JAX only notices a missing rank through its coordination-service heartbeat
-(~90 s) and then aborts without saying which rank died. The monitor polls the
-launcher every `interval_s`, records each dead process ONCE with its exit code,
-the time it was detected and the tail of its log, and sets `failed` so that
-waits on Tinker futures stop at once.
+(~90 s) and then aborts without saying which rank died. The monitor asks the
+launcher about every process every `interval_s`, records each dead process
+ONCE with its exit code, the time it was detected and the tail of its log,
+and wakes everyone waiting on the cluster (`on_failure`), so that a request in
+flight is abandoned at once. Nothing else asks the launcher whether a process
+lives: waits ask the monitor (`raise_if_failed`, `ClusterHandle.wait`).
 """
 
 from __future__ import annotations
 
+import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from txflow.cluster import Cluster, Launcher, describe_exit, exited
+from txflow.cluster import Cluster, Launcher, ProcessRecord, describe_exit
 from txflow.log import get_logger
 
 
 @dataclass
 class Failure:
-    """One detected failure of the run (a dead process or a request without progress)."""
+    """One cluster fault of the run: a dead process, or a request without progress."""
 
     rank: int | None
     role: str
     exit_code: int | None
     detected_at: float
     message: str
-    resumed_from_step: int | None = None
+    step: str | None = None  # the pipeline step it interrupted
+    resumed_at: str | None = None  # the step the retry started from
+    resumed_from_step: int | None = None  # the training step it resumed from
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "role": self.role, "exit_code": self.exit_code, "detected_at": self.detected_at,
-                "resumed_from_step": self.resumed_from_step, "message": self.message}
+                "step": self.step, "resumed_at": self.resumed_at, "resumed_from_step": self.resumed_from_step,
+                "message": self.message}
+
+
+class ClusterFault(RuntimeError):
+    """The cluster cannot go on; only a fresh one can (task retries on this one are useless)."""
+
+
+class RankDied(ClusterFault):
+    """A process of the cluster exited."""
+
+    def __init__(self, failure: Failure):
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+class NoProgress(ClusterFault, TimeoutError):
+    """A request made no progress within its deadline."""
+
+
+class LostProcess(RuntimeError):
+    """A launcher cannot reach a process any more (its node or its actor is gone); it counts as dead."""
+
+
+def retry_unless_cluster_fault(task, task_run, state) -> bool:
+    """Prefect `retry_condition_fn`: a task retry runs on the same cluster, which is useless after a
+    dead rank or a request without progress (and would cost another `step_timeout_s`); the flow
+    retries those on a fresh cluster instead."""
+    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return not isinstance(exc, ClusterFault)
 
 
 @dataclass
@@ -44,6 +79,7 @@ class RankMonitor:
     def __post_init__(self) -> None:
         self._stop = threading.Event()
         self._seen: set[int] = set()
+        self._listeners: list[Callable[[Failure], None]] = []
         # The flow polls too when a request fails; without the lock it could find a death that
         # the thread has marked seen but not yet recorded, and take a cluster fault for a plain error.
         self._lock = threading.Lock()
@@ -55,7 +91,8 @@ class RankMonitor:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
 
     def poll(self) -> Failure | None:
         """Check every process once; returns the first new failure (also recorded and logged once).
@@ -65,15 +102,62 @@ class RankMonitor:
         """
         first = None
         with self._lock:
-            for record, code in exited(self.cluster, self.launcher, skip=self._seen):  # the cause first
-                self._seen.add(record.pid)
+            for record, code, cause in self._exited():  # the cause first
+                self._seen.add(id(record))
+                record.exit_code = code
                 failure = Failure(rank=record.rank, role=record.role, exit_code=code, detected_at=time.time(),
-                                  message=describe_exit(record, code))
+                                  message=describe_exit(record, code, self.launcher.tail(record), cause))
                 self.failures.append(failure)
                 get_logger().error(f"dead process detected: {failure.message}")
                 self.failed.set()
                 first = first or failure
+                for listener in list(self._listeners):
+                    listener(failure)
         return first
+
+    def first_failure(self) -> Failure | None:
+        """The failure that broke the cluster: a dead rank before the API that exited because of it."""
+        return next((f for f in self.failures if f.role != "api"), None) or next(iter(self.failures), None)
+
+    def raise_if_failed(self) -> None:
+        """Raise RankDied naming the process whose exit broke the cluster, if one has exited."""
+        failure = self.first_failure()
+        if failure is not None:
+            raise RankDied(failure)
+
+    def on_failure(self, listener: Callable[[Failure], None]) -> Callable[[], None]:
+        """Call `listener(failure)` at each death (at once if one was already recorded); returns
+        a function that unsubscribes it."""
+        with self._lock:
+            self._listeners.append(listener)
+            known = self.first_failure()
+        if known is not None:
+            listener(known)
+        return lambda: self._listeners.remove(listener) if listener in self._listeners else None
+
+    def _exited(self) -> list[tuple[ProcessRecord, int | None, str | None]]:
+        """(record, exit code, cause) of each process found dead since the last poll.
+
+        A JAX rank whose peer vanished mid-collective aborts (SIGABRT) within a
+        second, so when several are found at once the other deaths come first:
+        they are the cause.
+        """
+        found = []
+        for record in list(self.cluster.processes):
+            if id(record) in self._seen:
+                continue
+            code, cause = self._status(record)
+            if code is not None or cause is not None:
+                found.append((record, code, cause))
+        return sorted(found, key=lambda item: item[1] == -signal.SIGABRT)
+
+    def _status(self, record: ProcessRecord) -> tuple[int | None, str | None]:
+        """(exit code, None) of an exited process; (None, why) when the launcher lost it
+        (a node gone); (None, None) while it runs."""
+        try:
+            return self.launcher.exit_code(record), None
+        except LostProcess as lost:
+            return None, str(lost)
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

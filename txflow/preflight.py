@@ -7,13 +7,16 @@ from pathlib import Path
 
 import fsspec
 
-from transformers import AutoTokenizer
-
-from txflow import custom, rl, sft, storage
+from txflow import custom, rl, sft, skyrl_adapter, storage
 from txflow.config import TINY_MODEL, RunConfig
 from txflow.datasets import REQUIRED_KEYS, bundled_dataset, load_jsonl
 from txflow.rewards import load_reward
 from txflow.tiny_model import resolve_base_model
+from txflow.tokenizer import load_tokenizer
+
+# What `prepare` returned for a config in this process: `txflow run` checks before it starts
+# Prefect, and the flow's own call (the one deployment runs rely on) then costs nothing.
+_prepared: dict[str, object] = {}
 
 
 class PreflightError(ValueError):
@@ -70,10 +73,22 @@ def check_run_root(cfg: RunConfig) -> None:
 
 
 def prepare(cfg: RunConfig):
-    """Validate everything a run needs; returns the prepared data of its mode
-    (`sft.SFTData`, `rl.RLData` or `custom.CustomData`)."""
+    """Validate everything a run needs, before any process starts; returns the prepared data of its
+    mode (`sft.SFTData`, `rl.RLData` or `custom.CustomData`). Bad input raises PreflightError with a
+    sentence that says what to change."""
+    key = cfg.model_dump_json()
+    if key not in _prepared:
+        _prepared[key] = _prepare(cfg)
+    return _prepared[key]
+
+
+def _prepare(cfg: RunConfig):
+    try:
+        skyrl_adapter.check_upstream_version()
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from None
     model_path = check_base_model(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     max_len = context_length(model_path)
     try:
         if cfg.mode == "custom":
@@ -88,7 +103,10 @@ def prepare(cfg: RunConfig):
             else:
                 data = rl.prepare(rows, tokenizer, max_len, cfg.max_tokens, url, load_reward(cfg.reward), cfg.reward)
         if cfg.resume_from:
-            storage.resolve_resume_from(cfg)
+            _, step = storage.resolve_resume_from(cfg)
+            if step >= cfg.steps and cfg.mode != "custom":
+                raise ValueError(f"--resume-from {cfg.resume_from} is at step {step}; --steps {cfg.steps} leaves "
+                                 f"nothing to train: pass --steps above {step}")
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
     # Last: the only check that writes (it creates the run root).

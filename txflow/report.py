@@ -10,11 +10,13 @@ import fsspec
 
 from txflow.config import RunConfig
 from txflow.log import scrub
+from txflow.monitor import Failure
+from txflow.results import Discovered, RestoreCheck, Saved, Trained
 
 
-def build(cfg: RunConfig, status: str, timings: dict, metrics: list[dict], saved: dict | None,
-          discovered: dict | None, restore: dict | None, ranks: list[dict], error: str | None,
-          resumed_from_step: int = 0, failures: list[dict] | None = None) -> dict:
+def build(cfg: RunConfig, status: str, error: str | None, timings: dict, metrics: list[dict],
+          trained: Trained | None, saved: Saved | None, discovered: Discovered | None,
+          restore: RestoreCheck | None, ranks: list[dict], failures: list[Failure]) -> dict:
     """The report of one run; every key is always present (None when the step did not run)."""
     return {
         "run_id": cfg.run_id,
@@ -22,30 +24,33 @@ def build(cfg: RunConfig, status: str, timings: dict, metrics: list[dict], saved
         "status": status,
         "error": scrub(error) if error else None,
         "num_processes": cfg.processes,
+        "launcher": cfg.launcher,
         "base_model": cfg.base_model,
         "checkpoint_root": cfg.run_root,
         "state_dir": cfg.state_dir,
-        "resumed_from_step": resumed_from_step,
+        "resumed_from_step": trained.resumed_from_step if trained else 0,
+        "client_runs": trained.client_runs if trained and cfg.mode == "custom" else None,
         "metrics": metrics,
         "checkpoints": checkpoints_block(saved),
-        "manifest": discovered["manifest"] if discovered else None,
-        "artifacts": discovered["artifacts"] if discovered else [],
-        "restore": restore,
+        "manifest": discovered.manifest if discovered else None,
+        "artifacts": [a.model_dump() for a in discovered.artifacts] if discovered else [],
+        "restore": restore.as_report() if restore else None,
+        "live_reference_from_committed_state": saved.live.from_committed_state if saved and saved.live else None,
         "timings_s": timings,
         "cluster": {"ranks": ranks},
-        "failures": [{**f, "message": scrub(f["message"])} for f in failures or []],
+        "failures": [{**f.as_dict(), "message": scrub(f.message)} for f in failures],
         "plot": None,
         "finished_at": time.time(),
     }
 
 
-def checkpoints_block(saved: dict | None) -> dict | None:
+def checkpoints_block(saved: Saved | None) -> dict | None:
     """The last state and sampler checkpoint the run saved, and the list of all of them."""
     if not saved:
         return None
-    block = {kind: next((c for c in reversed(saved["checkpoints"]) if c["kind"] == kind), None)
-             for kind in ("state", "sampler")}
-    block["all"] = saved["checkpoints"]
+    all_ = [c.model_dump() for c in saved.checkpoints]
+    block = {kind: next((c for c in reversed(all_) if c["kind"] == kind), None) for kind in ("state", "sampler")}
+    block["all"] = all_
     return block
 
 
@@ -127,12 +132,17 @@ def markdown(report: dict) -> str:
         lines.append(f"- manifest: `{report['manifest']}` ({len(report['artifacts'])} artifacts)")
     if report.get("plot"):
         lines.append(f"- curve: `{report['plot']}`")
+    if (report.get("client_runs") or 0) > 1:
+        lines.append(f"- the custom client ran {report['client_runs']} times: a cluster fault re-ran it from the start")
     if report["failures"]:
         lines += ["", "## Failures recovered or not", ""]
         for f in report["failures"]:
             who = f"rank {f['rank']} ({f['role']})" if f["rank"] is not None else f["role"]
-            lines.append(f"- {who}, exit code {f['exit_code']}, detected at {time.strftime('%H:%M:%S', time.localtime(f['detected_at']))}"
-                         + (f", resumed from step {f['resumed_from_step']}" if f["resumed_from_step"] is not None else ""))
+            when = time.strftime('%H:%M:%S', time.localtime(f['detected_at']))
+            lines.append(f"- {who}, exit code {f['exit_code']}, detected at {when}"
+                         + (f" during {f['step']}" if f.get("step") else "")
+                         + (f"; the retry resumed at {f['resumed_at']}" if f.get("resumed_at") else "")
+                         + (f" from step {f['resumed_from_step']}" if f["resumed_from_step"] is not None else ""))
     if report["error"]:
         lines += ["", "## Error", "", "```", report["error"][-3000:], "```"]
     lines += ["", "## Timings (s)", ""] + [f"- {k}: {v:.1f}" for k, v in report["timings_s"].items()]

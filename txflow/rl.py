@@ -6,11 +6,9 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-import tinker
-
-from txflow.cluster import Cluster, Launcher
 from txflow.rewards import RewardFn, score
-from txflow.tinker_client import wait_result
+
+# tinker is imported where requests are built: it imports torch (~4 s), and pre-flight must stay fast.
 
 
 @dataclass
@@ -45,9 +43,10 @@ def prepare(rows: list[dict], tokenizer, max_len: int, max_tokens: int, url: str
 
 
 def sample_groups(sampling_client, data: RLData, indices: list[int], group_size: int, max_tokens: int,
-                  temperature: float, seed: int, cluster: Cluster, launcher: Launcher,
-                  timeout_s: float) -> list[list[Rollout]]:
+                  temperature: float, seed: int, handle, timeout_s: float) -> list[list[Rollout]]:
     """`group_size` completions per prompt, scored; every request is in flight before any is awaited."""
+    import tinker
+
     futures = [sampling_client.sample(prompt=tinker.types.ModelInput.from_ints(data.prompts[i]),
                                       num_samples=group_size,
                                       sampling_params=tinker.types.SamplingParams(
@@ -56,7 +55,7 @@ def sample_groups(sampling_client, data: RLData, indices: list[int], group_size:
                for i in indices]
     groups = []
     for i, future in zip(indices, futures):
-        response = wait_result(future, cluster, launcher, timeout_s, "a rollout sample")
+        response = handle.wait(future, "a rollout sample", timeout_s)
         group = []
         for seq in response.sequences:
             tokens = list(seq.tokens)
@@ -75,8 +74,10 @@ def request_seed(seed: int, row: int, group_size: int) -> int:
     return (seed * 7919 + row * max(group_size, 1)) % (2**31 - 1024)
 
 
-def to_datums(groups: list[list[Rollout]], data: RLData) -> list[tinker.types.Datum]:
+def to_datums(groups: list[list[Rollout]], data: RLData) -> list:
     """One datum per rollout; advantage = reward minus the mean reward of its group."""
+    import tinker
+
     datums = []
     for group in groups:
         mean = statistics.fmean(r.reward for r in group)

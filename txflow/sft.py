@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import tinker
+# tinker is imported where a Datum is built: it imports torch (~4 s), and pre-flight must stay fast.
 
 Example = tuple[list[int], list[int]]  # tokens, per-token loss weights
 
@@ -34,7 +34,10 @@ def prepare(rows: list[dict], tokenizer, max_len: int, url: str) -> SFTData:
     return SFTData(train=train, eval=examples[len(examples) - held_out :] or train[:1])
 
 
-def to_datum(example: Example) -> tinker.types.Datum:
+def to_datum(example: Example):
+    """A cross-entropy Datum: predict each next token, weighted."""
+    import tinker
+
     tokens, weights = example
     return tinker.types.Datum(
         model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),

@@ -55,6 +55,18 @@ workaround can go:
    initialize the engine and the workers get the default SIGTERM action back
    (`_default_sigterm_after_distributed_init`). Can go when upstream handles
    preemption or exits on it.
+8. Start-up order. A worker started before rank 0's JAX coordinator listens would
+   lean on JAX's connection retries, and the engine polls database tables that
+   only the API creates. Waiting for each in the orchestrator serialises ~8 s of
+   imports per rank; so every process starts at once and each entry point gates
+   itself after its imports: a worker waits until the coordinator accepts
+   connections (`_gate_on_coordinator`), the engine's request loop until the
+   tables exist (`_engine_waits_for_tables`). Can go when upstream orders its
+   own start-up.
+
+Guarded: the adapter patches exactly the upstream version it was written
+against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the
+entry points, before anything is patched (`check_upstream_version`).
 
 Module names differ in the unified `skyrl` 0.4.0 package (`skyrl.tinker.api`,
 `skyrl.tinker.engine`, `skyrl.backends.jax`); they are only named here.
@@ -74,6 +86,8 @@ from typing import Any
 
 from txflow.config import RunConfig
 
+UPSTREAM_PACKAGE = "skyrl-tx"
+UPSTREAM_VERSION = "0.3.0"
 ENGINE_MODULE = "tx.tinker.engine"
 WORKER_MODULE = "tx.tinker.backends.jax"
 DATABASE_URL_ENV = "TX_DATABASE_URL"
@@ -91,6 +105,21 @@ _SECRET_PAIR = re.compile(
     re.IGNORECASE,
 )
 _BEARER = re.compile(r"(?P<key>\b(?:Bearer|Basic)\s+)(?P<value>[A-Za-z0-9._~+/=\-]+)", re.IGNORECASE)
+
+
+def check_upstream_version() -> None:
+    """Refuse an installed SkyRL-tx other than the one this adapter patches."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version(UPSTREAM_PACKAGE)
+    except PackageNotFoundError:
+        installed = None
+    if installed != UPSTREAM_VERSION:
+        found = f"{UPSTREAM_PACKAGE} {installed} is installed" if installed else f"{UPSTREAM_PACKAGE} is not installed"
+        raise ValueError(f"{found}, but txflow's adapter (txflow/skyrl_adapter.py) works around the behaviour of "
+                         f"{UPSTREAM_PACKAGE} {UPSTREAM_VERSION} and patches it: install "
+                         f"{UPSTREAM_PACKAGE}=={UPSTREAM_VERSION} (see constraints.txt)")
 
 
 def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
@@ -155,13 +184,16 @@ def api_command(engine_argv: list[str], host: str, port: int) -> list[str]:
     return [sys.executable, "-m", "txflow.skyrl_adapter", "api", "--host", host, "--port", str(port), *engine_argv]
 
 
-def worker_command(coordinator_address: str, num_processes: int, rank: int) -> list[str]:
-    """Rank > 0: a JAX worker that receives the model and config from rank 0 by broadcast."""
+def worker_command(coordinator_address: str, num_processes: int, rank: int, gate_timeout_s: float) -> list[str]:
+    """Rank > 0: a JAX worker that receives the model and config from rank 0 by broadcast. It joins
+    once rank 0's coordinator accepts connections, and gives up after `gate_timeout_s` (see 8.)."""
     return [
         sys.executable,
         "-m",
         "txflow.skyrl_adapter",
         "worker",
+        "--gate-timeout",
+        str(gate_timeout_s),
         "--coordinator-address",
         coordinator_address,
         "--num-processes",
@@ -456,23 +488,75 @@ def _default_sigterm_after_distributed_init() -> None:
     jax.distributed.initialize = initialize_then_default_sigterm
 
 
-def run_upstream(module: str, argv: list[str]) -> None:
-    """Run an upstream entry point (engine or worker) with txflow's checkpoint I/O installed."""
+def _gate_on_coordinator(address: str, timeout_s: float) -> None:
+    """Block until rank 0's JAX coordinator accepts connections (8.); exit with a message after `timeout_s`."""
+    import socket
+    import time
+
+    host, port = address.rsplit(":", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, int(port)), timeout=1.0).close()
+            print(f"txflow: coordinator {address} accepts connections; joining", file=sys.stderr, flush=True)
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                sys.exit(f"txflow: rank 0's JAX coordinator did not listen on {address} within {timeout_s:.0f} s")
+            time.sleep(0.1)
+
+
+def _engine_waits_for_tables(timeout_s: float = 300.0) -> None:
+    """The engine's request loop starts once the API has created the database tables (8.)."""
+    import time
+
+    from sqlalchemy import inspect
+    from tx.tinker.engine import TinkerEngine
+
+    upstream_run = TinkerEngine.run
+
+    def run(self):
+        deadline = time.monotonic() + timeout_s
+        while not inspect(self.db_engine).has_table("futures"):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the Tinker API did not create the database tables within {timeout_s:.0f} s")
+            time.sleep(0.1)
+        return upstream_run(self)
+
+    TinkerEngine.run = run
+
+
+def run_upstream(module: str, argv: list[str], gate_timeout_s: float | None = None) -> None:
+    """Run an upstream entry point (engine or worker) with txflow's checkpoint I/O installed; a worker
+    given `gate_timeout_s` joins only once rank 0's coordinator listens (8.)."""
     import importlib
 
+    entry = importlib.import_module(module)  # the slow part (~8 s), before any gate
     install_checkpoint_io()
     _default_sigterm_after_distributed_init()
+    if module == ENGINE_MODULE:
+        _engine_waits_for_tables()
+    if gate_timeout_s is not None:
+        _gate_on_coordinator(argv[argv.index("--coordinator-address") + 1], gate_timeout_s)
     sys.argv = [module, *argv]
-    importlib.import_module(module).main()
+    entry.main()
 
 
 if __name__ == "__main__":
+    from txflow import lifeline
+
+    lifeline.watch_parent()  # first: this process dies with the one that started it
     command, rest = (sys.argv[1], sys.argv[2:]) if len(sys.argv) > 1 else ("", [])
+    try:
+        check_upstream_version()
+    except ValueError as exc:
+        sys.exit(f"txflow: {exc}")
     if command == "api":
         serve_api(rest)
     elif command == "engine":
         run_upstream(ENGINE_MODULE, rest)
-    elif command == "worker":
-        run_upstream(WORKER_MODULE, rest)
+    elif command == "worker" and rest[:1] == ["--gate-timeout"]:
+        run_upstream(WORKER_MODULE, rest[2:], gate_timeout_s=float(rest[1]))
     else:
-        sys.exit("usage: python -m txflow.skyrl_adapter {api --host H --port P|engine|worker} <upstream args>")
+        sys.exit("usage: python -m txflow.skyrl_adapter {api --host H --port P|engine|worker --gate-timeout S} "
+                 "<upstream args>")

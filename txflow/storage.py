@@ -54,6 +54,15 @@ def checkpoint_url(cfg: RunConfig, tinker_path: str) -> str:
     return f"{cfg.run_root}/{skyrl_adapter.relative_checkpoint_path(tinker_path)}"
 
 
+def tinker_path_of(cfg: RunConfig, url: str) -> str:
+    """The tinker:// path under which the engine saved the checkpoint now at `url` in this run's root."""
+    relative = url.removeprefix(cfg.run_root).strip("/")
+    path = skyrl_adapter.tinker_path_for(relative)
+    if path is None:
+        raise ValueError(f"{url} is not a checkpoint of run {cfg.run_id} under {cfg.run_root}")
+    return path
+
+
 def commit(cfg: RunConfig, staging_base: str, tinker_path: str) -> str:
     """Upload one checkpoint from staging to the run root, verify it, write its marker; returns its URL."""
     relative = skyrl_adapter.relative_checkpoint_path(tinker_path)

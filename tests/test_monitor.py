@@ -1,0 +1,177 @@
+"""The rank monitor is the one source of health: it names a dead process once, within its
+production interval, and every wait on the cluster asks it (ClusterHandle.wait)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import sys
+import threading
+import time
+
+import pytest
+
+from txflow.cluster import Cluster, ProcessRecord
+from txflow.handle import ClusterHandle
+from txflow.launchers.local import LocalLauncher
+from txflow.monitor import NoProgress, RankDied, RankMonitor
+
+SLEEPER = [sys.executable, "-c", "print('rank alive', flush=True); import time; time.sleep(60)"]
+
+
+def make_cluster(tmp_path) -> Cluster:
+    (tmp_path / "logs").mkdir(exist_ok=True)
+    return Cluster(run_id="m", launcher="local", state_dir=str(tmp_path), host="127.0.0.1", api_port=1,
+                   coordinator_port=None, num_processes=2, base_model_path="x", checkpoints_base="y")
+
+
+@pytest.fixture
+def two_ranks(tmp_path):
+    """Two sleeping 'ranks' under a LocalLauncher; stopped at the end whatever happened."""
+    cluster, launcher = make_cluster(tmp_path), LocalLauncher()
+    for rank in (0, 1):
+        launcher.start(cluster, "coordinator" if rank == 0 else "worker", rank, SLEEPER, dict(os.environ), {},
+                       f"rank{rank}")
+    yield cluster, launcher
+    launcher.stop(cluster, grace_s=1.0)
+
+
+def test_monitor_reports_a_dead_rank_once_within_its_production_interval(two_ranks):
+    cluster, launcher = two_ranks
+    monitor = RankMonitor(cluster, launcher).start()  # the interval the flow uses
+    try:
+        time.sleep(1.2)
+        assert monitor.failures == []
+        killed_at = time.time()
+        os.kill(cluster.rank(1).pid, signal.SIGKILL)
+        assert monitor.failed.wait(timeout=5)
+        time.sleep(1.5)  # several more polls
+        [failure] = monitor.failures
+        assert (failure.rank, failure.exit_code) == (1, -signal.SIGKILL)
+        assert failure.detected_at - killed_at <= monitor.interval_s + 0.3
+        assert "rank 1 (worker)" in failure.message and "rank alive" in failure.message
+    finally:
+        monitor.stop()
+
+
+def test_a_request_in_flight_is_abandoned_as_soon_as_the_monitor_sees_a_death(two_ranks):
+    """From the kill to the moment the failed wait returns to its caller: within the monitor's
+    interval, not JAX's ~90 s heartbeat abort (the future itself never completes)."""
+    cluster, launcher = two_ranks
+    handle = ClusterHandle.watch(cluster, launcher)
+    never = concurrent.futures.Future()
+    try:
+        killer = threading.Timer(1.0, lambda: os.kill(cluster.rank(1).pid, signal.SIGKILL))
+        killer.start()
+        began = time.time()
+        with pytest.raises(RankDied) as died:
+            handle.wait(never, "a training step", timeout_s=60)
+        returned_at = time.time()
+        killer.join()
+        assert died.value.failure.rank == 1
+        assert returned_at - (began + 1.0) <= handle.monitor.interval_s + 0.3
+    finally:
+        handle.monitor.stop()
+
+
+def test_a_result_is_returned_without_a_polling_delay(two_ranks):
+    cluster, launcher = two_ranks
+    handle = ClusterHandle.watch(cluster, launcher)
+    future = concurrent.futures.Future()
+    try:
+        threading.Timer(0.3, lambda: future.set_result("done")).start()
+        began = time.monotonic()
+        assert handle.wait(future, "a request", timeout_s=10) == "done"
+        assert time.monotonic() - began < 0.3 + 0.1
+    finally:
+        handle.monitor.stop()
+
+
+def test_a_request_without_progress_is_a_no_progress_fault(two_ranks):
+    cluster, launcher = two_ranks
+    handle = ClusterHandle.watch(cluster, launcher)
+    try:
+        with pytest.raises(NoProgress, match="a save made no progress for 1 s"):
+            handle.wait(concurrent.futures.Future(), "a save", timeout_s=1)
+    finally:
+        handle.monitor.stop()
+
+
+def test_a_failed_request_is_blamed_on_the_rank_that_died_not_on_the_peer_error(two_ranks):
+    """A dead worker surfaces first as a gloo error of the request in flight; the error the flow
+    sees names the dead rank, even before the monitor's own next poll."""
+    cluster, launcher = two_ranks
+    handle = ClusterHandle(cluster=cluster, launcher=launcher,
+                           monitor=RankMonitor(cluster, launcher, interval_s=3600).start())
+    future = concurrent.futures.Future()
+    try:
+        os.kill(cluster.rank(1).pid, signal.SIGKILL)
+        time.sleep(0.3)
+        future.set_exception(RuntimeError("gloo: connection closed by peer"))
+        with pytest.raises(RankDied) as died:
+            handle.wait(future, "a training step", timeout_s=10)
+        assert died.value.failure.rank == 1
+    finally:
+        handle.monitor.stop()
+
+
+class DeadRankLauncher(LocalLauncher):
+    """Reports rank 1 as killed by SIGKILL, without starting anything."""
+
+    def exit_code(self, record):
+        return -signal.SIGKILL if record.rank == 1 else None
+
+
+def test_a_death_the_monitor_thread_is_recording_still_counts_as_a_cluster_fault(tmp_path, monkeypatch):
+    # Seen in the fault test: the request failed with RankDied while the monitor thread had marked
+    # the dead rank seen but not yet recorded it; the flow's own poll found nothing new and failed
+    # the run instead of retrying on a fresh cluster.
+    from flows.train import _cluster_fault
+    from txflow import monitor as monitor_module
+
+    cluster = make_cluster(tmp_path)
+    cluster.processes = [ProcessRecord(role=role, rank=rank, pid=pid, pgid=pid, host="127.0.0.1", log="")
+                         for role, rank, pid in (("coordinator", 0, 10**7), ("worker", 1, 10**7 + 1))]
+    describing = threading.Event()
+    real_describe = monitor_module.describe_exit
+
+    def slow_describe(*args):  # the log tail is read between "seen" and "recorded"
+        describing.set()
+        time.sleep(0.5)
+        return real_describe(*args)
+
+    monkeypatch.setattr(monitor_module, "describe_exit", slow_describe)
+    launcher = DeadRankLauncher()
+    handle = ClusterHandle(cluster=cluster, launcher=launcher,
+                           monitor=RankMonitor(cluster, launcher, interval_s=0.01).start())
+    try:
+        assert describing.wait(timeout=5)
+        fault = _cluster_fault(handle, RuntimeError("rank 1 (worker) was killed by signal 9"))
+    finally:
+        handle.monitor.stop()
+    assert fault is not None and (fault.rank, fault.exit_code) == (1, -signal.SIGKILL)
+    assert len(handle.monitor.failures) == 1
+
+
+def test_monitor_names_the_killed_rank_before_the_peer_that_aborted_because_of_it(tmp_path):
+    cluster, launcher = make_cluster(tmp_path), LocalLauncher()
+    # Rank 0 aborts as soon as rank 1 is gone, as a JAX rank does when its peer vanishes mid-collective.
+    follower = [sys.executable, "-c", "import os, sys, time\nwhile os.path.exists(sys.argv[1]): time.sleep(0.01)\n"
+                "os.abort()", str(tmp_path / "peer-alive")]
+    (tmp_path / "peer-alive").touch()
+    launcher.start(cluster, "coordinator", 0, follower, dict(os.environ), {}, "rank0")
+    launcher.start(cluster, "worker", 1, [sys.executable, "-c", "import time; time.sleep(60)"], dict(os.environ),
+                   {}, "rank1")
+    monitor = RankMonitor(cluster, launcher, interval_s=3600)  # polled by hand: both deaths in one pass
+    try:
+        os.kill(cluster.rank(1).pid, signal.SIGKILL)
+        (tmp_path / "peer-alive").unlink()
+        deadline = time.monotonic() + 10
+        while any(launcher.exit_code(r) is None for r in cluster.processes) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        first = monitor.poll()
+        assert (first.rank, first.exit_code) == (1, -signal.SIGKILL)
+        assert [(f.rank, f.exit_code) for f in monitor.failures] == [(1, -signal.SIGKILL), (0, -signal.SIGABRT)]
+    finally:
+        launcher.stop(cluster, grace_s=1.0)

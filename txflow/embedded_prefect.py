@@ -1,0 +1,95 @@
+"""The embedded Prefect server of `txflow run`, started by txflow instead of Prefect.
+
+Prefect starts its ephemeral API server (`SubprocessASGIServer`: uvicorn on
+`prefect.server.api.server:create_app`, loopback, UI off) on first use, in a
+process that outlives a `txflow` killed by SIGKILL. txflow starts the same
+server itself, under the lifeline guard, so it dies with `txflow`; and it
+starts it early, so the server's ~7-12 s start-up overlaps the flow's imports.
+With `PREFECT_API_URL` set, that server is used and nothing is started.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from txflow import lifeline, processes
+
+STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
+# Prefect's default of 20 s is less than a first start (a new database, every migration) took on
+# a busy 2-core machine.
+DEFAULT_STARTUP_TIMEOUT_S = 120.0
+
+
+def startup_timeout_s() -> float:
+    """How long the server may take to answer: Prefect's own setting when given, else 120 s."""
+    return float(os.environ.get(STARTUP_TIMEOUT_ENV) or DEFAULT_STARTUP_TIMEOUT_S)
+
+
+class EmbeddedServer:
+    def __init__(self, log: Path):
+        self.log = log
+        self.port = processes.free_port("127.0.0.1")
+        self.api_url = f"http://127.0.0.1:{self.port}/api"
+        # What Prefect's SubprocessASGIServer sets for its server process.
+        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+               "PREFECT__SERVER_FINAL": "1"}
+        cmd = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
+               "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
+        self.proc = processes.spawn(lifeline.guarded(cmd), log, env=lifeline.child_env(env))
+
+    def wait_ready(self) -> None:
+        """Block until the server answers /health; fail with its log when it dies or does not answer in time."""
+        import httpx
+
+        timeout_s = startup_timeout_s()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"The embedded Prefect server exited with code {self.proc.returncode}. "
+                                   f"Last lines of {self.log}:\n{processes.tail(self.log)}")
+            try:
+                if httpx.get(f"{self.api_url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"The embedded Prefect server did not answer within {timeout_s:.0f} s "
+                                   f"({STARTUP_TIMEOUT_ENV} sets the limit). Last lines of {self.log}:\n"
+                                   f"{processes.tail(self.log)}")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        processes.stop_groups([self.proc.pid], grace_s=5.0)
+        self.proc.wait(timeout=10)
+
+
+@contextmanager
+def server(state_dir: str):
+    """Start the embedded server (unless PREFECT_API_URL names one) and point this process's Prefect
+    client at it; yields it (or None) and stops it at the end, after Prefect's log and event
+    workers have delivered what they hold."""
+    if os.environ.get("PREFECT_API_URL"):
+        yield None
+        return
+    embedded = EmbeddedServer(Path(state_dir) / "logs" / "prefect-server.log")
+    os.environ["PREFECT_API_URL"] = embedded.api_url
+    try:
+        yield embedded
+    finally:
+        _drain_prefect_workers()
+        embedded.stop()
+        os.environ.pop("PREFECT_API_URL", None)
+
+
+def _drain_prefect_workers() -> None:
+    if "prefect" not in sys.modules:
+        return
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    for worker in (APILogWorker, EventsWorker):
+        worker.drain_all(timeout=10)

@@ -1,0 +1,73 @@
+"""What the pipeline steps hand each other, typed.
+
+train -> `Trained`; save-checkpoint -> `Saved`; discover-artifacts ->
+`Discovered`; evaluate-restore -> `RestoreCheck`. The report is built from them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from txflow.discovery import Artifact
+
+
+class Checkpoint(BaseModel):
+    """A checkpoint the run saved and committed to its durable root."""
+
+    kind: Literal["state", "sampler"]
+    tinker_path: str
+    url: str
+
+
+@dataclass(eq=False)
+class Trained:
+    """The train step's outcome; the live training client stays usable on the cluster it ran on."""
+
+    metrics: list[dict]
+    final_state: Checkpoint | None  # committed at the last step (None in custom mode)
+    resumed_from_step: int = 0
+    client_runs: int = 0  # custom mode: how many times the user's client ran (a fault re-runs it)
+    training_client: Any = None
+    handle: Any = None  # the ClusterHandle the training client belongs to
+
+
+class LiveReference(BaseModel):
+    """What the live model gave before anything was restored; evaluate-restore must reproduce it."""
+
+    eval_loss: float
+    greedy_tokens: list[list[int]]
+    prompts: list[list[int]]
+    examples: list[tuple[list[int], list[float]]]
+    from_committed_state: bool = Field(
+        default=False, description="Taken on a fresh cluster from the committed final state, after a fault")
+
+
+class Saved(BaseModel):
+    checkpoints: list[Checkpoint]
+    live: LiveReference | None = None  # None in custom mode
+
+
+class Discovered(BaseModel):
+    manifest: str
+    artifacts: list[Artifact]
+
+
+class RestoreCheck(BaseModel):
+    """evaluate-restore's verdict: the restored model reproduces the live one, and the mode's quality bar."""
+
+    passed: bool
+    loss_before: float | None = None
+    loss_after: float | None = None
+    abs_diff: float | None = None
+    sampler_tokens_match: bool | None = None
+    live_tokens: list[list[int]] | None = None
+    restored_tokens: list[list[int]] | None = None
+    quality: dict[str, float | bool] = Field(default_factory=dict, description="The mode's quality figures")
+    checks: list[dict] | None = None  # custom mode: one per client checkpoint
+
+    def as_report(self) -> dict:
+        """The report's `restore` block: the quality figures flattened in, absent fields left out."""
+        return {**self.model_dump(exclude_none=True, exclude={"quality"}), **self.quality}
