@@ -1,11 +1,15 @@
 """Benchmark: discovery on an S3 store versus a bare recursive listing.
 
 Creates N objects under a root on an S3 API (a moto_server it starts on
-127.0.0.1, or the one AWS_ENDPOINT_URL names), laid out like a run root with
-many Orbax checkpoints (upstream's many-file state layout, the harder case
-for the classifier; txflow's own state is one file), then times, in the same run and on the same store,
+127.0.0.1, or the one AWS_ENDPOINT_URL names), laid out as a real run root
+leaves them: periodic and final training states (txflow's one state file),
+sampler tarballs (real gzip tarballs) with their `.probe` markers, a commit
+marker per checkpoint as `storage.commit` writes it (sizes and MD5s), and the
+run's own files. Then times, in the same run and on the same store,
 `fs.find(root, detail=True)` (the baseline) and `txflow.discovery.discover(root)`
-(classification included). Prints both and their ratio; the target is <= 1.5.
+(classification and verification included), and counts the S3 requests
+discovery sends. Prints both times, their ratio (target <= 1.5) and the
+requests per checkpoint.
 
     python scripts/bench_discovery.py [--objects 10000] [--repeats 5]
 """
@@ -13,32 +17,47 @@ for the classifier; txflow's own state is one file), then times, in the same run
 from __future__ import annotations
 
 import argparse
+import io
 import os
 import statistics
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
 
-from txflow.discovery import COMMIT_SUFFIX, commit_record, discover
+from txflow.discovery import COMMIT_SUFFIX, commit_record, discover, md5_of
+from txflow.skyrl_adapter import STATE_FILE
 
-FILES_PER_CHECKPOINT = 48
+OBJECTS_PER_STEP = 5  # state file + marker, sampler tarball + probe + marker
 
 
-def layout(objects: int) -> dict[str, bytes]:
-    """Run-root-like keys: Orbax state directories of FILES_PER_CHECKPOINT files, plus commit markers."""
+def _tarball(payload: bytes) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        info = tarfile.TarInfo("adapter_model.safetensors")
+        info.size = len(payload)
+        tar.addfile(info, io.BytesIO(payload))
+    return buffer.getvalue()
+
+
+def layout(objects: int) -> tuple[dict[str, bytes], int]:
+    """Run-root keys as a run with a save at every step leaves them; returns them and the checkpoint count."""
     keys: dict[str, bytes] = {}
-    for step in range(1, objects // (FILES_PER_CHECKPOINT + 1) + 1):
-        ckpt = f"model_bench/step-{step:06d}.tar.gz"
-        names = ["checkpoint_0/_CHECKPOINT_METADATA", "checkpoint_0/_METADATA", "checkpoint_0/commit_success.txt",
-                 "checkpoint_0/manifest.ocdbt"]
-        names += [f"checkpoint_0/ocdbt.process_0/d/{i:04x}" for i in range(FILES_PER_CHECKPOINT - len(names))]
-        for name in names:
-            keys[f"{ckpt}/{name}"] = b"x" * 16
-        keys[f"{ckpt}{COMMIT_SUFFIX}"] = commit_record({n: 16 for n in names})
-    for i in range(objects - len(keys)):
-        keys[f"logs/extra-{i:05d}.txt"] = b"x"
-    return keys
+    steps = max(1, (objects - 3) // OBJECTS_PER_STEP)
+    for step in range(1, steps + 1):
+        state = f"model_bench/step-{step:06d}.tar.gz"
+        data = os.urandom(64)
+        keys[f"{state}/{STATE_FILE}"] = data
+        keys[state + COMMIT_SUFFIX] = commit_record({STATE_FILE: (len(data), md5_of(data))})
+        sampler = f"model_bench/sampler_weights/step-{step:06d}.tar.gz"
+        blob = _tarball(os.urandom(64))
+        keys[sampler] = blob
+        keys[sampler + ".probe"] = b"ok"
+        keys[sampler + COMMIT_SUFFIX] = commit_record({sampler.rsplit("/", 1)[1]: (len(blob), md5_of(blob))})
+    for name in ("report.json", "metrics.jsonl", "manifest.json")[: max(0, objects - len(keys))]:
+        keys[name] = b"{}"
+    return keys, 2 * steps
 
 
 def main() -> int:
@@ -48,6 +67,7 @@ def main() -> int:
     args = parser.parse_args()
 
     import fsspec
+    import s3fs
 
     from txflow.processes import free_port, port_open, spawn, stop_groups
 
@@ -68,24 +88,42 @@ def main() -> int:
         bucket, root = "txflow-bench", "txflow-bench/run"
         fs.mkdir(bucket)
         started = time.monotonic()
-        fs.pipe({f"{root}/{k}": v for k, v in layout(args.objects).items()})
-        print(f"created {args.objects} objects in {time.monotonic() - started:.1f} s", file=sys.stderr)
+        keys, checkpoints = layout(args.objects)
+        fs.pipe({f"{root}/{k}": v for k, v in keys.items()})
+        print(f"created {len(keys)} objects in {time.monotonic() - started:.1f} s", file=sys.stderr)
 
-        baseline, classify = [], []
+        from aiobotocore.client import AioBaseClient
+
+        sent: list[str] = []
+        original = AioBaseClient._make_api_call
+
+        async def counting(self, operation_name, api_params):
+            sent.append(operation_name)
+            return await original(self, operation_name, api_params)
+
+        baseline, classify, requests = [], [], []
         for _ in range(args.repeats):
             fresh = fsspec.filesystem("s3", skip_instance_cache=True)
             t0 = time.perf_counter()
             listed = fresh.find(root, detail=True)
             baseline.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            artifacts = discover(f"s3://{root}", require_commit=True)
-            classify.append(time.perf_counter() - t0)
-        assert len(listed) == args.objects, len(listed)
+            s3fs.S3FileSystem.clear_instance_cache()
+            sent.clear()
+            AioBaseClient._make_api_call = counting
+            try:
+                t0 = time.perf_counter()
+                artifacts = discover(f"s3://{root}", require_commit=True)
+                classify.append(time.perf_counter() - t0)
+            finally:
+                AioBaseClient._make_api_call = original
+            requests.append(len([op for op in sent if op != "ListObjectsV2"]))
+        assert len(listed) == len(keys), len(listed)
         assert all(a.complete for a in artifacts), [a for a in artifacts if not a.complete][:1]
-        assert all(a.committed for a in artifacts if a.kind == "state"), "a commit marker was not verified"
+        assert sum(a.committed for a in artifacts) == checkpoints, "a commit marker was not verified"
         find_s, discover_s = statistics.median(baseline), statistics.median(classify)
-        print(f"objects {args.objects}  artifacts {len(artifacts)}  find {find_s:.3f} s  "
-              f"discover {discover_s:.3f} s  ratio {discover_s / find_s:.2f} (target <= 1.5)")
+        print(f"objects {len(keys)}  artifacts {len(artifacts)}  checkpoints {checkpoints}  find {find_s:.3f} s  "
+              f"discover {discover_s:.3f} s  ratio {discover_s / find_s:.2f} (target <= 1.5)  "
+              f"requests beyond the listing per checkpoint {max(requests) / checkpoints:.3f}")
     finally:
         if server is not None:
             stop_groups([server.pid], grace_s=3.0)

@@ -29,5 +29,5 @@ def discover_artifacts(cfg: RunConfig, saved: Saved) -> Discovered:
                                f"{found.reason or 'not committed'}")
     for a in artifacts:
         log.info(f"{a.kind:8} {a.format:9} {'ok' if a.complete else 'INCOMPLETE'} {a.bytes:>10} B "
-                 f"{a.files:>4} files {a.url}" + (f" ({a.reason})" if a.reason else ""))
+                 f"{a.files if a.files is not None else '-':>4} files {a.url}" + (f" ({a.reason})" if a.reason else ""))
     return Discovered(manifest=manifest, artifacts=artifacts)

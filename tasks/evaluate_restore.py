@@ -29,11 +29,14 @@ def restore(cfg: RunConfig, handle: ClusterHandle, client, state_url: str, rank:
     return restored
 
 
-def restored_sampler(cfg: RunConfig, handle: ClusterHandle, client, restored, sampler_url: str):
-    """A sampling client on the sampler weights copied back from their durable URL (in `restored`'s slot)."""
-    path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, sampler_url, "sampler",
-                                     restored.model_id, "restored")
-    return client.create_sampling_client(model_path=path)
+def restored_sampler(cfg: RunConfig, handle: ClusterHandle, client, sampler_url: str):
+    """A sampling client on the sampler weights copied back from their durable URL, in a fresh adapter
+    slot of its own: were the tarball ignored, it would sample the untrained adapter, not the restored
+    state. Returns it and the slot's training client (to unload)."""
+    slot = client.create_lora_training_client(base_model=handle.cluster.base_model_path, rank=cfg.lora_rank)
+    path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, sampler_url, "sampler", slot.model_id,
+                                     "restored")
+    return client.create_sampling_client(model_path=path), slot
 
 
 def mean_eval_reward(sampling_client, cfg: RunConfig, data: rl.RLData, handle: ClusterHandle) -> float:
@@ -103,6 +106,7 @@ def verify_client_checkpoints(cfg: RunConfig, handle: ClusterHandle, saved: Save
                 check["tokens"] = tokens
                 check["passed"] = all(len(t) > 0 for t in tokens)
         except Exception as exc:  # a checkpoint that cannot be loaded fails its check, not the listing
+            handle.monitor.poll()
             handle.monitor.raise_if_failed()  # ... unless the cluster itself broke: that is a fault to retry
             check["passed"], check["error"] = False, f"{type(exc).__name__}: {exc}"
         checks.append(check)
@@ -116,11 +120,18 @@ def evaluate_restore(cfg: RunConfig, handle: ClusterHandle, metrics: list[dict],
     """Restore the state into a fresh training client and sample from the saved sampler weights."""
     log = get_logger()
     log.info(f"evaluate-restore: loading the committed checkpoints of run {cfg.run_id} from {cfg.run_root}")
-    if cfg.mode == "custom":
-        result = verify_client_checkpoints(cfg, handle, saved, data)
-        log.info(f"restore check of {len(result.checks)} client checkpoints: "
-                 f"{'PASSED' if result.passed else 'FAILED'}")
-        return result
+    with handle.deaths_first():
+        if cfg.mode == "custom":
+            result = verify_client_checkpoints(cfg, handle, saved, data)
+            log.info(f"restore check of {len(result.checks)} client checkpoints: "
+                     f"{'PASSED' if result.passed else 'FAILED'}")
+            return result
+        return restore_model_checkpoints(cfg, handle, metrics, saved, data)
+
+
+def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: list[dict], saved: Saved,
+                              data) -> RestoreCheck:
+    log = get_logger()
     client = handle.service_client()
     timeout = cfg.step_timeout_s
     live = saved.live
@@ -129,19 +140,24 @@ def evaluate_restore(cfg: RunConfig, handle: ClusterHandle, metrics: list[dict],
     restored = restore(cfg, handle, client, state_url, cfg.lora_rank)
     try:
         loss_after = evaluation.eval_loss(restored, live.examples, handle, timeout)
-        sampler = restored_sampler(cfg, handle, client, restored, sampler_url)
+    finally:
+        evaluation.unload(handle, restored.model_id)
+    sampler, slot = restored_sampler(cfg, handle, client, sampler_url)
+    try:
         tokens = evaluation.greedy_tokens(sampler, live.prompts, handle, timeout, cfg.seed)
         quality = QUALITY[cfg.mode](cfg, handle, client, sampler, metrics, data)
     finally:
-        evaluation.unload(handle, restored.model_id)
+        evaluation.unload(handle, slot.model_id)
 
     abs_diff = abs(loss_after - live.eval_loss)
     tokens_match = tokens == live.greedy_tokens
-    passed = abs_diff <= LOSS_TOLERANCE and tokens_match and bool(quality["quality_passed"])
+    moved = live.greedy_tokens != live.base_tokens
+    passed = abs_diff <= LOSS_TOLERANCE and tokens_match and moved and bool(quality["quality_passed"])
     result = RestoreCheck(passed=passed, loss_before=live.eval_loss, loss_after=loss_after, abs_diff=abs_diff,
-                          sampler_tokens_match=tokens_match, live_tokens=live.greedy_tokens, restored_tokens=tokens,
-                          quality=quality)
+                          sampler_tokens_match=tokens_match, tokens_differ_from_base=moved,
+                          live_tokens=live.greedy_tokens, restored_tokens=tokens, quality=quality)
     figures = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in quality.items())
     log.info(f"restore check: loss {live.eval_loss:.6f} -> {loss_after:.6f} (|diff| {abs_diff:.2e}), "
-             f"greedy tokens match {tokens_match}, {figures}: {'PASSED' if passed else 'FAILED'}")
+             f"greedy tokens match {tokens_match} (and differ from the base model's: {moved}), {figures}: "
+             f"{'PASSED' if passed else 'FAILED'}")
     return result

@@ -54,6 +54,11 @@ def prove_ready(handle: ClusterHandle, timeout_s: float) -> float:
 @task(name="launch-workers", retries=0, cache_policy=NO_CACHE)
 def launch_workers(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
     """Start every rank > 0 now that rank 0's process exists, then prove the whole cluster serves a request."""
+    with handle.deaths_first():
+        return _launch_workers(cfg, handle)
+
+
+def _launch_workers(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
     log = get_logger()
     cluster = handle.cluster
     handle.monitor.raise_if_failed()

@@ -54,15 +54,22 @@ def live_client(cfg: RunConfig, handle: ClusterHandle, trained: Trained):
       cache_policy=NO_CACHE)
 def save_checkpoint(cfg: RunConfig, handle: ClusterHandle, trained: Trained, data) -> Saved:
     """Save the sampler weights, commit them to the run root, and record where everything lives."""
+    with handle.deaths_first():
+        if cfg.mode == "custom":
+            return save_client_checkpoints(cfg, handle)
+        return save_model_checkpoints(cfg, handle, trained, data)
+
+
+def save_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, trained: Trained, data) -> Saved:
     log = get_logger()
-    if cfg.mode == "custom":
-        return save_client_checkpoints(cfg, handle)
     client, from_committed = live_client(cfg, handle, trained)
     timeout = cfg.step_timeout_s
     # Reference values of the live model, taken before the sampler weights are written.
     prompts = eval_prompts(cfg, data)
     live_sampler = client.save_weights_and_get_sampling_client()
     tokens = evaluation.greedy_tokens(live_sampler, prompts, handle, timeout, cfg.seed)
+    base_sampler = handle.service_client().create_sampling_client(base_model=handle.cluster.base_model_path)
+    base_tokens = evaluation.greedy_tokens(base_sampler, prompts, handle, timeout, cfg.seed)
     examples = data.eval if cfg.mode == "sft" else evaluation.rollout_examples(prompts, tokens)
     loss = evaluation.eval_loss(client, examples, handle, timeout)
 
@@ -75,5 +82,5 @@ def save_checkpoint(cfg: RunConfig, handle: ClusterHandle, trained: Trained, dat
     checkpoints = [trained.final_state, sampler]
     log.info("saved and committed " + "; ".join(f"{c.kind} {c.tinker_path} -> {c.url}" for c in checkpoints))
     return Saved(checkpoints=checkpoints,
-                 live=LiveReference(eval_loss=loss, greedy_tokens=tokens, prompts=prompts, examples=examples,
-                                    from_committed_state=from_committed))
+                 live=LiveReference(eval_loss=loss, greedy_tokens=tokens, base_tokens=base_tokens, prompts=prompts,
+                                    examples=examples, from_committed_state=from_committed))

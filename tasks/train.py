@@ -157,6 +157,7 @@ def train_custom(cfg: RunConfig, handle: ClusterHandle, data: custom.CustomData,
 @task(name="train", retries=0, cache_policy=NO_CACHE)
 def train(cfg: RunConfig, handle: ClusterHandle, data: Any, attempt: int = 1) -> Trained:
     """Run the training of `cfg.mode` against the cluster; `attempt` counts the runs of this step."""
-    if cfg.mode == "custom":
-        return train_custom(cfg, handle, data, attempt)
-    return train_loop(cfg, handle, STEPS[cfg.mode](cfg, handle, data))
+    with handle.deaths_first():
+        if cfg.mode == "custom":
+            return train_custom(cfg, handle, data, attempt)
+        return train_loop(cfg, handle, STEPS[cfg.mode](cfg, handle, data))

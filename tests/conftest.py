@@ -86,7 +86,13 @@ def postgres():
         return f"postgresql://txflow:{PASSWORD_MARKER}@/{name}?host={data_dir}"
 
     try:
-        server.psql(f"CREATE USER txflow WITH PASSWORD '{PASSWORD_MARKER}';")
+        server.psql("SET password_encryption = 'scram-sha-256';"
+                    f"CREATE USER txflow WITH PASSWORD '{PASSWORD_MARKER}';")
+        # pgserver's initdb trusts every local connection; the test role must prove its password, or a
+        # mangled or masked URL handed to the engine would still connect.
+        hba = data_dir / "pg_hba.conf"
+        hba.write_text("local all txflow scram-sha-256\n" + hba.read_text())
+        server.psql("SELECT pg_reload_conf();")
         yield new_database
     finally:
         server.cleanup()

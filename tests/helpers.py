@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from txflow.processes import is_alive
+from txflow.processes import is_alive, proc_stats, start_time
 
 # The Prefect CLI of the interpreter running the tests (the project venv).
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -26,6 +26,19 @@ def cluster_pids(state_dir: Path) -> list[tuple[int, int | None]]:
 
 def alive_pids(state_dir: Path) -> list[int]:
     return [pid for pid, started in cluster_pids(state_dir) if is_alive(pid, started)]
+
+
+def descendants(pid: int) -> list[tuple[int, int | None]]:
+    """(pid, start time) of every live descendant of `pid`, whatever its session."""
+    children: dict[int, list[int]] = {}
+    for child, fields in proc_stats():
+        children.setdefault(int(fields[1]), []).append(child)
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append((child, start_time(child)))
+            todo.append(child)
+    return found
 
 
 def new_prefect_home(path: Path, prefect_db: Path) -> Path:

@@ -91,3 +91,60 @@ def test_resume_from_a_complete_checkpoint_resolves_to_it_and_its_step(tmp_path)
 def test_reward_that_is_not_a_finite_number_names_the_row(value):
     with pytest.raises(RewardError, match=r"data.jsonl line 3; it must return a finite number"):
         score(lambda *a: value, "mod:fn", "p", "t", [1], {}, "data.jsonl line 3")
+
+
+# --- the same table through `txflow run`: fast, one line, nothing started --------------------
+
+CLI_CASES = {
+    "zero processes": (lambda t: ["--processes", "0"], "processes must be at least 1"),
+    "zero steps": (lambda t: ["--steps", "0"], "steps must be at least 1"),
+    "mesh that does not match the devices": (lambda t: ["--mesh-fsdp", "3"], "must equal the device count"),
+    "unknown loss": (lambda t: ["--loss", "reinforce"], "loss: Input should be 'importance_sampling' or 'ppo'"),
+    "api key without the Tinker prefix": (lambda t: ["--api-key", "not-a-tinker-key"], "tml-"),
+    "run id that is not a path segment": (lambda t: ["--run-id", "../up"], "run_id"),
+    "storage option without a value": (lambda t: ["--storage-option", "novalue"], "must be KEY=VALUE"),
+    "missing dataset": (lambda t: ["--dataset", str(t / "nope.jsonl")], "does not exist"),
+    "malformed JSONL": (lambda t: ["--dataset", write(t / "bad.jsonl", '{"prompt": "a", "completion": "b"}\n{x\n')],
+                        "line 2: not valid JSON"),
+    "prompt longer than the context": (
+        lambda t: ["--dataset", write(t / "long.jsonl", json.dumps({"prompt": "w " * 2000, "completion": "x"}) + "\n")],
+        "longer than the model's context"),
+    "missing local model": (lambda t: ["--base-model", str(t / "no-model")], "no such directory"),
+    "invalid fsspec URL": (lambda t: ["--checkpoints", "nosuchproto://bucket/x"], "not a usable fsspec URL"),
+    "root not writable": (lambda t: ["--checkpoints", write(t / "a-file", "x") + "/sub"], "cannot write under"),
+    "reward that cannot be imported": (lambda t: ["--reward", "nowhere_xyz:fn"], "cannot import module"),
+    "resume from an incomplete checkpoint": (
+        lambda t: ["--resume-from", orbax_state(t / "old", "m1/step-000004.tar.gz", committed=False)],
+        "is incomplete"),
+    "resume from a state at the last step": (
+        lambda t: ["--steps", "4", "--resume-from", orbax_state(t / "old", "m1/step-000004.tar.gz", committed=True)],
+        "leaves nothing to train"),
+    "custom client that does not exist": (lambda t: ["--client", str(t / "nope.py")], "no such file"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLI_CASES))
+def test_bad_input_through_txflow_run_exits_2_within_seconds_with_one_line(case, tmp_path, txflow_env):
+    import subprocess
+    import time
+
+    from tests.helpers import txflow_cmd
+
+    options, message = CLI_CASES[case]
+    mode = "rl" if case.startswith("reward") or "loss" in case else "custom" if "client" in case else "sft"
+    home = tmp_path / "empty-prefect-home"
+    home.mkdir()
+    env = txflow_env | {"PREFECT_HOME": str(home)}
+    args = ["run", mode, "--run-id", "bad", "--state-dir", str(tmp_path / "state"),
+            "--checkpoints", str(tmp_path / "ckpt"), *options(tmp_path)]
+    if mode == "custom" and "--client" not in args:
+        args += ["--client", str(Path(__file__))]
+    began = time.monotonic()
+    result = subprocess.run(txflow_cmd(*args), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    seconds = time.monotonic() - began
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 3, result.stderr
+    assert seconds < 5, f"took {seconds:.1f} s"
+    # Nothing was started: no Prefect server (it would have created its database), no cluster.
+    assert list(home.iterdir()) == [] and not (tmp_path / "state" / "cluster.json").exists()

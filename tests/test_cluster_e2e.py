@@ -13,10 +13,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from txflow.processes import is_alive
+
 from tasks.launch_workers import launch_workers
 from tasks.provision_coordinator import provision_coordinator
 from tasks.teardown import teardown
-from tests.helpers import alive_pids, cluster_pids, run_txflow, txflow_cmd
+from tests.helpers import alive_pids, cluster_pids, descendants, run_txflow, txflow_cmd
 from txflow.launchers.local import LocalLauncher
 from txflow.config import RunConfig
 
@@ -145,3 +147,39 @@ def test_every_process_is_stopped_after_sigterm_to_the_flow_process(tmp_path, tx
     assert alive_pids(state) == []
     # Nothing the flow process started survives it (Prefect's temporary server included).
     assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []
+
+
+def test_sigkill_of_txflow_leaves_nothing_it_started_alive_within_15_s(tmp_path, txflow_env, reaper):
+    """What an OOM kill or a lost terminal does: no Python code of txflow runs. Every process it
+    started (API, ranks, the embedded Prefect server) notices its parent's death by itself."""
+    state = reaper.watch(tmp_path / "state")
+    log = open(tmp_path / "txflow.log", "w")
+    proc = subprocess.Popen(txflow_cmd(*_sft_args(tmp_path, "kill9", "--steps", "500")), env=txflow_env,
+                            cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 300
+        metrics = state / "metrics.jsonl"
+        while not (metrics.exists() and metrics.read_text().strip()):
+            assert proc.poll() is None, (tmp_path / "txflow.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "training did not start"
+            time.sleep(0.5)
+        started = descendants(proc.pid)
+        commands = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    for pid, _ in started}
+        assert len(alive_pids(state)) == 3
+        assert any("prefect.server.api.server:create_app" in c for c in commands.values()), commands
+        proc.kill()
+        killed_at = time.monotonic()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    left = started
+    while left and time.monotonic() - killed_at < 15:
+        time.sleep(0.2)
+        left = [(pid, t) for pid, t in left if is_alive(pid, t)]
+    assert left == [], {pid: commands.get(pid) for pid, _ in left}
+    print(f"every descendant gone {time.monotonic() - killed_at:.1f} s after the SIGKILL")
+    for name in ("api", "rank0", "rank1"):
+        assert f"parent process {proc.pid} is gone" in (state / "logs" / f"{name}.log").read_text()

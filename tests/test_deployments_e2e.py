@@ -22,9 +22,9 @@ import httpx
 import pytest
 import yaml
 
-from tests.helpers import PREFECT, alive_pids, cluster_pids, new_prefect_home
+from tests.helpers import PREFECT, alive_pids, cluster_pids, descendants, new_prefect_home
 from txflow.config import RunConfig
-from txflow.processes import free_port, is_alive, proc_stats, start_time
+from txflow.processes import free_port, is_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -37,19 +37,6 @@ UUID_RE = re.compile(r"UUID: ([0-9a-f-]{36})")
 # --------------------------------------------------------------------------- processes
 
 
-def _descendants(pid: int) -> list[tuple[int, int | None]]:
-    """(pid, start time) of every live descendant of `pid`, whatever its session."""
-    children: dict[int, list[int]] = {}
-    for child, fields in proc_stats():
-        children.setdefault(int(fields[1]), []).append(child)
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append((child, start_time(child)))
-            todo.append(child)
-    return found
-
-
 def _start(cmd: list[str], log: Path, env: dict, cwd: Path = REPO) -> subprocess.Popen:
     """A subprocess in its own process group (session), output to `log`."""
     with open(log, "ab") as out:
@@ -60,7 +47,7 @@ def _start(cmd: list[str], log: Path, env: dict, cwd: Path = REPO) -> subprocess
 def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
     """SIGTERM the process group, SIGKILL it after `grace_s`; then SIGKILL any descendant left
     (flow run processes and their children live in sessions of their own)."""
-    descendants = _descendants(proc.pid)
+    left = descendants(proc.pid)
     for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
         try:
             os.killpg(proc.pid, sig)
@@ -71,7 +58,7 @@ def _stop(proc: subprocess.Popen, grace_s: float = 15.0) -> None:
             break
         except subprocess.TimeoutExpired:
             continue
-    for pid, started in descendants:
+    for pid, started in left:
         if started is not None and is_alive(pid, started):
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -265,16 +252,6 @@ def _flow_run_logs(server: Server, flow_run_id: str) -> list[str]:
     return [f"{log.timestamp} {log.message}" for log in logs]
 
 
-def _teardown_end(server: Server, flow_run_id: str) -> float | None:
-    """When the flow's own `teardown` task finished (epoch seconds), if it ran."""
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
-
-    with api(server) as client:
-        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
-    ends = [t.end_time.timestamp() for t in runs if t.name.startswith("teardown") and t.end_time is not None]
-    return max(ends) if ends else None
-
-
 # --------------------------------------------------------------------------- unit (no server)
 
 
@@ -386,38 +363,66 @@ def test_nightly_deployment_has_its_cron_schedule(server, deployed):
     assert schedule.schedule.timezone == "UTC"
 
 
-def test_sft_deployment_run_completes_with_its_artifacts(server, worker, tmp_path, reaper, started_runs):
+def _task_times(server: Server, flow_run_id: str) -> dict[str, tuple[float, float]]:
+    """{task name without its suffix: (start, end)} of the flow run's task runs (epoch seconds)."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
-    state = reaper.watch(tmp_path / "state")
-    run_id = f"dep-sft-{uuid.uuid4().hex[:8]}"
-    began = time.monotonic()
-    params = {"config": _config(tmp_path, run_id, steps=6)}
-    flow_run_id = _run_deployment(server, "train/sft", params, started_runs)
-    run = _wait_final(server, flow_run_id, worker)
-    print(f"train/sft run {run_id}: {run.state.name} after {time.monotonic() - began:.1f} s")
-    assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
-    assert run.parameters["config"]["run_id"] == run_id
-
     with api(server) as client:
-        artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
-    by_type: dict[str, list] = {}
-    for artifact in artifacts:
-        by_type.setdefault(artifact.type, []).append(artifact)
-    key = run_id.lower()
-    reports = [a for a in by_type.get("markdown", []) if (a.key or "").startswith("report-")]
-    assert [a.key for a in reports] == [f"report-{key}"]
-    assert f"txflow run `{run_id}`: passed" in reports[0].data
-    tables = by_type.get("table", [])
-    assert [a.key for a in tables] == [f"metrics-{key}"]
-    rows = json.loads(tables[0].data) if isinstance(tables[0].data, str) else tables[0].data
-    assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
-    progress = by_type.get("progress", [])
-    assert [a.key for a in progress] == [f"progress-{key}"]
-    assert float(progress[0].data) == 100.0
-    report = json.loads((tmp_path / "ckpt" / run_id / "report.json").read_text())
-    assert report["status"] == "passed" and len(report["metrics"]) == 6
-    assert alive_pids(state) == []
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+    return {t.name.rsplit("-", 1)[0]: (t.start_time.timestamp(), t.end_time.timestamp())
+            for t in runs if t.start_time and t.end_time}
+
+
+def test_two_sft_deployment_runs_take_turns_on_the_slots_and_publish_their_artifacts(server, worker, tmp_path,
+                                                                                    reaper, started_runs):
+    """With the global concurrency limit at 2 slots, two 2-process runs never hold a cluster at the same
+    time: the second waits for the first to release its slots."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    limit = RunConfig.model_fields["concurrency_limit"].default
+    server.prefect("gcl", "create", limit, "--limit", "2")
+    try:
+        runs = {}
+        for name in ("first", "second"):
+            run_id = f"dep-sft-{name}-{uuid.uuid4().hex[:6]}"
+            state = reaper.watch(tmp_path / name / "state")
+            params = {"config": {**_config(tmp_path / name, run_id, steps=6), "state_dir": str(state)}}
+            runs[run_id] = (_run_deployment(server, "train/sft", params, started_runs), tmp_path / name, state)
+        began = time.monotonic()
+        finished = {run_id: _wait_final(server, flow_run_id, worker, deadline_s=900)
+                    for run_id, (flow_run_id, _, _) in runs.items()}
+        print(f"two train/sft runs: {time.monotonic() - began:.1f} s")
+    finally:
+        server.prefect("--no-prompt", "gcl", "delete", limit)
+    for run_id, run in finished.items():
+        assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
+    # One cluster at a time: whichever got the slots first tore down before the other provisioned.
+    spans = sorted((times["provision-coordinator"][0], times["teardown"][1])
+                   for times in (_task_times(server, flow_run_id) for flow_run_id, _, _ in runs.values()))
+    assert spans[1][0] >= spans[0][1], spans
+
+    for run_id, (flow_run_id, work, state) in runs.items():
+        run = finished[run_id]
+        assert run.parameters["config"]["run_id"] == run_id
+        with api(server) as client:
+            artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
+        by_type: dict[str, list] = {}
+        for artifact in artifacts:
+            by_type.setdefault(artifact.type, []).append(artifact)
+        key = run_id.lower()
+        reports = [a for a in by_type.get("markdown", []) if (a.key or "").startswith("report-")]
+        assert [a.key for a in reports] == [f"report-{key}"]
+        assert f"txflow run `{run_id}`: passed" in reports[0].data
+        tables = by_type.get("table", [])
+        assert [a.key for a in tables] == [f"metrics-{key}"]
+        rows = json.loads(tables[0].data) if isinstance(tables[0].data, str) else tables[0].data
+        assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+        progress = by_type.get("progress", [])
+        assert [a.key for a in progress] == [f"progress-{key}"]
+        assert float(progress[0].data) == 100.0
+        report = json.loads((work / "ckpt" / run_id / "report.json").read_text())
+        assert report["status"] == "passed" and len(report["metrics"]) == 6
+        assert alive_pids(state) == []
 
 
 def test_cancelled_deployment_run_stops_its_cluster(server, worker, tmp_path, reaper, started_runs):
@@ -435,18 +440,21 @@ def test_cancelled_deployment_run_stops_its_cluster(server, worker, tmp_path, re
     print(f"cancel -> {run.state.name} in {time.monotonic() - cancelled_at:.1f} s")
     assert run.state.is_cancelled(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
     assert alive_pids(state) == [], "\n".join(_flow_run_logs(server, flow_run_id)[-20:])
-    # The engine's own `finally` stops the cluster (SIGTERM arrives as an exception);
-    # the worker then runs on_cancellation in a subprocess of its own, whose
-    # stop_cluster rewrites cluster.json after the teardown task finished.
-    teardown_end = _teardown_end(server, flow_run_id)
-    cluster_json_written = (state / "cluster.json").stat().st_mtime
-    print(f"teardown task ended {teardown_end}, cluster.json last written {cluster_json_written}")
-    assert teardown_end is None or cluster_json_written > teardown_end, "on_cancellation hook did not run"
+    # The flow's own `finally` stops the cluster (SIGTERM arrives as an exception); the worker then
+    # runs on_cancellation in a process of its own, which must say in the run's logs what it did.
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        hook_lines = [line for line in _flow_run_logs(server, flow_run_id) if "hook: stopped the cluster in" in line]
+        if hook_lines:
+            break
+        time.sleep(1)
+    assert hook_lines, "on_cancellation hook did not run:\n" + worker.tail()
+    assert str(state) in hook_lines[0] and all(f"pid {pid} " in hook_lines[0] for pid in pids), hook_lines
 
 
 def _engine_pid(worker_pid: int, flow_run_id: str) -> int:
     """The flow run process the worker started (`python -m prefect.engine`) for `flow_run_id`."""
-    for pid, _ in _descendants(worker_pid):
+    for pid, _ in descendants(worker_pid):
         try:
             environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -458,25 +466,34 @@ def _engine_pid(worker_pid: int, flow_run_id: str) -> int:
 
 
 def test_crashed_deployment_run_stops_its_cluster(server, worker, tmp_path, reaper, started_runs):
-    """SIGKILL of the flow run process: its `finally` never runs, so on_crashed (which the
-    worker runs) must stop the cluster."""
+    """SIGKILL of the flow run process: its `finally` never runs. Every process of the cluster
+    notices its parent's death (txflow.lifeline) within 15 s, and on_crashed, which the worker runs,
+    says in the run's logs what it stopped."""
     state = reaper.watch(tmp_path / "state")
     run_id = f"dep-crash-{uuid.uuid4().hex[:8]}"
     params = {"config": _config(tmp_path, run_id, steps=500)}
     flow_run_id = _run_deployment(server, "train/sft", params, started_runs)
     _wait_training_started(state, flow_run_id, server, worker)
+    pids = [pid for pid, _ in cluster_pids(state)]
     assert len(alive_pids(state)) == 3
     os.kill(_engine_pid(worker.pid, flow_run_id), signal.SIGKILL)
     killed_at = time.monotonic()
+    while alive_pids(state) and time.monotonic() - killed_at < 15:
+        time.sleep(0.2)
+    gone_after = time.monotonic() - killed_at
+    assert alive_pids(state) == [], f"cluster alive {gone_after:.1f} s after the crash:\n{worker.tail()}"
+    print(f"crash -> cluster gone in {gone_after:.1f} s")
     run = _wait_final(server, flow_run_id, worker, deadline_s=300)
     assert run.state.is_crashed(), f"{run.state.name}: {run.state.message}"
-    # The worker reports Crashed first, then runs the hooks in a fresh process
-    # (which imports the flow: seconds). Wait for them, then nothing may be left.
+    # The worker runs the hook in a fresh process after reporting Crashed; its line names each process.
     deadline = time.monotonic() + 120
-    while alive_pids(state) and time.monotonic() < deadline:
+    while time.monotonic() < deadline:
+        hook_lines = [line for line in _flow_run_logs(server, flow_run_id) if "Crashed hook: stopped the cluster" in line]
+        if hook_lines:
+            break
         time.sleep(1)
-    print(f"crash -> cluster stopped in {time.monotonic() - killed_at:.1f} s")
-    assert alive_pids(state) == [], f"on_crashed hook did not stop the cluster:\n{worker.tail()}"
+    assert hook_lines, worker.tail()
+    assert all(f"pid {pid} " in hook_lines[0] for pid in pids), hook_lines
 
 
 def test_nightly_validation_fails_loudly(server, worker, tmp_path, reaper, started_runs):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import hashlib
 import io
 import json
 import os
@@ -183,7 +184,7 @@ def test_truncated_tarball_is_incomplete(root, mode, cut):
 
     assert not artifact.complete
     assert "truncated or corrupt" in artifact.reason
-    assert artifact.files == 0
+    assert artifact.files is None
 
 
 def test_unverified_tarball_is_taken_as_is(root):
@@ -249,18 +250,49 @@ def test_committed_artifacts_pass_require_commit(root, orbax_files):
     assert all(a.committed and a.complete for a in artifacts), [a.reason for a in artifacts]
 
 
-def test_sidecar_records_every_file_with_its_size(root, orbax_files):
+def test_sidecar_records_every_file_with_its_size_and_md5(root, orbax_files):
     put_tree(root, "m1/final.tar.gz", orbax_files)
     write_commit(f"{root}/m1/final.tar.gz")
 
     with fsspec.open(f"{root}/m1/final.tar.gz{COMMIT_SUFFIX}") as f:
         record = json.load(f)
 
-    assert record["files"] == {rel: len(data) for rel, data in orbax_files.items()}
-    assert record["bytes"] == sum(record["files"].values())
+    assert record["files"] == {rel: {"size": len(data), "md5": hashlib.md5(data).hexdigest()}
+                               for rel, data in orbax_files.items()}
+    assert record["bytes"] == sum(len(data) for data in orbax_files.values()) and record["format"] == 2
     # Canonical: the same files give the same bytes, so an object store's MD5 ETag can vouch for it.
     with fsspec.open(f"{root}/m1/final.tar.gz{COMMIT_SUFFIX}", "rb") as f:
-        assert f.read() == commit_record(record["files"])
+        assert f.read() == commit_record({n: (e["size"], e["md5"]) for n, e in record["files"].items()})
+
+
+@pytest.mark.parametrize("artifact", ["m1/final.tar.gz/checkpoint_0/_METADATA", "m1/sampler_weights/final.tar.gz"])
+def test_a_byte_changed_after_the_commit_makes_the_checkpoint_incomplete(root, orbax_files, artifact):
+    """Same size, other content: the marker's digest catches what its sizes cannot."""
+    put_tree(root, "m1/final.tar.gz", orbax_files)
+    put(root, "m1/sampler_weights/final.tar.gz", tarball())
+    write_commit(f"{root}/m1/final.tar.gz")
+    write_commit(f"{root}/m1/sampler_weights/final.tar.gz")
+    fs, path = fsspec.core.url_to_fs(f"{root}/{artifact}")
+    data = bytearray(fs.cat_file(path))
+    data[len(data) // 2] ^= 0xFF
+    fs.pipe_file(path, bytes(data))
+
+    found = by_path(discover(root, require_commit=True))
+
+    damaged = next(a for p, a in found.items() if artifact.startswith(p))
+    assert not damaged.complete and not damaged.committed
+    assert "the stored copy is not the committed one" in damaged.reason
+    assert all(a.complete for a in found.values() if a is not damaged)
+
+
+def test_a_sizes_only_marker_of_an_earlier_txflow_is_still_accepted(root, orbax_files):
+    put_tree(root, "m1/final.tar.gz", orbax_files)
+    put(root, "m1/final.tar.gz" + COMMIT_SUFFIX,
+        json.dumps({"files": {rel: len(data) for rel, data in orbax_files.items()}}).encode())
+
+    [artifact] = discover(root, require_commit=True)
+
+    assert artifact.complete and artifact.committed
 
 
 def test_missing_sidecar_fails_only_with_require_commit(root):
@@ -339,7 +371,9 @@ def test_discover_lists_the_root_exactly_once(root, orbax_files, monkeypatch):
     assert len(artifacts) == 3
     assert calls["find"] == 1
     assert not {n: c for n, c in calls.items() if n not in ("find", "open", "cat_file")}
-    assert calls["open"] == 1  # the one tarball; the sidecar is read with cat_file
+    # Without MD5 ETags (local disk, memory) each committed file is read for its digest, and the
+    # uncommitted tarball to its end; the sidecar is read with cat_file. (On S3: nothing, see test_s3_e2e.)
+    assert calls["open"] == len(orbax_files) + 1
 
 
 def test_write_manifest_lists_every_artifact_but_itself(root, orbax_files):

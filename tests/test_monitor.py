@@ -175,3 +175,38 @@ def test_monitor_names_the_killed_rank_before_the_peer_that_aborted_because_of_i
         assert [(f.rank, f.exit_code) for f in monitor.failures] == [(1, -signal.SIGKILL), (0, -signal.SIGABRT)]
     finally:
         launcher.stop(cluster, grace_s=1.0)
+
+
+def test_task_retries_skip_cluster_faults_but_not_other_errors():
+    """A task retry runs on the same cluster: useless after a dead rank or a hung request (and a
+    hung save would cost another step_timeout_s), so only the flow's fresh cluster retries those."""
+    from prefect.states import Failed
+
+    from tasks.evaluate_restore import evaluate_restore
+    from tasks.save_checkpoint import save_checkpoint
+    from txflow.monitor import Failure, retry_unless_cluster_fault
+
+    died = RankDied(Failure(rank=1, role="worker", exit_code=-9, detected_at=0.0, message="rank 1 died"))
+    assert retry_unless_cluster_fault(None, None, Failed(data=died)) is False
+    assert retry_unless_cluster_fault(None, None, Failed(data=NoProgress("save made no progress"))) is False
+    assert retry_unless_cluster_fault(None, None, Failed(data=OSError("S3 hiccup"))) is True
+    for step in (save_checkpoint, evaluate_restore):
+        assert step.retries >= 1 and step.retry_condition_fn is retry_unless_cluster_fault
+
+
+def test_an_error_raised_while_a_rank_is_dead_is_that_death(two_ranks):
+    """SDK calls that block on their own surface a dead rank as a peer error; inside deaths_first it
+    becomes RankDied, which no task retry runs again on the same cluster."""
+    cluster, launcher = two_ranks
+    handle = ClusterHandle(cluster=cluster, launcher=launcher,
+                           monitor=RankMonitor(cluster, launcher, interval_s=3600).start())
+    try:
+        with pytest.raises(ValueError, match="a plain error"), handle.deaths_first():
+            raise ValueError("a plain error")
+        os.kill(cluster.rank(1).pid, signal.SIGKILL)
+        time.sleep(0.3)
+        with pytest.raises(RankDied) as died, handle.deaths_first():
+            raise ValueError("Gloo all-reduce failed: Connection closed by peer")
+        assert died.value.failure.rank == 1 and died.value.failure.abandoned_at is not None
+    finally:
+        handle.monitor.stop()

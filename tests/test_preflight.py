@@ -308,3 +308,76 @@ def test_the_embedded_prefect_server_gets_120_s_to_start_unless_told(monkeypatch
     if preset is not None:
         monkeypatch.setenv(embedded_prefect.STARTUP_TIMEOUT_ENV, preset)
     assert embedded_prefect.startup_timeout_s() == expected
+
+
+# --- one option list, the upstream guard, the fast tokenizer ---------------------------
+
+
+def _fields(model, prefix=""):
+    from pydantic import BaseModel
+
+    for name, info in model.model_fields.items():
+        nested = next((a for a in (info.annotation, *getattr(info.annotation, "__args__", ()))
+                       if isinstance(a, type) and issubclass(a, BaseModel)), None)
+        if nested is not None:
+            yield from _fields(nested, prefix + name + ".")
+        else:
+            yield prefix + name
+
+
+def test_every_run_config_field_has_a_cli_flag_with_its_description():
+    run = cli._parser()._subparsers._group_actions[0].choices["run"]
+    by_dest = {a.dest: a for a in run._actions}
+    fields = list(_fields(RunConfig))
+    assert "mesh.fsdp" in fields and "launcher" in fields and "concurrency_limit" in fields
+    missing = [f for f in fields if f not in by_dest]
+    assert missing == []
+    for field in fields:
+        action = by_dest[field]
+        if field == "mode":
+            assert action.option_strings == []  # the positional argument
+            continue
+        model = RunConfig.model_fields["mesh"].annotation if field.startswith("mesh.") else RunConfig
+        description = model.model_fields[field.split(".")[-1]].description
+        assert action.option_strings and description in action.help, field
+
+
+def test_cli_flags_reach_the_config_nested_and_typed(tmp_path):
+    args = cli._parser().parse_args(["run", "rl", "--steps", "7", "--mesh-fsdp", "1", "--processes", "1",
+                                     "--storage-option", "key=value", "--client-arg", "a", "--client-arg", "b",
+                                     "--startup-timeout", "9", "--concurrency-limit", "slots", "--launcher", "local"])
+    cfg = RunConfig.model_validate(cli.config_values(args))
+    assert (cfg.mode, cfg.steps, cfg.mesh.fsdp, cfg.processes, cfg.startup_timeout_s) == ("rl", 7, 1, 1, 9.0)
+    assert cfg.plain_storage_options() == {"key": "value"} and cfg.client_args == ["a", "b"]
+    assert (cfg.concurrency_limit, cfg.launcher) == ("slots", "local")
+    # Flags not given leave the model's defaults alone.
+    assert cli.config_values(cli._parser().parse_args(["run", "sft"])) == {"mode": "sft"}
+
+
+def test_an_unexpected_skyrl_tx_version_is_refused_at_preflight(cfg_for, monkeypatch):
+    import importlib.metadata
+
+    real = importlib.metadata.version
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.4.0" if name == "skyrl-tx" else real(name))
+    cfg = cfg_for()
+    with pytest.raises(PreflightError, match=r"skyrl-tx 0.4.0 is installed.*install skyrl-tx==0.3.0"):
+        preflight.prepare(cfg)
+    assert no_cluster_started(cfg)
+
+
+def test_the_fast_tokenizer_gives_the_ids_transformers_gives(cfg_for):
+    from transformers import AutoTokenizer
+
+    from txflow.datasets import bundled_dataset, load_jsonl
+    from txflow.tiny_model import build_tiny_model
+    from txflow.tokenizer import Tokenizer, load_tokenizer
+
+    model = str(build_tiny_model())
+    fast, reference = load_tokenizer(model), AutoTokenizer.from_pretrained(model)
+    assert isinstance(fast, Tokenizer) and fast.eos_token_id == reference.eos_token_id
+    texts = [v for row in load_jsonl(bundled_dataset("sft"), ("prompt", "completion")) for v in row.values()]
+    for text in texts:
+        ids = fast.encode(text, add_special_tokens=False)
+        assert ids == reference.encode(text, add_special_tokens=False)
+        assert fast.decode(ids + [fast.eos_token_id]) == reference.decode(ids + [fast.eos_token_id],
+                                                                           skip_special_tokens=True)

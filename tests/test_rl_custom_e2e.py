@@ -35,19 +35,51 @@ def test_rl_run_improves_reward_and_restores_exactly(tmp_path, txflow_env, reape
     assert alive_pids(state) == []
 
 
-def test_custom_client_runs_and_every_checkpoint_it_saved_is_verified(tmp_path, txflow_env, reaper):
+def test_custom_client_runs_again_after_a_fault_and_every_checkpoint_it_saved_is_verified(tmp_path, txflow_env,
+                                                                                          reaper):
+    """A rank dies while the user's client trains: the client is the only one that knows how to go
+    on, so it runs again from the start on a fresh cluster, and the report says so."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.helpers import txflow_cmd
+
     state = reaper.watch(tmp_path / "state")
-    result = run_txflow(["run", "custom", "--run-id", "e2e-custom", "--state-dir", str(state),
-                         "--checkpoints", str(tmp_path / "ckpt"), "--client", str(CLIENT),
-                         "--client-arg=--base-url", "--client-arg={base_url}",
-                         "--client-arg=--model-name", "--client-arg={base_model}", "--json"],
-                        txflow_env, tmp_path)
-    assert result.returncode == 0, result.stderr[-4000:]
-    report = json.loads(result.stdout)
+    out, err = open(tmp_path / "out.json", "w"), open(tmp_path / "err.log", "w")
+    proc = subprocess.Popen(txflow_cmd("run", "custom", "--run-id", "e2e-custom", "--state-dir", str(state),
+                                       "--checkpoints", str(tmp_path / "ckpt"), "--client", str(CLIENT),
+                                       "--train-retries", "1", "--client-arg=--base-url", "--client-arg={base_url}",
+                                       "--client-arg=--model-name", "--client-arg={base_model}",
+                                       "--client-arg=--steps", "--client-arg=12", "--json"),
+                            env=txflow_env, cwd=tmp_path, stdout=out, stderr=err)
+    try:
+        deadline = time.monotonic() + 400
+        client_log = state / "logs" / "client.log"
+        while not (client_log.exists() and "step 1 loss" in client_log.read_text()):
+            assert proc.poll() is None, (tmp_path / "err.log").read_text()[-4000:]
+            assert time.monotonic() < deadline, "the client did not start training"
+            time.sleep(0.2)
+        worker = next(p for p in json.loads((state / "cluster.json").read_text())["processes"] if p["rank"] == 1)
+        os.kill(worker["pid"], signal.SIGKILL)
+        code = proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out.close()
+        err.close()
+    stderr = (tmp_path / "err.log").read_text()
+    assert code == 0, stderr[-4000:]
+    report = json.loads((tmp_path / "out.json").read_text())
     assert report["status"] == "passed" and report["mode"] == "custom"
+    assert report["client_runs"] == 2
+    [failure] = report["failures"]
+    assert (failure["rank"], failure["step"], failure["resumed_at"]) == (1, "train", "train")
+    assert "re-running the custom client from the start (run 2)" in stderr
     # The client's output streamed into the run's logs.
     client_log = (state / "logs" / "client.log").read_text()
-    assert "saved state tinker://" in client_log and "client: saved sampler" in result.stderr
+    assert "saved state tinker://" in client_log and "client: saved sampler" in stderr
     saved = {c["kind"]: c for c in report["checkpoints"]["all"]}
     assert saved["state"]["tinker_path"].endswith("/weights/client-state")
     assert saved["sampler"]["tinker_path"].endswith("/client-sampler")

@@ -6,7 +6,10 @@ import gzip
 import io
 import json
 import os
+import subprocess
 import tarfile
+import tempfile
+import time
 import warnings
 from pathlib import Path
 
@@ -15,8 +18,8 @@ import fsspec
 import pytest
 import s3fs
 
-from tests.helpers import (API_KEY_MARKER, PASSWORD_MARKER, MotoServer, TcpProxy, alive_pids, private_mounts_work,
-                           run_txflow)
+from tests.helpers import (API_KEY_MARKER, PASSWORD_MARKER, MotoServer, TcpProxy, alive_pids, descendants,
+                           private_mounts_work, run_txflow, txflow_cmd)
 from txflow import storage
 from txflow.launchers.local import ISOLATE_WORKER_DISKS_ENV
 from txflow.skyrl_adapter import STATE_FILE
@@ -26,6 +29,32 @@ from txflow.discovery import COMMIT_SUFFIX, discover, write_commit
 pytestmark = pytest.mark.e2e
 
 SECRET_MARKER = "s3-secret-MARKER-42aa"
+SHARED_DISK_OPT_OUT = "TXFLOW_TEST_ALLOW_SHARED_WORKER_DISK"
+STORAGE_OPTION_MARKER = "storage-option-MARKER-5d1e"
+
+
+def run_watching_command_lines(args: list[str], env: dict, cwd: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    """`txflow ARGS` to completion; also {pid: command line} of every process it started, read from
+    /proc while they ran (the txflow command itself is the user's own and not included)."""
+    out, err = cwd / "watched.out", cwd / "watched.err"
+    with open(out, "w") as stdout, open(err, "w") as stderr:
+        proc = subprocess.Popen(txflow_cmd(*args), env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+        seen: dict[int, str] = {}
+        try:
+            deadline = time.monotonic() + 800
+            while proc.poll() is None:
+                assert time.monotonic() < deadline, "the run did not finish"
+                for pid, _ in descendants(proc.pid):
+                    try:
+                        seen.setdefault(pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+                    except OSError:
+                        pass
+                time.sleep(0.5)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(args, proc.returncode, out.read_text(), err.read_text()), seen
 BUCKET = "txflow-ckpt"
 
 
@@ -66,14 +95,24 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
     isolated = private_mounts_work()
     if isolated:
         s3_env = s3_env | {ISOLATE_WORKER_DISKS_ENV: "1"}
+    elif os.environ.get(SHARED_DISK_OPT_OUT) == "1":
+        warnings.warn(f"unshare --mount is not permitted here and {SHARED_DISK_OPT_OUT}=1: the ranks of this test "
+                      "share a disk, so it does not prove that checkpoints need no shared filesystem")
     else:
-        warnings.warn("unshare --mount is not permitted here: the ranks of this test share a disk")
-    # The first run carries three secrets: a database password, the S3 secret key and a Tinker API key.
+        pytest.fail(f"unshare --mount is not permitted here, so rank 1 cannot get a private disk and this test "
+                    f"would not prove that checkpoints need no shared filesystem. Run as root on Linux, or set "
+                    f"{SHARED_DISK_OPT_OUT}=1 to run it with a shared disk anyway")
+    # The first run carries four secrets: a database password, the S3 secret key (environment), a Tinker
+    # API key, and a storage option; the command lines of its processes are read while it runs.
     env = s3_env | {"TINKER_API_KEY": API_KEY_MARKER}
-    first = run_txflow(["run", "sft", "--run-id", "s3-first", "--steps", "8", "--save-every", "3",
-                        "--database-url", postgres("tinker_s3"), "--checkpoints", root,
-                        "--state-dir", str(first_state), "--json"], env, tmp_path)
+    first, command_lines = run_watching_command_lines(
+        ["run", "sft", "--run-id", "s3-first", "--steps", "8", "--save-every", "3",
+         "--database-url", postgres("tinker_s3"), "--checkpoints", root, "--state-dir", str(first_state),
+         "--storage-option", f"secret={STORAGE_OPTION_MARKER}", "--json"], env, tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
+    # api, rank 0, rank 1, the embedded Prefect server (and its guard) were all seen running.
+    assert sum("txflow.skyrl_adapter" in c for c in command_lines.values()) >= 3, command_lines
+    assert any("prefect.server.api.server:create_app" in c for c in command_lines.values()), command_lines
     report = json.loads(first.stdout)
     assert report["status"] == "passed" and report["restore"]["abs_diff"] <= 1e-6
 
@@ -109,8 +148,10 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
         for state in (first_state, second_state):
             assert f"txflow: private node disk: {state} holds 0 entries" in (state / "logs" / "rank1.log").read_text()
 
-    # No secret reached a log, report, manifest, artifact or the Prefect store.
-    markers = [SECRET_MARKER, PASSWORD_MARKER, API_KEY_MARKER]
+    # No secret reached a log, report, manifest, artifact, the Prefect store (its logs and parameters
+    # included) or the command line of any process the run started.
+    markers = [SECRET_MARKER, PASSWORD_MARKER, API_KEY_MARKER, STORAGE_OPTION_MARKER]
+    assert [(pid, m) for pid, line in command_lines.items() for m in markers if m in line] == []
     for output in (first.stdout, first.stderr, second.stdout, second.stderr):
         assert [m for m in markers if m in output] == []
     for top in (first_state, second_state, Path(s3_env["PREFECT_HOME"])):
@@ -186,30 +227,75 @@ def test_truncated_object_in_the_bucket_is_reported_incomplete(s3_env):
     assert not cut.complete and "truncated" in cut.reason.lower()
 
 
-def test_commit_markers_are_verified_from_the_listing_and_a_damaged_state_is_read_and_rejected(s3_env, monkeypatch):
-    """On S3 a committed checkpoint costs no request beyond the one listing; an object cut after the
-    commit makes discovery read that one marker and report the checkpoint incomplete."""
+def run_root_layout(fs, root: str) -> dict[str, str]:
+    """What a real run leaves: periodic and final states (one state file each), sampler tarballs with
+    their probe markers, commit markers, and the run's own files; committed as txflow commits."""
+    from txflow import storage
+
+    staging = Path(tempfile.mkdtemp(prefix="txflow-staging-"))
+    cfg = RunConfig(run_id="layout", checkpoints=root.rsplit("/", 1)[0], state_dir=str(staging)).resolved()
+    urls = {}
+    for step in (3, 6):
+        name = f"step-{step:06d}"
+        state = staging / "m1" / f"{name}.tar.gz"
+        state.mkdir(parents=True)
+        (state / STATE_FILE).write_bytes(os.urandom(200_000))
+        urls[f"state-{step}"] = storage.commit(cfg, str(staging), f"tinker://m1/weights/{name}")
+    sampler = staging / "m1" / "sampler_weights" / "step-000006.tar.gz"
+    sampler.parent.mkdir(parents=True)
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        data = os.urandom(100_000)
+        info = tarfile.TarInfo("adapter_model.safetensors")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    sampler.write_bytes(buffer.getvalue())
+    (staging / "m1" / "sampler_weights" / "step-000006.tar.gz.probe").write_text("ok")
+    urls["sampler"] = storage.commit(cfg, str(staging), "tinker://m1/step-000006")
+    fs.pipe({f"{root.removeprefix('s3://')}/{name}": b"{}" for name in ("report.json", "metrics.jsonl")})
+    return urls
+
+
+def s3_requests(monkeypatch) -> list[str]:
+    """The name of every S3 API operation sent from now on (paginated listings included)."""
+    from aiobotocore.client import AioBaseClient
+
+    sent: list[str] = []
+    original = AioBaseClient._make_api_call
+
+    async def counting(self, operation_name, api_params):
+        sent.append(operation_name)
+        return await original(self, operation_name, api_params)
+
+    monkeypatch.setattr(AioBaseClient, "_make_api_call", counting)
+    return sent
+
+
+def test_a_committed_run_root_is_verified_from_the_listing_alone_and_a_changed_byte_is_caught(s3_env, monkeypatch):
+    """States, sampler tarballs, markers: discovery of what txflow committed sends list requests only;
+    one byte flipped in the bucket (same size) makes that checkpoint incomplete, and only its marker is read."""
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
-    names = ["checkpoint_0/_CHECKPOINT_METADATA", "checkpoint_0/_METADATA", "checkpoint_0/commit_success.txt",
-             "checkpoint_0/ocdbt.process_0/d/0001"]
-    for step in (1, 2):
-        ckpt = f"{BUCKET}/etag/m1/step-00000{step}.tar.gz"
-        fs.pipe({f"{ckpt}/{n}": b"x" * (10 + i) for i, n in enumerate(names)})
-        write_commit(f"s3://{ckpt}")
-    cat_calls = []  # every object read (GET) s3fs makes, whatever public method leads to it
-    original_cat_file = s3fs.S3FileSystem._cat_file
+    root = f"s3://{BUCKET}/layout/layout"
+    urls = run_root_layout(fs, root)
+    sent = s3_requests(monkeypatch)
+    s3fs.S3FileSystem.clear_instance_cache()  # no listing cached from the commits above
+    found = {a.url: a for a in discover(root, require_commit=True)}
+    assert all(found[u].complete and found[u].committed for u in urls.values()), found
+    assert sent and set(sent) == {"ListObjectsV2"}, sent
 
-    async def counting_cat_file(self, path, *args, **kwargs):
-        cat_calls.append(path)
-        return await original_cat_file(self, path, *args, **kwargs)
-
-    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counting_cat_file)
-    found = discover(f"s3://{BUCKET}/etag", require_commit=True)
-    assert [a.committed and a.complete for a in found] == [True, True] and cat_calls == []
-
-    fs.pipe_file(f"{BUCKET}/etag/m1/step-000002.tar.gz/checkpoint_0/_METADATA", b"x")  # cut after the commit
-    found = {a.path: a for a in discover(f"s3://{BUCKET}/etag", require_commit=True)}
-    assert found["m1/step-000001.tar.gz"].committed
-    damaged = found["m1/step-000002.tar.gz"]
-    assert not damaged.committed and not damaged.complete and "commit marker recorded 11" in damaged.reason
-    assert cat_calls == [f"{BUCKET}/etag/m1/step-000002.tar.gz{COMMIT_SUFFIX}"]
+    state_key = f"{urls['state-6'].removeprefix('s3://')}/{STATE_FILE}"
+    data = bytearray(fs.cat_file(state_key))
+    data[1000] ^= 0xFF
+    fs.pipe_file(state_key, bytes(data))
+    sent.clear()
+    s3fs.S3FileSystem.clear_instance_cache()
+    found = {a.url: a for a in discover(root, require_commit=True)}
+    damaged = found[urls["state-6"]]
+    assert not damaged.complete and "the stored copy is not the committed one" in damaged.reason
+    assert found[urls["state-3"]].committed and found[urls["sampler"]].committed
+    assert [op for op in sent if op != "ListObjectsV2"] == ["GetObject"]  # that checkpoint's marker
+    # A resume from it is refused before anything starts; the run root resolves to the intact step 3.
+    cfg = RunConfig(run_id="again", checkpoints=f"s3://{BUCKET}/other", resume_from=urls["state-6"]).resolved()
+    with pytest.raises(ValueError, match="is incomplete"):
+        storage.resolve_resume_from(cfg)
+    assert storage.resolve_resume_from(cfg.model_copy(update={"resume_from": root})) == (urls["state-3"], 3)

@@ -89,3 +89,18 @@ def test_database_password_is_in_no_log_report_or_prefect_store(sft_run):
     # Logs exist and are not empty: the check above looked at real output.
     assert (sft_run["state"] / "logs" / "rank0.log").stat().st_size > 0
     assert list((sft_run["work"] / "prefect-home").rglob("*.db"))
+
+
+def test_the_test_database_refuses_a_wrong_password_and_takes_the_right_one(postgres):
+    """The proof above means something only if the database checks the password."""
+    url = postgres("tinker_auth")
+    good = sqlalchemy.create_engine(url)
+    bad = sqlalchemy.create_engine(url.replace(PASSWORD_MARKER, "wrong-password"))
+    try:
+        with good.connect() as conn:
+            assert conn.execute(sqlalchemy.text("SELECT 1")).scalar() == 1
+        with pytest.raises(sqlalchemy.exc.OperationalError, match="password authentication failed"):
+            bad.connect()
+    finally:
+        good.dispose()
+        bad.dispose()

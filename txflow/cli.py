@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import types
 import typing
 
 from pydantic import BaseModel, SecretStr, ValidationError
@@ -47,8 +48,9 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "") -> None:
             continue
         dest = prefix + name
         annotation = info.annotation
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        inner = args[0] if len(args) == 1 else annotation
+        inner = annotation
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None -> X
+            inner = next(a for a in typing.get_args(annotation) if a is not type(None))
         if isinstance(inner, type) and issubclass(inner, BaseModel):
             _run_options(inner, parser, prefix=dest + ".")
             continue
@@ -60,8 +62,9 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "") -> None:
         elif origin is dict:
             parser.add_argument(flag, dest=dest, action="append", metavar="KEY=VALUE",
                                 help=help_text + " (repeatable)")
-        elif typing.get_origin(inner) is typing.Literal:
-            parser.add_argument(flag, dest=dest, choices=list(typing.get_args(inner)), help=help_text)
+        elif typing.get_origin(inner) is typing.Literal:  # the model checks the choice, in one line
+            parser.add_argument(flag, dest=dest, metavar="{" + ",".join(typing.get_args(inner)) + "}",
+                                help=help_text)
         elif inner is SecretStr and name == "api_key":
             parser.add_argument(flag, dest=dest, metavar="KEY",
                                 help=help_text + f" Prefer {API_KEY_ENV} in the environment: a flag shows in `ps`.")
@@ -69,9 +72,15 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "") -> None:
             parser.add_argument(flag, dest=dest, metavar=name.upper().removesuffix("_S"), help=help_text)
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        # One line that names the culprit, not the usage of every option.
+        self.exit(2, f"txflow: invalid options: {message} (see {self.prog} --help)\n")
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="txflow", description="LoRA fine-tuning on a self-hosted SkyRL-tx cluster")
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="txflow", description="LoRA fine-tuning on a self-hosted SkyRL-tx cluster")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run the train flow in-process on Prefect's embedded API",
                          argument_default=argparse.SUPPRESS)
     run.add_argument("mode", choices=list(typing.get_args(RunConfig.model_fields["mode"].annotation)))
@@ -178,7 +187,7 @@ def discover_cmd(args) -> int:
     else:
         for a in artifacts:
             state = "complete" if a.complete else f"INCOMPLETE: {a.reason}"
-            print(f"{a.kind:8} {a.format:9} {a.bytes:>12} B {a.files:>5} files  {a.url}  [{state}]")
+            print(f"{a.kind:8} {a.format:9} {a.bytes:>12} B {a.files if a.files is not None else '-':>5} files  {a.url}  [{state}]")
     return 0 if all(a.complete for a in artifacts) else 1
 
 

@@ -2,14 +2,16 @@
 
 Everything goes through fsspec, so a local path, `memory://`, `s3://` or any
 other protocol works the same. The root is listed exactly once (one recursive
-`find`); the only other I/O is opening tarballs to verify them, because
-per-file `info`/`exists`/`cat` calls cost one round trip each on an object
-store. Commit sidecars are verified from the listing alone where the store
-reports an MD5 ETag (S3 and its clones, for a single-part upload): the sidecar's
-content is a canonical function of the files and sizes it records, so its
-ETag must equal the MD5 of the record the listing gives. Only a sidecar whose
-ETag does not match (a damaged artifact, a store without MD5 ETags, an old
-format) is read.
+`find`). A checkpoint txflow committed carries a commit marker that records
+every file with its size and MD5 (`commit_record`). Where the store lists MD5
+ETags (S3 and its clones, single-part uploads, which is how txflow uploads), the
+listing alone proves a committed checkpoint holds exactly the committed bytes:
+each file's ETag is its MD5, and the marker's own ETag must be the MD5 of the
+record those give. So a committed checkpoint costs no request beyond the
+listing, its tarballs included. Only where that does not hold (a store without
+MD5 ETags such as a local disk, a damaged checkpoint, an old marker) is the
+marker read, and each file's digest compared with the ETag or, without one,
+computed from the file. A tarball nobody committed is read to its end.
 
 What SkyRL-tx leaves under its checkpoints base:
 
@@ -81,7 +83,7 @@ class Artifact(BaseModel):
     url: str
     path: str
     bytes: int
-    files: int
+    files: int | None  # for a tarball its members; None when it was not read (a committed one)
     complete: bool
     reason: str | None = None
     committed: bool = False
@@ -123,7 +125,7 @@ def discover(
         if _is_auxiliary(rel, files):
             continue
         if rel.endswith(TARBALL_SUFFIXES):
-            artifacts.append(_tarball_artifact(fs, root, rel, files[rel], fs_paths[rel], verify_tarballs))
+            artifacts.append(_tarball_artifact(root, rel, files[rel]))
         else:
             artifacts.append(_artifact(root, rel, "file", "file", files[rel], 1))
 
@@ -135,27 +137,55 @@ def discover(
     contents = fs.cat(sidecars, on_error="return") if sidecars else {}
     for artifact in checked:
         if artifact.path in unverified:
-            _check_commit(artifact, actual[artifact.path], files, fs_paths, contents, require_commit)
+            _check_commit(fs, artifact, actual[artifact.path], files, fs_paths, etags, contents, require_commit)
         else:
             artifact.committed = True
+    for artifact in artifacts:
+        # A committed tarball holds the bytes that were read to their end before the commit; others are read.
+        if artifact.format == "tarball" and not artifact.committed and artifact.complete and verify_tarballs:
+            _verify_tarball(fs, artifact, fs_paths[artifact.path])
     return sorted(artifacts, key=lambda a: a.path)
 
 
-def commit_record(sizes: dict[str, int]) -> bytes:
-    """The commit sidecar's content for an artifact of these files: canonical (same files, same bytes),
-    so that its MD5 can be checked against the ETag an object store lists."""
-    record = {"files": dict(sorted(sizes.items())), "bytes": sum(sizes.values())}
+COMMIT_FORMAT = 2
+
+
+def md5_of(data_or_file) -> str:
+    """MD5 hex digest of bytes or of a binary file object (read in chunks); a checksum, not security."""
+    digest = hashlib.md5(usedforsecurity=False)
+    if isinstance(data_or_file, bytes):
+        digest.update(data_or_file)
+    else:
+        while chunk := data_or_file.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def commit_record(files: dict[str, tuple[int, str]]) -> bytes:
+    """The commit sidecar's content for an artifact of these files ({name: (size, md5)}): canonical (same
+    files, same bytes), so that its MD5 can be checked against the ETag an object store lists."""
+    record = {"format": COMMIT_FORMAT, "bytes": sum(size for size, _ in files.values()),
+              "files": {name: {"md5": md5, "size": size} for name, (size, md5) in sorted(files.items())}}
     return json.dumps(record, indent=1, sort_keys=True).encode()
 
 
-def write_commit(fs_url: str, storage_options: dict | None = None, expected: dict[str, int] | None = None) -> None:
+def read_commit(content: bytes) -> dict[str, tuple[int, str | None]]:
+    """{name: (size, md5)} recorded in a commit sidecar; md5 is None in the sizes-only format 1."""
+    files = json.loads(content)["files"]
+    return {name: (entry, None) if isinstance(entry, int) else (int(entry["size"]), str(entry["md5"]))
+            for name, entry in files.items()}
+
+
+def write_commit(fs_url: str, storage_options: dict | None = None,
+                 expected: dict[str, tuple[int, str]] | None = None) -> None:
     """Write the commit sidecar `fs_url + COMMIT_SUFFIX` for the artifact at `fs_url`.
 
     Call it LAST in a save step: the sidecar records every file of the artifact
-    (a directory or a single file) with its size, so `discover` can tell a
-    finished save from one that was interrupted or later damaged. With
-    `expected` (relative path -> size of what was uploaded), a listing that
-    differs raises instead of committing.
+    (a directory or a single file) with its size and MD5, so `discover` can tell
+    a finished save from one that was interrupted or later changed. With
+    `expected` ({relative path: (size, md5)} of what was uploaded), a listing
+    that differs in files, sizes or listed MD5 ETags raises instead of
+    committing; without it the digests are computed from the stored files.
     """
     fs, path = fsspec.core.url_to_fs(fs_url, **(storage_options or {}))
     path = path.rstrip("/")
@@ -163,14 +193,25 @@ def write_commit(fs_url: str, storage_options: dict | None = None, expected: dic
     if not found:
         raise FileNotFoundError(f"Nothing was found at {fs_url!r} to commit.")
     if len(found) == 1 and _same_path(next(iter(found)), path):
-        sizes = {posixpath.basename(path): _size(next(iter(found.values())))}
+        listed = {posixpath.basename(path): (next(iter(found)), next(iter(found.values())))}
     else:
-        sizes = {_relpath(p, path): _size(info) for p, info in found.items()}
-    if expected is not None and sizes != expected:
-        missing = sorted(set(expected) - set(sizes)) or sorted(k for k in expected if sizes.get(k) != expected[k])
-        raise OSError(f"Upload to {fs_url} is incomplete ({missing[:3]} missing or of the wrong size); "
-                      f"no commit marker written")
-    fs.pipe_file(path + COMMIT_SUFFIX, commit_record(sizes))
+        listed = {_relpath(p, path): (p, info) for p, info in found.items()}
+    if expected is None:
+        files = {}
+        for name, (fs_path, info) in listed.items():
+            with fs.open(fs_path, "rb") as f:
+                files[name] = (_size(info), md5_of(f))
+    else:
+        problems = sorted(set(expected) ^ set(listed))
+        for name in set(expected) & set(listed):
+            etag = _md5_etag(listed[name][1])
+            if _size(listed[name][1]) != expected[name][0] or (etag and etag != expected[name][1]):
+                problems.append(name)
+        if problems:
+            raise OSError(f"Upload to {fs_url} is incomplete ({problems[:3]} missing, extra, of the wrong size or "
+                          f"of other content); no commit marker written")
+        files = expected
+    fs.pipe_file(path + COMMIT_SUFFIX, commit_record(files))
 
 
 def write_manifest(root: str, artifacts: list[Artifact], storage_options: dict | None = None) -> str:
@@ -210,10 +251,16 @@ def _list_files(
         rel = _relpath(path, root_path)
         sizes[rel] = _size(info)
         fs_paths[rel] = path
-        etag = str(info.get("ETag") or info.get("etag") or "").strip('"').lower()
-        if MD5_HEX.fullmatch(etag):  # multipart and encrypted-object ETags are no MD5 of the content
+        etag = _md5_etag(info)
+        if etag:
             etags[rel] = etag
     return sizes, fs_paths, etags
+
+
+def _md5_etag(info: dict) -> str | None:
+    """The listed ETag when it is the MD5 of the content (multipart and encrypted-object ETags are not)."""
+    etag = str(info.get("ETag") or info.get("etag") or "").strip('"').lower()
+    return etag if MD5_HEX.fullmatch(etag) else None
 
 
 def _children(files: dict[str, int]) -> dict[str, set[str]]:
@@ -287,19 +334,18 @@ def _step_problem(step_dir: str, names: set[str]) -> str | None:
 # --- tarballs ----------------------------------------------------------------
 
 
-def _tarball_artifact(
-    fs: fsspec.AbstractFileSystem, root: str, rel: str, size: int, fs_path: str, verify: bool
-) -> Artifact:
+def _tarball_artifact(root: str, rel: str, size: int) -> Artifact:
     kind = "sampler" if posixpath.basename(posixpath.dirname(rel)) == SAMPLER_DIR else "file"
-    if not verify:
-        return _artifact(root, rel, kind, "tarball", size, 0)  # member count unknown without reading it
+    return _artifact(root, rel, kind, "tarball", size, None)  # members unknown until it is read
+
+
+def _verify_tarball(fs: fsspec.AbstractFileSystem, artifact: Artifact, fs_path: str) -> None:
+    """Read the tarball to its end: count its members, or mark it incomplete when it is cut or corrupt."""
     try:
-        members = _count_tar_members(fs, fs_path)
+        artifact.files = count_tar_members(fs, fs_path)
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        artifact = _artifact(root, rel, kind, "tarball", size, 0)
-        error = f"{type(exc).__name__}: {exc}"
-        return _fail(artifact, f"Tarball {rel!r} is truncated or corrupt ({error}); write it again.")
-    return _artifact(root, rel, kind, "tarball", size, members)
+        _fail(artifact, f"Tarball {artifact.path!r} is truncated or corrupt ({type(exc).__name__}: {exc}); "
+                        "write it again.")
 
 
 class _CountingReader:
@@ -314,7 +360,7 @@ class _CountingReader:
         return data
 
 
-def _count_tar_members(fs: fsspec.AbstractFileSystem, fs_path: str) -> int:
+def count_tar_members(fs: fsspec.AbstractFileSystem, fs_path: str) -> int:
     """Stream the whole tarball and return its member count; raise if it is truncated or corrupt.
 
     tarfile's "r|*" alone misses truncations, as observed with Python 3.11: it
@@ -351,16 +397,27 @@ def _is_auxiliary(rel: str, files: dict[str, int]) -> bool:
 
 
 def _commit_matches_listing(artifact: Artifact, actual: dict[str, int], etags: dict[str, str]) -> bool:
-    """True when the sidecar's listed ETag is the MD5 of the record of exactly the files listed now."""
+    """True when the sidecar's listed ETag is the MD5 of the record of exactly the files listed now, each
+    with its listed MD5 ETag: the stored bytes are the committed ones, and nothing was read to know it."""
     etag = etags.get(artifact.path + COMMIT_SUFFIX)
-    return etag is not None and hashlib.md5(commit_record(actual), usedforsecurity=False).hexdigest() == etag
+    if etag is None:
+        return False
+    listed = {}
+    for name, size in actual.items():
+        file_etag = etags.get(_member_path(artifact, name))
+        if file_etag is None:
+            return False
+        listed[name] = (size, file_etag)
+    return md5_of(commit_record(listed)) == etag
 
 
 def _check_commit(
+    fs: fsspec.AbstractFileSystem,
     artifact: Artifact,
     actual: dict[str, int],
     files: dict[str, int],
     fs_paths: dict[str, str],
+    etags: dict[str, str],
     contents: dict,
     require_commit: bool,
 ) -> None:
@@ -374,18 +431,34 @@ def _check_commit(
         content = contents.get(fs_paths[sidecar])
         if content is None or isinstance(content, Exception):
             raise ValueError(str(content))
-        recorded = json.loads(content)["files"]
+        recorded = read_commit(content)
     except (ValueError, KeyError, TypeError) as exc:
         _fail(artifact, f"The commit marker {sidecar!r} is unreadable ({exc}); the save did not finish.")
         return
-    for name, size in recorded.items():
+    for name, (size, md5) in recorded.items():
         if name not in actual:
             _fail(artifact, f"{name!r} is recorded in the commit marker but missing: the artifact was damaged.")
             return
         if actual[name] != size:
             _fail(artifact, f"{name!r} has {actual[name]} bytes, the commit marker recorded {size}.")
             return
+        if md5 is None:
+            continue  # a sizes-only marker (format 1)
+        member = _member_path(artifact, name)
+        found = etags.get(member)
+        if found is None:
+            with fs.open(fs_paths[member], "rb") as f:
+                found = md5_of(f)
+        if found != md5:
+            _fail(artifact, f"{name!r} has MD5 {found}, the commit marker recorded {md5}: the stored copy is not "
+                            "the committed one (changed or damaged after the commit).")
+            return
     artifact.committed = True
+
+
+def _member_path(artifact: Artifact, name: str) -> str:
+    """The root-relative path of file `name` of the artifact (as keyed in its sidecar)."""
+    return f"{artifact.path}/{name}" if artifact.format == "directory" else artifact.path
 
 
 def _artifact_files(artifact: Artifact, files: dict[str, int], members: dict[str, dict[str, int]]) -> dict[str, int]:
@@ -398,7 +471,7 @@ def _artifact_files(artifact: Artifact, files: dict[str, int], members: dict[str
 # --- small helpers -------------------------------------------------------------
 
 
-def _artifact(root: str, rel: str, kind: str, fmt: str, size: int, count: int) -> Artifact:
+def _artifact(root: str, rel: str, kind: str, fmt: str, size: int, count: int | None) -> Artifact:
     return Artifact(kind=kind, format=fmt, url=_url(root, rel), path=rel, bytes=size, files=count, complete=True)
 
 

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from txflow.cluster import Cluster, Launcher, ProcessRecord
-from txflow.monitor import NoProgress, RankDied, RankMonitor
+from txflow.monitor import ClusterFault, NoProgress, RankDied, RankMonitor
 
 
 @dataclass(eq=False)
@@ -62,13 +64,36 @@ class ClusterHandle:
             unsubscribe()
         if kind == "result":
             return value
-        if kind == "died":
-            raise RankDied(value)
-        # A rank's death often reaches the client first, as a failed request: let the monitor look
-        # now, so the error names the dead rank instead of the peer error it caused.
-        self.monitor.poll()
-        self.monitor.raise_if_failed()
-        raise value
+        if kind == "error":
+            # A rank's death often reaches the client first, as a failed request: let the monitor look
+            # now, so the error names the dead rank instead of the peer error it caused.
+            self.monitor.poll()
+            value = self.monitor.first_failure() or value
+        if isinstance(value, BaseException):
+            raise value
+        if value.abandoned_at is None:
+            value.abandoned_at = time.time()
+        raise RankDied(value)
+
+    @contextmanager
+    def deaths_first(self):
+        """Inside: an error raised while a process of the cluster is dead becomes that death (RankDied).
+
+        SDK calls that block on their own (creating a client, reading a training run) surface a dead
+        rank as a peer error; without this a task retry would run again on the dead cluster.
+        """
+        try:
+            yield
+        except ClusterFault:
+            raise
+        except Exception as exc:
+            self.monitor.poll()
+            failure = self.monitor.first_failure()
+            if failure is None:
+                raise
+            if failure.abandoned_at is None:
+                failure.abandoned_at = time.time()
+            raise RankDied(failure) from exc
 
     def close_clients(self) -> int:
         """Stop the session heartbeats of every client opened for this cluster."""

@@ -30,13 +30,14 @@ class Failure:
     exit_code: int | None
     detected_at: float
     message: str
+    abandoned_at: float | None = None  # when the request in flight was given up because of it
     step: str | None = None  # the pipeline step it interrupted
     resumed_at: str | None = None  # the step the retry started from
     resumed_from_step: int | None = None  # the training step it resumed from
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "role": self.role, "exit_code": self.exit_code, "detected_at": self.detected_at,
-                "step": self.step, "resumed_at": self.resumed_at, "resumed_from_step": self.resumed_from_step,
+                "abandoned_at": self.abandoned_at, "step": self.step, "resumed_at": self.resumed_at, "resumed_from_step": self.resumed_from_step,
                 "message": self.message}
 
 

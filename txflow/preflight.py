@@ -14,8 +14,8 @@ from txflow.rewards import load_reward
 from txflow.tiny_model import resolve_base_model
 from txflow.tokenizer import load_tokenizer
 
-# What `prepare` returned for a config in this process: `txflow run` checks before it starts
-# Prefect, and the flow's own call (the one deployment runs rely on) then costs nothing.
+# What `prepare` last returned for a config in this process: `txflow run` checks before it starts
+# Prefect, and the flow's own call right after (the one deployment runs rely on) costs nothing.
 _prepared: dict[str, object] = {}
 
 
@@ -77,9 +77,10 @@ def prepare(cfg: RunConfig):
     mode (`sft.SFTData`, `rl.RLData` or `custom.CustomData`). Bad input raises PreflightError with a
     sentence that says what to change."""
     key = cfg.model_dump_json()
-    if key not in _prepared:
-        _prepared[key] = _prepare(cfg)
-    return _prepared[key]
+    if key in _prepared:  # checked a moment ago by `txflow run`: used once, then checked afresh
+        return _prepared.pop(key)
+    _prepared[key] = data = _prepare(cfg)
+    return data
 
 
 def _prepare(cfg: RunConfig):

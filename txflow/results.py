@@ -39,6 +39,7 @@ class LiveReference(BaseModel):
 
     eval_loss: float
     greedy_tokens: list[list[int]]
+    base_tokens: list[list[int]] = Field(description="The base model's greedy tokens on the same prompts")
     prompts: list[list[int]]
     examples: list[tuple[list[int], list[float]]]
     from_committed_state: bool = Field(
@@ -63,6 +64,7 @@ class RestoreCheck(BaseModel):
     loss_after: float | None = None
     abs_diff: float | None = None
     sampler_tokens_match: bool | None = None
+    tokens_differ_from_base: bool | None = None  # else matching tokens would prove nothing
     live_tokens: list[list[int]] | None = None
     restored_tokens: list[list[int]] | None = None
     quality: dict[str, float | bool] = Field(default_factory=dict, description="The mode's quality figures")

@@ -29,7 +29,8 @@ import fsspec
 
 from txflow import skyrl_adapter
 from txflow.config import RunConfig
-from txflow.discovery import Artifact, discover, write_commit
+from txflow.discovery import (COMMIT_SUFFIX, Artifact, count_tar_members, discover, md5_of, read_commit,
+                              write_commit)
 
 STEP_NAME = re.compile(r"step-(\d+)")
 
@@ -63,25 +64,39 @@ def tinker_path_of(cfg: RunConfig, url: str) -> str:
     return path
 
 
+# One PUT per file up to S3's single-part limit: the object's ETag is then its MD5, which is what
+# lets discovery verify a committed checkpoint from the listing alone.
+SINGLE_PART_BYTES = 5 * 2**30 - 1
+
+
 def commit(cfg: RunConfig, staging_base: str, tinker_path: str) -> str:
-    """Upload one checkpoint from staging to the run root, verify it, write its marker; returns its URL."""
+    """Upload one checkpoint from staging to the run root, verify it, write its marker; returns its URL.
+
+    The marker records each file's size and MD5, taken from the staged copy; a sampler tarball is
+    read to its end here first, so a committed tarball never needs reading again.
+    """
     relative = skyrl_adapter.relative_checkpoint_path(tinker_path)
     local = Path(staging_base) / relative
     if local.is_dir():
-        files = {p.relative_to(local).as_posix(): p.stat().st_size for p in sorted(local.rglob("*")) if p.is_file()}
+        paths = {p.relative_to(local).as_posix(): p for p in sorted(local.rglob("*")) if p.is_file()}
     elif local.is_file():
-        files = {local.name: local.stat().st_size}
+        paths = {local.name: local}
+        _check_local_tarball(local, tinker_path)
     else:
         raise FileNotFoundError(f"The engine reported {tinker_path} but nothing is at {local}")
+    files = {}
+    for name, path in paths.items():
+        with open(path, "rb") as f:
+            files[name] = (path.stat().st_size, md5_of(f))
     options = cfg.plain_storage_options()
     url = f"{cfg.run_root}/{relative}"
     fs, remote = fsspec.core.url_to_fs(url, **options)
     targets = [f"{remote}/{n}" for n in files] if local.is_dir() else [remote]
     for parent in sorted({t.rsplit("/", 1)[0] for t in targets}):
         fs.makedirs(parent, exist_ok=True)  # local filesystems need parents; object stores ignore this
-    sources = [str(local / n) for n in files] if local.is_dir() else [str(local)]
+    extra = {"chunksize": SINGLE_PART_BYTES} if "s3" in fs.protocol else {}
     try:
-        fs.put(sources, targets)
+        fs.put([str(p) for p in paths.values()], targets, **extra)
         write_commit(url, options, expected=files)
     except Exception as exc:  # any storage error: say what it means for the checkpoint
         raise OSError(f"Committing {tinker_path} to {url} failed; no commit marker was written, so the "
@@ -89,8 +104,17 @@ def commit(cfg: RunConfig, staging_base: str, tinker_path: str) -> str:
     return url
 
 
+def _check_local_tarball(path: Path, tinker_path: str) -> None:
+    try:
+        count_tar_members(fsspec.filesystem("file"), str(path))
+    except Exception as exc:
+        raise OSError(f"The engine's {tinker_path} at {path} is not a complete tarball ({exc}); "
+                      f"nothing was committed") from exc
+
+
 def import_checkpoint(cfg: RunConfig, staging_base: str, url: str, kind: str, model_id: str, name: str) -> str:
-    """Copy the checkpoint at `url` into staging as `name` of `model_id` and register it; returns its tinker path."""
+    """Copy the checkpoint at `url` into staging as `name` of `model_id`, verify every file against its
+    commit marker's MD5, and register it; returns its tinker path."""
     tinker_path = (f"tinker://{model_id}/weights/{name}" if kind == "state"
                    else f"tinker://{model_id}/{name}")
     local = Path(staging_base) / skyrl_adapter.relative_checkpoint_path(tinker_path)
@@ -98,10 +122,20 @@ def import_checkpoint(cfg: RunConfig, staging_base: str, url: str, kind: str, mo
         shutil.rmtree(local) if local.is_dir() else local.unlink()
     local.parent.mkdir(parents=True, exist_ok=True)
     fs, remote = fsspec.core.url_to_fs(url, **cfg.plain_storage_options())
+    remote = remote.rstrip("/")
+    recorded = read_commit(fs.cat_file(remote + COMMIT_SUFFIX))
     if kind == "state":
-        fs.get(remote.rstrip("/") + "/", str(local) + "/", recursive=True)
+        fs.get(remote + "/", str(local) + "/", recursive=True)
+        copies = {name: local / name for name in recorded}
     else:
         fs.get_file(remote, str(local))
+        copies = {name: local for name in recorded}
+    for file_name, (size, md5) in recorded.items():
+        with open(copies[file_name], "rb") as f:
+            found = md5_of(f)
+        if md5 is not None and found != md5:
+            raise ValueError(f"{url}: {file_name} downloaded with MD5 {found}, its commit marker recorded {md5}: "
+                             f"the stored checkpoint is not the committed one")
     skyrl_adapter.register_checkpoint(cfg.resolved_database_url(), model_id, name, kind)
     return tinker_path
 

@@ -1,0 +1,62 @@
+"""The flow's cancellation / crash hook alone: it stops a cluster whose flow process is gone, from
+cluster.json, and says in the run's log what it stopped."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+import uuid
+
+from prefect.client.schemas.objects import FlowRun
+from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
+from prefect.states import Cancelling, Crashed
+
+from flows.train import _stop_cluster_hook, train_flow
+from txflow.processes import is_alive
+
+# A "flow process" that starts a cluster of two processes (as the local launcher does) and exits
+# without stopping them; the processes do not watch their parent, as a pre-lifeline rank would not.
+FLOW_PROCESS = textwrap.dedent("""
+    import json, os, sys
+    from txflow.cluster import Cluster
+    from txflow.launchers.local import LocalLauncher
+    state = sys.argv[1]
+    os.makedirs(state + "/logs", exist_ok=True)
+    cluster = Cluster(run_id="hooked", launcher="local", state_dir=state, host="127.0.0.1", api_port=1,
+                      coordinator_port=None, num_processes=1, base_model_path="x", checkpoints_base="y")
+    sleeper = [sys.executable, "-c", "import time; time.sleep(300)"]
+    env = {k: v for k, v in os.environ.items()}
+    LocalLauncher().start(cluster, "api", None, sleeper, env, {}, "api")
+    LocalLauncher().start(cluster, "coordinator", 0, sleeper, env, {}, "rank0")
+""")
+
+
+def test_the_hook_stops_a_cluster_whose_flow_process_is_gone_and_says_what_it_stopped(tmp_path, caplog, reaper):
+    state = reaper.watch(tmp_path / "state")
+    subprocess.run([sys.executable, "-c", FLOW_PROCESS, str(state)], check=True, timeout=60)
+    records = json.loads((state / "cluster.json").read_text())["processes"]
+    assert len(records) == 2 and all(is_alive(r["pid"], r["start_time"]) for r in records)
+
+    flow_run = FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="hooked-run",
+                       parameters={"config": {"mode": "sft", "run_id": "hooked", "state_dir": str(state)}})
+    caplog.set_level(logging.INFO)
+    with temporary_settings(updates={PREFECT_LOGGING_TO_API_ENABLED: False}):
+        _stop_cluster_hook(train_flow, flow_run, Crashed())
+
+    assert not any(is_alive(r["pid"], r["start_time"]) for r in records)
+    [line] = [r.getMessage() for r in caplog.records if "hook: stopped the cluster" in r.getMessage()]
+    assert line.startswith(f"Crashed hook: stopped the cluster in {state}: ")
+    assert all(f"pid {r['pid']} exit" in line for r in records)
+
+
+def test_the_hook_with_nothing_recorded_says_so(tmp_path, caplog):
+    flow_run = FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="empty-run",
+                       parameters={"config": {"mode": "sft", "run_id": "empty", "state_dir": str(tmp_path / "s")}})
+    caplog.set_level(logging.INFO)
+    with temporary_settings(updates={PREFECT_LOGGING_TO_API_ENABLED: False}):
+        _stop_cluster_hook(train_flow, flow_run, Cancelling())
+    assert any("Cancelling hook: stopped the cluster" in r.getMessage() and r.getMessage().endswith("nothing recorded")
+               for r in caplog.records)
