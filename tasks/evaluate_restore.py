@@ -29,11 +29,11 @@ def restore(cfg: RunConfig, handle: ClusterHandle, client, state_url: str, rank:
     return restored
 
 
-def restored_sampler(cfg: RunConfig, handle: ClusterHandle, client, sampler_url: str):
+def restored_sampler(cfg: RunConfig, handle: ClusterHandle, client, sampler_url: str, rank: int):
     """A sampling client on the sampler weights copied back from their durable URL, in a fresh adapter
     slot of its own: were the tarball ignored, it would sample the untrained adapter, not the restored
     state. Returns it and the slot's training client (to unload)."""
-    slot = client.create_lora_training_client(base_model=handle.cluster.base_model_path, rank=cfg.lora_rank)
+    slot = client.create_lora_training_client(base_model=handle.cluster.base_model_path, rank=rank)
     path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, sampler_url, "sampler", slot.model_id,
                                      "restored")
     return client.create_sampling_client(model_path=path), slot
@@ -86,9 +86,9 @@ def verify_client_checkpoints(cfg: RunConfig, handle: ClusterHandle, saved: Save
         check = {"kind": ckpt.kind, "tinker_path": ckpt.tinker_path, "url": ckpt.url}
         model_id = ckpt.tinker_path.removeprefix("tinker://").split("/")[0]
         try:
+            # The client chose the LoRA rank; the engine's database still knows it for the client's model.
+            rank = rest.get_training_run(model_id).result().lora_rank
             if ckpt.kind == "state":
-                # The client chose the LoRA rank; the engine still knows it for the client's model.
-                rank = rest.get_training_run(model_id).result().lora_rank
                 restored = restore(cfg, handle, client, ckpt.url, rank)
                 try:
                     check["loss"] = evaluation.eval_loss(restored, data.probe, handle, cfg.step_timeout_s)
@@ -96,13 +96,11 @@ def verify_client_checkpoints(cfg: RunConfig, handle: ClusterHandle, saved: Save
                     evaluation.unload(handle, restored.model_id)
                 check["passed"] = math.isfinite(check["loss"])
             else:
-                # Into the client's own adapter slot, one request: SkyRL-tx 0.3.0 with 2 processes failed
-                # ("passed to device_put is not the same on each process") when a fresh model's sampler
-                # requests were batched together.
-                path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, ckpt.url, "sampler",
-                                                 model_id, "restored")
-                sampler = client.create_sampling_client(model_path=path)
-                tokens = evaluation.greedy_tokens(sampler, prompts[:1], handle, cfg.step_timeout_s, cfg.seed)
+                sampler, slot = restored_sampler(cfg, handle, client, ckpt.url, rank)
+                try:
+                    tokens = evaluation.greedy_tokens(sampler, prompts[:1], handle, cfg.step_timeout_s, cfg.seed)
+                finally:
+                    evaluation.unload(handle, slot.model_id)
                 check["tokens"] = tokens
                 check["passed"] = all(len(t) > 0 for t in tokens)
         except Exception as exc:  # a checkpoint that cannot be loaded fails its check, not the listing
@@ -142,7 +140,7 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
         loss_after = evaluation.eval_loss(restored, live.examples, handle, timeout)
     finally:
         evaluation.unload(handle, restored.model_id)
-    sampler, slot = restored_sampler(cfg, handle, client, sampler_url)
+    sampler, slot = restored_sampler(cfg, handle, client, sampler_url, cfg.lora_rank)
     try:
         tokens = evaluation.greedy_tokens(sampler, live.prompts, handle, timeout, cfg.seed)
         quality = QUALITY[cfg.mode](cfg, handle, client, sampler, metrics, data)

@@ -8,7 +8,7 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import skyrl_adapter
+from txflow import evaluation, skyrl_adapter
 from txflow.config import RunConfig
 from txflow.handle import ClusterHandle
 from txflow.log import get_logger
@@ -31,7 +31,8 @@ def missing_ranks(handle: ClusterHandle) -> list[str]:
 
 
 def prove_ready(handle: ClusterHandle, timeout_s: float) -> float:
-    """A one-token sample from the base model: every rank takes part in it."""
+    """A greedy sample from the base model: every rank takes part in it. It has the shape of the
+    greedy samples the restore check takes later, so the program it compiles is compiled once."""
     import tinker
 
     started = time.monotonic()
@@ -41,7 +42,7 @@ def prove_ready(handle: ClusterHandle, timeout_s: float) -> float:
         future = sampler.sample(
             prompt=tinker.types.ModelInput.from_ints([1, 2, 3]),
             num_samples=1,
-            sampling_params=tinker.types.SamplingParams(max_tokens=1, temperature=0.0),
+            sampling_params=tinker.types.SamplingParams(max_tokens=evaluation.GREEDY_TOKENS, temperature=0.0),
         )
         handle.wait(future, "the readiness sample", timeout_s)
     except NoProgress as exc:
@@ -74,5 +75,5 @@ def _launch_workers(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
             record = handle.launcher.start(cluster, "worker", rank, cmd, env, {}, f"rank{rank}")
             log.info(f"rank {rank} (JAX worker) pid {record.pid}, log {record.log}")
     seconds = prove_ready(handle, cfg.startup_timeout_s)
-    log.info(f"cluster ready: all {cfg.processes} ranks served a one-token sample ({seconds:.1f} s)")
+    log.info(f"cluster ready: all {cfg.processes} ranks served a greedy sample ({seconds:.1f} s)")
     return handle

@@ -381,3 +381,10 @@ def test_the_fast_tokenizer_gives_the_ids_transformers_gives(cfg_for):
         assert ids == reference.encode(text, add_special_tokens=False)
         assert fast.decode(ids + [fast.eos_token_id]) == reference.decode(ids + [fast.eos_token_id],
                                                                            skip_special_tokens=True)
+
+
+def test_the_readme_documents_every_flag_of_txflow_run():
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    run = cli._parser()._subparsers._group_actions[0].choices["run"]
+    flags = [flag for action in run._actions for flag in action.option_strings if flag.startswith("--")]
+    assert [flag for flag in flags if f"`{flag}" not in readme and f"{flag}`" not in readme] == []

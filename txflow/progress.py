@@ -1,9 +1,16 @@
-"""Training progress: a terminal bar for the CLI, a progress artifact in Prefect."""
+"""Training progress: a terminal bar for the CLI, a progress artifact in Prefect.
+
+The artifact is updated off the training loop's critical path: a request to the
+Prefect API per step would add its latency to every step, so a background
+thread sends the latest value whenever the previous send is done (updates in
+between coalesce), and `close` sends the last one.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 
 from tqdm import tqdm
 
@@ -18,6 +25,10 @@ class StepProgress:
         self.bar = tqdm(total=total, initial=initial, desc=f"train {run_id}", unit="step", file=sys.stderr,
                         disable=os.environ.get(PROGRESS_ENV) != "1", dynamic_ncols=True)
         self.artifact_id = None
+        self._latest: float | None = None
+        self._wake = threading.Condition()
+        self._closed = False
+        self._sender = None
         try:
             from prefect.artifacts import create_progress_artifact
             from prefect.context import TaskRunContext
@@ -27,6 +38,8 @@ class StepProgress:
                     progress=100.0 * initial / total, key=f"progress-{run_id.lower().replace('_', '-')}",
                     description=f"Training steps of run {run_id}",
                 )
+                self._sender = threading.Thread(target=self._send_latest, name="txflow-progress", daemon=True)
+                self._sender.start()
         except ImportError:
             pass
 
@@ -35,10 +48,29 @@ class StepProgress:
         if postfix:
             self.bar.set_postfix(postfix, refresh=False)
         self.bar.refresh()
-        if self.artifact_id is not None:
-            from prefect.artifacts import update_progress_artifact
+        if self._sender is not None:
+            with self._wake:
+                self._latest = 100.0 * done / self.total
+                self._wake.notify()
 
-            update_progress_artifact(self.artifact_id, progress=100.0 * done / self.total)
+    def _send_latest(self) -> None:
+        from prefect.artifacts import update_progress_artifact
+
+        while True:
+            with self._wake:
+                while self._latest is None and not self._closed:
+                    self._wake.wait()
+                value, self._latest = self._latest, None
+                closed = self._closed
+            if value is not None:
+                update_progress_artifact(self.artifact_id, progress=value)
+            if closed and value is None:
+                return
 
     def close(self) -> None:
         self.bar.close()
+        if self._sender is not None:
+            with self._wake:
+                self._closed = True
+                self._wake.notify()
+            self._sender.join(timeout=30)  # the last value reaches the UI before the step ends

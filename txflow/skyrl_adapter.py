@@ -63,6 +63,14 @@ workaround can go:
    connections (`_gate_on_coordinator`), the engine's request loop until the
    tables exist (`_engine_waits_for_tables`). Can go when upstream orders its
    own start-up.
+9. Unloading a model frees its LoRA slot on rank 0 only: the distributed
+   backend (`JaxBackend`) broadcasts `create_model` to the workers but not
+   `delete_model`. After an unload, the next model gets one adapter index on
+   rank 0 and another on the workers, and the first batched request that uses
+   it fails ("passed to device_put is not the same on each process"; seen when
+   a restore check loads sampler weights into a fresh slot). The engine's
+   backend broadcasts `delete_model` too (`_broadcast_delete_model`). Can go
+   when upstream's `JaxBackend` broadcasts it.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the
@@ -472,6 +480,16 @@ def _broadcast_bytes(data: bytes | None) -> bytes | None:
     return multihost_utils.broadcast_one_to_all(buffer).tobytes()
 
 
+def _broadcast_delete_model() -> None:
+    """Rank 0's backend tells the workers to free a deleted model's slot too (point 9)."""
+    from tx.tinker.backends.jax import JaxBackend
+
+    def delete_model(self, model_id: str) -> None:
+        self._broadcast_and_call("delete_model", model_id=model_id)
+
+    JaxBackend.delete_model = delete_model
+
+
 def _default_sigterm_after_distributed_init() -> None:
     """Make `jax.distributed.initialize` give SIGTERM its default action back (point 7)."""
     import signal
@@ -536,6 +554,7 @@ def run_upstream(module: str, argv: list[str], gate_timeout_s: float | None = No
     _default_sigterm_after_distributed_init()
     if module == ENGINE_MODULE:
         _engine_waits_for_tables()
+        _broadcast_delete_model()
     if gate_timeout_s is not None:
         _gate_on_coordinator(argv[argv.index("--coordinator-address") + 1], gate_timeout_s)
     sys.argv = [module, *argv]

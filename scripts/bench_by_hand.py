@@ -1,0 +1,151 @@
+"""The same SFT job as `txflow run sft`, by hand: no Prefect, no txflow machinery.
+
+What a user without txflow does: start SkyRL-tx's API server (which spawns the
+engine with `uv run ...`; a throwaway `uv` on PATH maps that to this
+interpreter, as a uv-managed SkyRL checkout would) and one JAX worker per
+extra process, all at once; wait for /healthz; run a cookbook-style loop
+(forward_backward and optim_step both in flight, then the results); save the
+state and the sampler weights; restore the state into a fresh client and run
+a forward pass; sample greedily from the saved sampler; kill everything.
+
+Prints one JSON object: seconds per phase, per-step seconds, the first and last
+loss, and the pids of the processes it started (for the benchmark's RSS
+readings). Used by `scripts/bench_flow.py`; not part of txflow.
+
+    python scripts/bench_by_hand.py --model-dir DIR --dataset FILE [--steps 20] [--processes 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+UV_SHIM = """#!/bin/sh
+# `uv run --extra tinker --extra jax -m tx.tinker.engine ...` -> this interpreter, without the extras.
+shift
+while [ "$1" = "--extra" ]; do shift 2; done
+exec {python} "$@"
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", required=True)
+    parser.add_argument("--dataset", required=True)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--learning-rate", type=float, default=2e-2)
+    parser.add_argument("--lora-rank", type=int, default=32)
+    args = parser.parse_args()
+
+    began = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix="by-hand-"))
+    (work / "bin").mkdir()
+    shim = work / "bin" / "uv"
+    shim.write_text(UV_SHIM.format(python=sys.executable))
+    shim.chmod(0o755)
+    env = dict(os.environ, PATH=f"{work / 'bin'}:{os.environ['PATH']}", HF_HUB_OFFLINE="1")
+    api_port, coordinator_port = free_port(), free_port()
+    n = args.processes
+    backend = {"max_lora_rank": max(32, args.lora_rank), "max_lora_adapters": 8, "sample_max_num_sequences": 8,
+               "fully_sharded_data_parallel_size": n}
+    if n > 1:
+        backend.update(coordinator_address=f"127.0.0.1:{coordinator_port}", num_processes=n)
+    commands = [[sys.executable, "-m", "tx.tinker.api", "--host", "127.0.0.1", "--port", str(api_port),
+                 "--base-model", args.model_dir, "--backend-config", json.dumps(backend),
+                 "--database-url", f"sqlite:///{work / 'tinker.db'}", "--checkpoints-base", str(work / "ckpt")]]
+    commands += [[sys.executable, "-m", "tx.tinker.backends.jax", "--coordinator-address",
+                  f"127.0.0.1:{coordinator_port}", "--num-processes", str(n), "--process-id", str(rank)]
+                 for rank in range(1, n)]
+    procs = [subprocess.Popen(cmd, env=env, stdout=open(work / f"proc{i}.log", "w"), stderr=subprocess.STDOUT,
+                              start_new_session=True) for i, cmd in enumerate(commands)]
+    phases: dict[str, float] = {}
+    step_seconds: list[float] = []
+    losses: list[float] = []
+    try:
+        base_url = f"http://127.0.0.1:{api_port}"
+        while True:
+            try:
+                urllib.request.urlopen(f"{base_url}/api/v1/healthz", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.2)
+        import tinker
+        from tinker import types
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
+        rows = [json.loads(line) for line in Path(args.dataset).read_text().splitlines() if line.strip()]
+
+        def datum(row):
+            prompt = tokenizer.encode(row["prompt"], add_special_tokens=False)
+            completion = tokenizer.encode(row["completion"], add_special_tokens=False) + [tokenizer.eos_token_id]
+            tokens, weights = prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)
+            return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                               loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
+
+        data = [datum(row) for row in rows]
+        service = tinker.ServiceClient(base_url=base_url, api_key="tml-by-hand")
+        training = service.create_lora_training_client(base_model=args.model_dir, rank=args.lora_rank)
+        phases["cluster_up"] = time.monotonic() - began
+        adam = types.AdamParams(learning_rate=args.learning_rate)
+        for step in range(args.steps):
+            started = time.monotonic()
+            batch = [data[(step * args.batch_size + i) % len(data)] for i in range(args.batch_size)]
+            fwd_bwd = training.forward_backward(batch, "cross_entropy")
+            optim = training.optim_step(adam)
+            out = fwd_bwd.result()
+            optim.result()
+            total = weight = 0.0
+            for output, d in zip(out.loss_fn_outputs, batch):
+                for logprob, w in zip(output["logprobs"].tolist(), d.loss_fn_inputs["weights"].tolist()):
+                    total -= logprob * w
+                    weight += w
+            losses.append(total / max(weight, 1.0))
+            step_seconds.append(time.monotonic() - started)
+        phases["train"] = sum(step_seconds)
+        started = time.monotonic()
+        state = training.save_state("final").result().path
+        sampler = training.save_weights_for_sampler("final-sampler").result().path
+        restored = service.create_training_client_from_state(state)
+        restored.forward(data[: args.batch_size], "cross_entropy").result()
+        prompt = types.ModelInput.from_ints(tokenizer.encode(rows[0]["prompt"], add_special_tokens=False))
+        service.create_sampling_client(model_path=sampler).sample(
+            prompt=prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=8, temperature=0.0)).result()
+        phases["save_restore"] = time.monotonic() - started
+        service.holder.close()
+    finally:
+        started = time.monotonic()
+        for proc in procs:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for proc in procs:
+            proc.wait()
+        phases["teardown"] = time.monotonic() - started
+    phases["total"] = time.monotonic() - began
+    print(json.dumps({"phases": {k: round(v, 3) for k, v in phases.items()},
+                      "step_seconds": [round(s, 4) for s in step_seconds], "steps": len(step_seconds),
+                      "loss_first": losses[0], "loss_last": losses[-1]}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

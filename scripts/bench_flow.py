@@ -1,0 +1,200 @@
+"""Benchmark: `txflow run sft` against the same job run by hand, back to back, in one invocation.
+
+Both sides run the same job on this machine: 2 JAX processes, the tiny model,
+the bundled SFT data, batch 4, LoRA rank 32, lr 2e-2, no periodic saves. The
+by-hand side is `scripts/bench_by_hand.py` (the upstream processes started by
+a plain script, a cookbook-style loop, no Prefect). For each configuration it
+prints the whole-process wall times and their ratio, a per-phase table, the
+median train-step time of each side (step 1, which compiles, left out), and the
+peak RSS of every process of each side (read from /proc while they run).
+
+Configurations: JAX's persistent compilation cache off on both sides, and on
+(one shared cache directory, warmed by an unmeasured run of each side first,
+as a user's second run finds it); each at `--steps` and at `--long-steps`, to
+separate the fixed cost from the per-step cost.
+
+    python scripts/bench_flow.py [--steps 20] [--long-steps 100] [--cache off,on]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from txflow.datasets import bundled_dataset  # noqa: E402
+from txflow.processes import proc_stats  # noqa: E402
+from txflow.tiny_model import build_tiny_model  # noqa: E402
+
+JOB = {"processes": 2, "batch_size": 4, "lora_rank": 32, "learning_rate": 2e-2}
+
+
+class PeakRSS:
+    """Polls /proc for the process tree under `pid`: the peak RSS (VmHWM) of each process, by role."""
+
+    def __init__(self, pid: int):
+        self.pid, self.peaks, self.roles = pid, {}, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            children: dict[int, list[int]] = {}
+            for child, fields in proc_stats():
+                children.setdefault(int(fields[1]), []).append(child)
+            tree, todo = [], [self.pid]
+            while todo:
+                pid = todo.pop()
+                tree.append(pid)
+                todo += children.get(pid, [])
+            for pid in tree:
+                try:
+                    status = Path(f"/proc/{pid}/status").read_text()
+                    cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
+                self.peaks[pid] = max(self.peaks.get(pid, 0), hwm)
+                self.roles.setdefault(pid, role_of(pid == self.pid, cmdline))
+            self._stop.wait(0.3)
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        self._thread.join()
+        by_role: dict[str, float] = {}
+        for pid, kib in self.peaks.items():
+            role = self.roles[pid]
+            if role:
+                by_role[role] = by_role.get(role, 0.0) + kib / 1024
+        return by_role
+
+
+def role_of(is_top: bool, cmdline: str) -> str | None:
+    if is_top:
+        return "driver (txflow / script)"
+    for needle, role in (("engine", "rank 0 (engine)"), ("worker", "rank 1 (worker)"),
+                         ("backends.jax", "rank 1 (worker)"), ("tx.tinker.api", "api"), ("adapter api", "api"),
+                         ("create_app", "prefect server"), ("txflow.lifeline", "lifeline guard")):
+        if needle in cmdline:
+            return role
+    return None if cmdline.startswith("/bin/sh") or not cmdline else "other"
+
+
+def run_side(cmd: list[str], env: dict, cwd: Path) -> tuple[float, str, dict[str, float]]:
+    began = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=open(cwd / "side.log", "a"),
+                            text=True)
+    rss = PeakRSS(proc.pid)
+    out, _ = proc.communicate(timeout=1800)
+    wall = time.monotonic() - began
+    peaks = rss.stop()
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd[:4]} exited {proc.returncode}; see {cwd / 'side.log'}")
+    return wall, out, peaks
+
+
+def by_hand(steps: int, env: dict, work: Path) -> dict:
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_by_hand.py"), "--model-dir", str(build_tiny_model()),
+           "--dataset", bundled_dataset("sft"), "--steps", str(steps), "--processes", str(JOB["processes"]),
+           "--batch-size", str(JOB["batch_size"]), "--learning-rate", str(JOB["learning_rate"]),
+           "--lora-rank", str(JOB["lora_rank"])]
+    wall, out, peaks = run_side(cmd, env, work)
+    result = json.loads(out.strip().splitlines()[-1])
+    phases = result["phases"]
+    return {"wall": wall, "outside": wall - phases["total"], "cluster_up": phases["cluster_up"],
+            "train": phases["train"], "save_restore": phases["save_restore"], "teardown": phases["teardown"],
+            "steps": result["steps"], "step_seconds": result["step_seconds"], "rss": peaks}
+
+
+def flow(steps: int, env: dict, work: Path, run_id: str) -> dict:
+    cmd = [sys.executable, "-m", "txflow.cli", "run", "sft", "--steps", str(steps), "--save-every", "0",
+           "--processes", str(JOB["processes"]), "--batch-size", str(JOB["batch_size"]),
+           "--learning-rate", str(JOB["learning_rate"]), "--lora-rank", str(JOB["lora_rank"]),
+           "--run-id", run_id, "--state-dir", str(work / run_id), "--checkpoints", str(work / "ckpt"), "--json"]
+    wall, out, peaks = run_side(cmd, env, work)
+    report = json.loads(out)
+    t = report["timings_s"]
+    return {"wall": wall, "outside": wall - t["total"] + t.get("preflight", 0.0),
+            "cluster_up": t["provision-coordinator"] + t["launch-workers"], "train": t["train"],
+            "save_restore": t["save-checkpoint"] + t["discover-artifacts"] + t["evaluate-restore"],
+            "teardown": t["teardown"], "steps": len(report["metrics"]),
+            "step_seconds": [m["seconds"] for m in report["metrics"]], "rss": peaks,
+            "restore_passed": report["restore"]["passed"]}
+
+
+def median_step(side: dict) -> float:
+    return statistics.median(side["step_seconds"][1:])
+
+
+def table(label: str, hand: dict, txflow: dict) -> str:
+    rows = [("whole process", "wall"), ("outside the flow (start-up and exit)", "outside"),
+            ("cluster up", "cluster_up"), ("train steps", "train"), ("save + restore + checks", "save_restore"),
+            ("teardown", "teardown")]
+    lines = [f"## {label}", "", "| phase | by hand (s) | flow (s) |", "| --- | --- | --- |"]
+    lines += [f"| {name} | {hand[key]:.1f} | {txflow[key]:.1f} |" for name, key in rows]
+    ratio = txflow["wall"] / hand["wall"]
+    step_overhead = median_step(txflow) / median_step(hand) - 1
+    lines += ["", f"steps: by hand {hand['steps']}, flow {txflow['steps']}",
+              f"whole-process ratio: {ratio:.3f} (target <= 1.10)",
+              f"median train step: by hand {median_step(hand):.3f} s, flow {median_step(txflow):.3f} s, "
+              f"overhead {100 * step_overhead:+.1f}% (target <= 3%)", "", "peak RSS (MiB):"]
+    roles = sorted(set(hand["rss"]) | set(txflow["rss"]))
+    lines += [f"- {role}: by hand {hand['rss'].get(role, 0):.0f}, flow {txflow['rss'].get(role, 0):.0f}"
+              for role in roles]
+    extra = sum(txflow["rss"].values()) - sum(hand["rss"].values())
+    lines += [f"- total: by hand {sum(hand['rss'].values()):.0f}, flow {sum(txflow['rss'].values()):.0f}, "
+              f"flow adds {extra:.0f} MiB (target <= 300)", ""]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--long-steps", type=int, default=100, help="0: skip the long runs")
+    parser.add_argument("--cache", default="off,on", help="comma-separated: off, on")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="bench-flow-"))
+    base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
+    base.update(PREFECT_HOME=str(work / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+                DO_NOT_TRACK="1", TINKER_TELEMETRY="0")
+    build_tiny_model()
+    results = []
+    for cache in args.cache.split(","):
+        env = dict(base)
+        if cache == "off":
+            env["JAX_COMPILATION_CACHE_DIR"] = ""
+        else:
+            env["JAX_COMPILATION_CACHE_DIR"] = str(work / "jax-cache")
+            # Warm the shared cache with one unmeasured run of each side, as a user's second run finds it.
+            by_hand(args.steps, env, work)
+            flow(args.steps, env, work, f"warm-{len(results)}")
+        for steps in [args.steps] + ([args.long_steps] if args.long_steps else []):
+            hand = by_hand(steps, env, work)
+            txflow = flow(steps, env, work, f"bench-{cache}-{steps}")
+            assert hand["steps"] == txflow["steps"] == steps, (hand["steps"], txflow["steps"])
+            assert txflow["restore_passed"]
+            results.append((cache, steps, hand, txflow))
+            print(table(f"compilation cache {cache}, {steps} steps", hand, txflow), flush=True)
+    if len(results) > 1:
+        print("## fixed cost (whole process minus steps x median step)\n")
+        for cache, steps, hand, txflow in results:
+            fixed = [side["wall"] - steps * median_step(side) for side in (hand, txflow)]
+            print(f"- cache {cache}, {steps} steps: by hand {fixed[0]:.1f} s, flow {fixed[1]:.1f} s, "
+                  f"flow's extra fixed cost {fixed[1] - fixed[0]:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
