@@ -13,7 +13,7 @@ from txflow.config import RunConfig
 from txflow.handle import ClusterHandle
 from txflow.log import get_logger
 from txflow.monitor import NoProgress
-from tasks.provision_coordinator import child_env
+from tasks.provision_coordinator import child_env, wait_for_api
 
 
 def missing_ranks(handle: ClusterHandle) -> list[str]:
@@ -74,6 +74,7 @@ def _launch_workers(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
                                                cfg.startup_timeout_s)
             record = handle.launcher.start(cluster, "worker", rank, cmd, env, {}, f"rank{rank}")
             log.info(f"rank {rank} (JAX worker) pid {record.pid}, log {record.log}")
+    wait_for_api(handle, cfg.startup_timeout_s)
     seconds = prove_ready(handle, cfg.startup_timeout_s)
     log.info(f"cluster ready: all {cfg.processes} ranks served a greedy sample ({seconds:.1f} s)")
     return handle

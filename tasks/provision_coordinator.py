@@ -55,8 +55,8 @@ def wait_for_api(handle: ClusterHandle, timeout_s: float) -> None:
 # Retries are safe here: a failed attempt stops what it started, and the next one starts afresh.
 @task(name="provision-coordinator", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
 def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
-    """Start the API server, then rank 0; each is in cluster.json as soon as it exists, and a
-    monitor watches them from the start."""
+    """Start the API server, then rank 0, without waiting for either (launch-workers proves them
+    ready); each is in cluster.json as soon as it exists, and a monitor watches them from the start."""
     log = get_logger()
     state_dir = Path(cfg.state_dir)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -95,7 +95,6 @@ def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
             f"rank 0 (engine{', JAX coordinator ' + cluster.coordinator_address if cluster.coordinator_port else ''}) "
             f"pid {rank0.pid}, log {rank0.log}; command: {' '.join(skyrl_adapter.engine_command(engine_argv))}"
         )
-        wait_for_api(handle, cfg.startup_timeout_s)
     except BaseException:
         # A retry must start from nothing: stop what this attempt started.
         if handle is not None:
