@@ -22,13 +22,12 @@ from txflow.tiny_model import cache_dir, resolve_base_model
 
 
 def child_env(cfg: RunConfig, database_url: str) -> dict[str, str]:
-    """Environment of every process of the cluster."""
-    env = dict(os.environ)
-    env[skyrl_adapter.DATABASE_URL_ENV] = database_url
-    env["PYTHONUNBUFFERED"] = "1"
-    # Compiled programs persist across runs: a new cluster skips most of its ~10 s of JIT per rank.
-    # An explicit JAX_COMPILATION_CACHE_DIR (or "" to switch it off) wins.
-    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(cache_dir() / "jax-compilation"))
+    """What every process of the cluster gets on top of its node's own environment."""
+    env = {skyrl_adapter.DATABASE_URL_ENV: database_url, "PYTHONUNBUFFERED": "1",
+           # Compiled programs persist across runs: a new cluster skips most of its ~10 s of JIT per rank.
+           # An explicit JAX_COMPILATION_CACHE_DIR (or "" to switch it off) wins.
+           "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
+                                                       str(cache_dir() / "jax-compilation"))}
     if Path(cfg.base_model).is_dir() or cfg.base_model == "tiny":
         # A local model needs no hub; never let a rank try to reach one.
         env["HF_HUB_OFFLINE"] = "1"

@@ -50,11 +50,14 @@ CASES = {
     "resume from a root without states": (lambda t: {"resume_from": write(t / "r" / "x.txt", "x").rsplit("/", 1)[0]},
                                           "no complete, committed state"),
     "missing local model": (lambda t: {"base_model": str(t / "no-model")}, "no such directory"),
+    "ray launcher without a cluster to join": (lambda t: {"launcher": "ray"}, "pass --ray-address HOST:PORT or set "
+                                                                               "RAY_ADDRESS"),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_bad_input_fails_in_preflight_with_a_clear_message(case, tmp_path):
+def test_bad_input_fails_in_preflight_with_a_clear_message(case, tmp_path, monkeypatch):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
     fields, message = CASES[case]
     cfg = RunConfig(**{"run_id": "bad", "state_dir": str(tmp_path / "state"), "checkpoints": str(tmp_path / "ckpt"),
                        **fields(tmp_path)}).resolved()
@@ -120,6 +123,7 @@ CLI_CASES = {
         lambda t: ["--steps", "4", "--resume-from", orbax_state(t / "old", "m1/step-000004.tar.gz", committed=True)],
         "leaves nothing to train"),
     "custom client that does not exist": (lambda t: ["--client", str(t / "nope.py")], "no such file"),
+    "ray launcher without a cluster to join": (lambda t: ["--launcher", "ray"], "never starts a Ray cluster"),
 }
 
 
@@ -134,7 +138,7 @@ def test_bad_input_through_txflow_run_exits_2_within_seconds_with_one_line(case,
     mode = "rl" if case.startswith("reward") or "loss" in case else "custom" if "client" in case else "sft"
     home = tmp_path / "empty-prefect-home"
     home.mkdir()
-    env = txflow_env | {"PREFECT_HOME": str(home)}
+    env = {k: v for k, v in txflow_env.items() if k != "RAY_ADDRESS"} | {"PREFECT_HOME": str(home)}
     args = ["run", mode, "--run-id", "bad", "--state-dir", str(tmp_path / "state"),
             "--checkpoints", str(tmp_path / "ckpt"), *options(tmp_path)]
     if mode == "custom" and "--client" not in args:

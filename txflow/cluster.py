@@ -97,7 +97,8 @@ class Launcher(ABC):
     @abstractmethod
     def start(self, cluster: Cluster, role: Role, rank: int | None, cmd: list[str], env: dict[str, str],
               ports: dict[str, int], log_name: str) -> ProcessRecord:
-        """Start one process and record it in cluster.json before returning."""
+        """Start one process (with `env` on top of its node's environment) and record it in cluster.json
+        before returning."""
 
     @abstractmethod
     def exit_code(self, record: ProcessRecord) -> int | None:

@@ -56,7 +56,20 @@ class RunConfig(BaseModel, extra="forbid"):
     )
     processes: int = Field(default=2, description="Number of JAX processes (ranks), coordinator included.")
     devices_per_process: int = Field(default=1, ge=1, description="Accelerator devices per process (1 on CPU).")
-    launcher: Literal["local"] = Field(default="local", description="Where ranks run: `local` subprocesses.")
+    launcher: Literal["local", "ray"] = Field(
+        default="local",
+        description="Where ranks run: `local` subprocesses of this machine, or `ray` actors on an existing Ray "
+        "cluster (one rank per node by default; rank 0 and the API on this machine's node).")
+    ray_address: str | None = Field(
+        default=None,
+        description="ray: address of an existing Ray cluster (host:port). Default: the RAY_ADDRESS environment "
+        "variable. txflow never starts a Ray cluster of its own.")
+    ray_cpus_per_rank: float = Field(default=1, gt=0, description="ray: CPUs each rank's bundle reserves.")
+    ray_gpus_per_rank: float = Field(default=0, ge=0,
+                                     description="ray: GPUs each rank's bundle reserves (0 on CPU machines).")
+    ray_placement: Literal["STRICT_SPREAD", "SPREAD", "STRICT_PACK", "PACK"] = Field(
+        default="STRICT_SPREAD", description="ray: placement strategy of the ranks' bundles; STRICT_SPREAD puts one "
+        "rank per node.")
     host: str = Field(
         default="127.0.0.1",
         description="Interface the Tinker API and the JAX coordinator bind to. Loopback unless ranks span nodes.",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 from pathlib import Path
 
 import fsspec
@@ -48,6 +50,16 @@ def context_length(model_path: str) -> int:
     return 1 << 30
 
 
+def check_ray(cfg: RunConfig) -> None:
+    """`--launcher ray` names a Ray cluster to join (txflow never starts one) and Ray is installed."""
+    if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")):
+        raise PreflightError("--launcher ray needs an existing Ray cluster: pass --ray-address HOST:PORT or set "
+                             "RAY_ADDRESS (txflow never starts a Ray cluster of its own)")
+    if importlib.util.find_spec("ray") is None:
+        raise PreflightError("--launcher ray needs Ray in this environment: pip install ray==2.60.0 "
+                             "(see constraints.txt)")
+
+
 def check_run_root(cfg: RunConfig) -> None:
     """The root is reachable and writable, and this run id has not completed there before."""
     options = cfg.plain_storage_options()
@@ -88,6 +100,8 @@ def _prepare(cfg: RunConfig):
         skyrl_adapter.check_upstream_version()
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
+    if cfg.launcher == "ray":
+        check_ray(cfg)
     model_path = check_base_model(cfg)
     tokenizer = load_tokenizer(model_path)
     max_len = context_length(model_path)

@@ -1,6 +1,7 @@
 """Launchers place the processes of a cluster; the rest of txflow only sees the
-`Launcher` interface (`txflow.cluster`). `get_launcher` is the one factory, keyed
-on `RunConfig.launcher` or on the `launcher` recorded in cluster.json."""
+`Launcher` interface (`txflow.cluster`). `get_launcher` is the one factory: keyed
+on `RunConfig.launcher` for a run, on the launcher recorded in cluster.json for a
+hook or a teardown in another process."""
 
 from __future__ import annotations
 
@@ -8,16 +9,19 @@ from pathlib import Path
 
 from txflow.cluster import Cluster, Launcher, ProcessRecord
 
-LAUNCHERS = ("local",)
 
-
-def get_launcher(name: str, cluster: Cluster | None = None) -> Launcher:
-    """A launcher by name; given a recorded `cluster`, one that can reach and stop it."""
+def get_launcher(cfg=None, cluster: Cluster | None = None) -> Launcher:
+    """The launcher of a run's config, or one that can reach and stop a recorded `cluster`."""
+    name = cluster.launcher if cluster is not None else cfg.launcher
     if name == "local":
         from txflow.launchers.local import LocalLauncher
 
         return LocalLauncher()
-    raise ValueError(f"unknown launcher {name!r}; choose one of {', '.join(LAUNCHERS)}")
+    if name == "ray":
+        from txflow.launchers.ray import RayLauncher
+
+        return RayLauncher.for_cluster(cluster) if cluster is not None else RayLauncher.for_config(cfg)
+    raise ValueError(f"unknown launcher {name!r}; choose local or ray")
 
 
 def stop_cluster(state_dir: str | Path, launcher: Launcher | None = None, grace_s: float = 5.0) -> list[ProcessRecord]:
@@ -26,4 +30,4 @@ def stop_cluster(state_dir: str | Path, launcher: Launcher | None = None, grace_
     if not path.exists():
         return []
     cluster = Cluster.load(state_dir)
-    return (launcher or get_launcher(cluster.launcher, cluster)).stop(cluster, grace_s)
+    return (launcher or get_launcher(cluster=cluster)).stop(cluster, grace_s)

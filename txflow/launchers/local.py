@@ -38,7 +38,7 @@ class LocalLauncher(Launcher):
         log = Path(cluster.state_dir) / "logs" / f"{log_name}.log"
         if role == "worker" and self.isolate_worker_disks:
             cmd = private_disk_command(cluster.state_dir, cmd)
-        proc = processes.spawn(cmd, log, env=lifeline.child_env(env))
+        proc = processes.spawn(cmd, log, env=lifeline.child_env({**os.environ, **env}))
         self._popen[proc.pid] = proc
         record = ProcessRecord(
             role=role, rank=rank, pid=proc.pid, pgid=proc.pid, start_time=processes.start_time(proc.pid),
