@@ -67,8 +67,10 @@ class PeakRSS:
                     continue
                 hwm = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")), 0)
                 self.peaks[pid] = max(self.peaks.get(pid, 0), hwm)
-                # The last look counts: right after fork a child still shows its parent's command line.
-                self.roles[pid] = role_of(pid == self.pid, cmdline)
+                # The last look counts: right after fork a child still shows its parent's command line
+                # (a zombie shows none).
+                if cmdline:
+                    self.roles[pid] = role_of(pid == self.pid, cmdline)
             self._stop.wait(0.3)
 
     def stop(self) -> dict[str, float]:
@@ -90,7 +92,7 @@ def role_of(is_top: bool, cmdline: str) -> str | None:
                          ("create_app", "prefect server"), ("txflow.lifeline", "lifeline guard")):
         if needle in cmdline:
             return role
-    return None if cmdline.startswith("/bin/sh") or not cmdline else "other"
+    return None if cmdline.startswith("/bin/sh") else "other"
 
 
 def run_side(cmd: list[str], env: dict, cwd: Path) -> tuple[float, str, dict[str, float]]:
