@@ -39,6 +39,7 @@ RUN_OPTIONS = {
     "--max-tokens": "max_tokens",
     "--temperature": "temperature",
     "--client": "client",
+    "--client-python": "client_python",
     "--resume-from": "resume_from",
 }
 
