@@ -55,6 +55,9 @@ workaround can go:
    initialize the engine and the workers get the default SIGTERM action back
    (`_default_sigterm_after_distributed_init`). Can go when upstream handles
    preemption or exits on it.
+8. The API answers only what `tinker` 0.13 sends; newer SDKs (0.25, 0.38) call
+   endpoints it lacks and speak protobuf. `serve_api` installs the shims of
+   `txflow/tinker_compat.py`, which has its own numbered list.
 
 Module names differ in the unified `skyrl` 0.4.0 package (`skyrl.tinker.api`,
 `skyrl.tinker.engine`, `skyrl.backends.jax`); they are only named here.
@@ -253,6 +256,8 @@ def serve_api(argv: list[str]) -> None:
     from tx.tinker.db_models import enable_sqlite_wal, get_async_database_url
     from tx.utils.log import get_uvicorn_log_config
 
+    from txflow import tinker_compat
+
     parser = argparse.ArgumentParser(description="SkyRL-tx Tinker API without its engine spawn")
     add_model(parser, EngineConfig)
     parser.add_argument("--host", required=True)
@@ -272,6 +277,7 @@ def serve_api(argv: list[str]) -> None:
         await app.state.db_engine.dispose()
 
     api.app.router.lifespan_context = lifespan
+    tinker_compat.install(api.app)
     api.app.state.engine_config = engine_config
     uvicorn.run(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
 
