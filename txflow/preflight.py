@@ -108,7 +108,7 @@ def check_client_python(cfg: RunConfig) -> str | None:
         if python is None:
             raise PreflightError(f"--client-python {given}: no such command on PATH. Pass the path of the Python "
                                  f"interpreter of your client's environment, e.g. /path/to/venv/bin/python")
-    is_module = not (cfg.client.endswith(".py") or os.sep in cfg.client)
+    is_module = custom.is_module(cfg.client)
     try:
         probe = subprocess.run([python, "-c", _CLIENT_ENV_PROBE, *([cfg.client] if is_module else [])],
                                capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
