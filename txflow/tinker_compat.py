@@ -21,10 +21,12 @@ them and reading their request code: `tinker/lib/internal_client_holder.py`,
 2. Protobuf `forward_backward` bodies (0.25, 0.38). The SDK posts
    `forward_backward` as `application/x-protobuf` and sends forward-only passes
    (`TrainingClient.forward`) to the same endpoint with `forward_only` set,
-   never to `/api/v1/forward`. Without it: 422 on the first training step. We
-   decode the body (text chunks, dense tensors) into upstream's JSON request
-   and call upstream's `forward_backward` or `forward`. Can go when upstream
-   reads protobuf bodies (`skyrl` 0.4.0 does).
+   never to `/api/v1/forward`. Without it: upstream cannot read the body as
+   JSON (a 500), the SDK retries for 5 minutes, then the first
+   `forward_backward` raises `InternalServerError`. We decode the body (text
+   chunks, dense tensors) into upstream's JSON request and call upstream's
+   `forward_backward` or `forward`. Can go when upstream reads protobuf bodies
+   (`skyrl` 0.4.0 does).
 3. Protobuf results (0.25, 0.38). `retrieve_future` with `Accept:
    application/x-protobuf` must return `ForwardBackwardOutput` and
    `SampleResponse` as protobuf: these SDKs reject JSON for those types
@@ -37,8 +39,8 @@ them and reading their request code: `tinker/lib/internal_client_holder.py`,
    `<request_id>-<i>`, one per requested sample. Can go when upstream returns
    them.
 5. `GET /api/v1/samplers/{sampler_id}` (0.38). A sampling client made from a
-   model path or by `save_weights_and_get_sampling_client` asks for its base
-   model first. Without it: 404 when the sampling client is created. Can go
+   model path (`create_sampling_client(model_path=...)`) asks for its base
+   model first. Without it: 404 when that sampling client is created. Can go
    when upstream serves it (`skyrl` 0.4.0 does).
 6. Session-addressed `load_weights` (0.38). `create_training_client_from_state`
    no longer creates a model first: it sends `load_weights` with `session_id`
