@@ -209,6 +209,11 @@ def test_custom_needs_a_client():
     assert "--client" in error_text(mode="custom")
 
 
+def test_client_python_belongs_to_custom_mode():
+    assert "client_python only applies to custom mode" in error_text(mode="sft", client_python="/usr/bin/python3")
+    assert RunConfig(mode="custom", client="c.py", client_python="/venv/bin/python").client_python == "/venv/bin/python"
+
+
 @pytest.mark.parametrize("field, value", [("mode", "dpo"), ("loss", "reinforce")])
 def test_unknown_mode_or_loss_is_rejected(field, value):
     assert field in error_text(**{field: value})

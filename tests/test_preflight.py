@@ -182,6 +182,88 @@ def test_prepare_custom_with_a_missing_client_file_fails(cfg_for, tmp_path):
         preflight.prepare(cfg_for(mode="custom", client=str(tmp_path / "missing.py")))
 
 
+# --- --client-python ------------------------------------------------------------
+
+
+def client_env(tmp_path, tinker_version: str | None, module: str | None = None) -> Path:
+    """A real virtual environment (no pip); with a stand-in `tinker` package of that version if given."""
+    import subprocess
+    import sys
+
+    root = tmp_path / "client-env"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    site = next((root / "lib").glob("python3*/site-packages"))
+    if tinker_version:
+        (site / "tinker").mkdir()
+        (site / "tinker" / "__init__.py").write_text(f"__version__ = {tinker_version!r}\n")
+    if module:
+        (site / f"{module}.py").write_text("")
+    return root / "bin" / "python"
+
+
+def test_client_python_that_does_not_exist_says_no_such_file(cfg_for, tmp_path):
+    cfg = cfg_for(mode="custom", client="c.py", client_python=str(tmp_path / "venv" / "bin" / "python"))
+    with pytest.raises(PreflightError, match=r"--client-python .*/venv/bin/python: no such file\. Pass the Python"):
+        preflight.check_client_python(cfg)
+
+
+def test_client_python_that_is_not_executable_says_so(cfg_for, tmp_path):
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\n")
+    python.chmod(0o644)
+    cfg = cfg_for(mode="custom", client="c.py", client_python=str(python))
+    with pytest.raises(PreflightError, match="the file is not executable"):
+        preflight.check_client_python(cfg)
+
+
+def test_client_python_that_is_not_a_python_says_so(cfg_for, tmp_path):
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho hello\n")
+    fake.chmod(0o755)
+    cfg = cfg_for(mode="custom", client="c.py", client_python=str(fake))
+    with pytest.raises(PreflightError, match="does not run as a Python interpreter"):
+        preflight.check_client_python(cfg)
+
+
+def test_client_python_without_tinker_says_how_to_install_it(cfg_for, tmp_path):
+    python = client_env(tmp_path, tinker_version=None)
+    cfg = cfg_for(mode="custom", client="c.py", client_python=str(python))
+    with pytest.raises(PreflightError, match=rf"cannot import tinker .*No module named 'tinker'.*Install the Tinker "
+                                             rf"SDK into that environment: {python} -m pip install tinker"):
+        preflight.check_client_python(cfg)
+
+
+def test_client_python_is_kept_as_given_and_its_sdk_version_logged(cfg_for, tmp_path, caplog):
+    python = client_env(tmp_path, tinker_version="0.38.0")
+    cfg = cfg_for(mode="custom", client="c.py", client_python=str(python))
+    with caplog.at_level("INFO", logger="txflow"):
+        assert preflight.check_client_python(cfg) == str(python)  # the venv's own bin/python, not its target
+    assert f"client environment: {python} (Python 3." in caplog.text and "tinker 0.38.0)" in caplog.text
+
+
+def test_a_module_client_is_looked_up_in_the_client_environment(cfg_for, tmp_path):
+    python = client_env(tmp_path, tinker_version="0.25.0", module="their_loop")
+    assert preflight.check_client_python(cfg_for(mode="custom", client="their_loop", client_python=str(python)))
+    with pytest.raises(PreflightError, match="--client other_loop: not a .py file, and .* finds no module"):
+        preflight.check_client_python(cfg_for(mode="custom", client="other_loop", client_python=str(python)))
+
+
+def test_prepare_custom_runs_the_client_under_the_given_interpreter(cfg_for, tmp_path):
+    python = client_env(tmp_path, tinker_version="0.25.0")
+    client = tmp_path / "loop.py"
+    client.write_text("")
+    data = preflight.prepare(cfg_for(mode="custom", client=str(client), client_python=str(python)))
+    assert data.command == [str(python), str(client)]
+
+
+def test_prepare_custom_without_client_python_uses_txflows_interpreter(cfg_for, tmp_path):
+    import sys
+
+    client = tmp_path / "loop.py"
+    client.write_text("")
+    assert preflight.prepare(cfg_for(mode="custom", client=str(client))).command == [sys.executable, str(client)]
+
+
 def test_prepare_with_a_missing_base_model_fails_before_touching_the_run_root(cfg_for):
     cfg = cfg_for(base_model="/nonexistent/dir")
     with pytest.raises(PreflightError, match="no such directory"):

@@ -130,6 +130,11 @@ class RunConfig(BaseModel, extra="forbid"):
         default_factory=list,
         description="custom: its arguments; {base_url}, {base_model}, {run_id}, {checkpoint_root} are filled in.",
     )
+    client_python: str | None = Field(
+        default=None,
+        description="custom: the Python interpreter the client runs under (e.g. `/path/to/venv/bin/python`), "
+        "with whatever Tinker SDK its environment has. Default: txflow's own interpreter.",
+    )
     resume_from: str | None = Field(
         default=None,
         description="Continue from a run root URL (its latest committed state), a state checkpoint URL, "
@@ -180,6 +185,8 @@ class RunConfig(BaseModel, extra="forbid"):
                              f"rewards minus the group mean, so a group of one has no signal")
         if self.mode == "custom" and not self.client:
             raise ValueError("custom mode needs --client PATH_OR_MODULE: the Tinker client program to run")
+        if self.mode != "custom" and self.client_python:
+            raise ValueError("client_python only applies to custom mode (the interpreter of --client)")
         return self
 
     @model_validator(mode="after")

@@ -21,16 +21,25 @@ class CustomData:
     probe: list[sft.Example]  # a small batch for the forward pass that proves a restored state works
 
 
-def client_command(client: str) -> list[str]:
-    """How to start the client: a .py path with this interpreter, else an importable module with -m."""
-    if client.endswith(".py") or os.sep in client:
+def is_module(client: str) -> bool:
+    """Whether `--client` names a module (run with -m) rather than a .py path."""
+    return not (client.endswith(".py") or os.sep in client)
+
+
+def client_command(client: str, python: str | None = None) -> list[str]:
+    """How to start the client under `python` (default: this interpreter): a .py path, else a module with -m.
+
+    A module is looked up here only for this interpreter; preflight asks another interpreter itself.
+    """
+    interpreter = python or sys.executable
+    if not is_module(client):
         path = Path(client).expanduser()
         if not path.is_file():
             raise ValueError(f"--client {client}: no such file")
-        return [sys.executable, str(path.absolute())]
-    if importlib.util.find_spec(client) is None:
+        return [interpreter, str(path.absolute())]
+    if python is None and importlib.util.find_spec(client) is None:
         raise ValueError(f"--client {client}: neither a .py file nor an importable module")
-    return [sys.executable, "-m", client]
+    return [interpreter, "-m", client]
 
 
 def fill(args: list[str], values: dict[str, str]) -> list[str]:

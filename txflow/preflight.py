@@ -5,6 +5,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 import fsspec
@@ -12,6 +14,7 @@ import fsspec
 from txflow import custom, rl, sft, skyrl_adapter, storage
 from txflow.config import TINY_MODEL, RunConfig
 from txflow.datasets import REQUIRED_KEYS, bundled_dataset, load_jsonl
+from txflow.log import get_logger
 from txflow.rewards import load_reward
 from txflow.tiny_model import resolve_base_model
 from txflow.tokenizer import load_tokenizer
@@ -84,6 +87,62 @@ def check_run_root(cfg: RunConfig) -> None:
                              f"({type(exc).__name__}: {exc})") from None
 
 
+# Run by the client's interpreter: its Python and Tinker SDK versions, and whether it finds a module client.
+_CLIENT_ENV_PROBE = """
+import importlib.util, json, sys
+found = {"python": sys.version.split()[0]}
+try:
+    import tinker
+    found["tinker"] = getattr(tinker, "__version__", "unknown")
+except Exception as exc:
+    found["error"] = f"{type(exc).__name__}: {exc}"
+if len(sys.argv) > 1:
+    found["module"] = importlib.util.find_spec(sys.argv[1]) is not None
+print(json.dumps(found))
+"""
+
+
+def check_client_python(cfg: RunConfig) -> str | None:
+    """The interpreter `--client-python` names, as an absolute path, once it runs and imports
+    `tinker` (and finds the client, if that is a module); None without `--client-python`."""
+    given = cfg.client_python
+    if not given:
+        return None
+    if os.sep in given or given.startswith("~"):
+        # Not resolved: a venv's bin/python is a symlink whose target is outside the venv.
+        python = str(Path(given).expanduser().absolute())
+        if not Path(python).is_file():
+            raise PreflightError(f"--client-python {given}: no such file. Pass the Python interpreter of the "
+                                 f"environment your client runs in, e.g. /path/to/venv/bin/python")
+        if not os.access(python, os.X_OK):
+            raise PreflightError(f"--client-python {given}: the file is not executable. Pass the environment's "
+                                 f"bin/python, or make it executable")
+    else:
+        python = shutil.which(given)
+        if python is None:
+            raise PreflightError(f"--client-python {given}: no such command on PATH. Pass the path of the Python "
+                                 f"interpreter of your client's environment, e.g. /path/to/venv/bin/python")
+    is_module = custom.is_module(cfg.client)
+    try:
+        probe = subprocess.run([python, "-c", _CLIENT_ENV_PROBE, *([cfg.client] if is_module else [])],
+                               capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise PreflightError(f"--client-python {given}: does not run ({exc})") from None
+    try:
+        found = json.loads(probe.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        raise PreflightError(f"--client-python {given}: does not run as a Python interpreter (exit code "
+                             f"{probe.returncode}: {probe.stderr.strip()[-500:]})") from None
+    if "error" in found:
+        raise PreflightError(f"--client-python {given}: cannot import tinker ({found['error']}). Install the "
+                             f"Tinker SDK into that environment: {python} -m pip install tinker")
+    if is_module and not found.get("module"):
+        raise PreflightError(f"--client {cfg.client}: not a .py file, and {given} finds no module of that name. "
+                             f"Pass the client's path, or install it into that environment")
+    get_logger().info(f"client environment: {python} (Python {found['python']}, tinker {found['tinker']})")
+    return python
+
+
 def prepare(cfg: RunConfig):
     """Validate everything a run needs, before any process starts; returns the prepared data of its
     mode (`sft.SFTData`, `rl.RLData` or `custom.CustomData`). Bad input raises PreflightError with a
@@ -107,7 +166,7 @@ def _prepare(cfg: RunConfig):
     max_len = context_length(model_path)
     try:
         if cfg.mode == "custom":
-            command = custom.client_command(cfg.client)
+            command = custom.client_command(cfg.client, check_client_python(cfg))
             probe = sft.prepare(load_jsonl(bundled_dataset("sft"), REQUIRED_KEYS["sft"]), tokenizer, max_len, "")
             data = custom.CustomData(command=command, probe=probe.eval)
         else:

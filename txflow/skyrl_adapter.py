@@ -71,6 +71,9 @@ workaround can go:
    a restore check loads sampler weights into a fresh slot). The engine's
    backend broadcasts `delete_model` too (`_broadcast_delete_model`). Can go
    when upstream's `JaxBackend` broadcasts it.
+10. The API answers only what `tinker` 0.13 sends; newer SDKs (0.25, 0.38) call
+    endpoints it lacks and speak protobuf. `serve_api` installs the shims of
+    `txflow/tinker_compat.py`, which has its own numbered list.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the
@@ -293,6 +296,8 @@ def serve_api(argv: list[str]) -> None:
     from tx.tinker.db_models import enable_sqlite_wal, get_async_database_url
     from tx.utils.log import get_uvicorn_log_config
 
+    from txflow import tinker_compat
+
     parser = argparse.ArgumentParser(description="SkyRL-tx Tinker API without its engine spawn")
     add_model(parser, EngineConfig)
     parser.add_argument("--host", required=True)
@@ -312,6 +317,7 @@ def serve_api(argv: list[str]) -> None:
         await app.state.db_engine.dispose()
 
     api.app.router.lifespan_context = lifespan
+    tinker_compat.install(api.app)
     api.app.state.engine_config = engine_config
     uvicorn.run(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
 

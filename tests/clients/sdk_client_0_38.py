@@ -1,0 +1,78 @@
+"""A Tinker client written against the public API of tinker 0.38 (what tinker-cookbook 0.6 requires).
+
+It knows nothing of txflow: it trains a LoRA adapter with SFT steps, saves its state, restores that
+state into a new training client and runs a forward pass there, then samples greedily from an
+ephemeral sampler and from saved sampler weights. In 0.38 the client factories return futures
+(`.result()`), and the ServiceClient is a context manager that finishes its session on exit.
+
+Usage: python sdk_client_0_38.py --base-url URL --model-name MODEL [--steps N]
+The API key comes from TINKER_API_KEY, as the SDK expects.
+"""
+
+import argparse
+
+import tinker
+from tinker import types
+
+BATCH = [[5, 17, 42, 99, 7, 12, 0], [3, 14, 15, 92, 65, 35, 0]]
+PROMPT = [5, 17, 42]
+
+
+def datum(tokens):
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    )
+
+
+def mean_nll(output):
+    """Mean negative log-likelihood per target token (every weight is 1 here)."""
+    logprobs = [lp for out in output.loss_fn_outputs for lp in out["logprobs"].tolist()]
+    return -sum(logprobs) / len(logprobs)
+
+
+def greedy(sampling_client):
+    params = types.SamplingParams(max_tokens=4, temperature=0.0, seed=0)
+    response = sampling_client.sample(prompt=types.ModelInput.from_ints(PROMPT), num_samples=1,
+                                      sampling_params=params).result()
+    return list(response.sequences[0].tokens)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--base-url", required=True)
+    parser.add_argument("--model-name", required=True)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    print(f"tinker {tinker.__version__}", flush=True)
+
+    with tinker.ServiceClient(base_url=args.base_url) as service:
+        training = service.create_lora_training_client(base_model=args.model_name, rank=8).result()
+        print(f"created training client {training.model_id}", flush=True)
+        batch = [datum(tokens) for tokens in BATCH]
+        for step in range(args.steps):
+            # Both requests in flight before either is awaited.
+            fwd_bwd = training.forward_backward(batch, "cross_entropy")
+            optim = training.optim_step(types.AdamParams(learning_rate=1e-2))
+            loss = mean_nll(fwd_bwd.result())
+            optim.result()
+            print(f"step {step} loss {loss}", flush=True)
+
+        state = training.save_state("sdk-state").result().path
+        print(f"saved state {state}", flush=True)
+        restored = service.create_training_client_from_state(state).result()
+        restored_loss = mean_nll(restored.forward(batch, "cross_entropy").result())
+        live_loss = mean_nll(training.forward(batch, "cross_entropy").result())
+        print(f"restored forward loss {restored_loss} live forward loss {live_loss}", flush=True)
+
+        ephemeral = training.save_weights_and_get_sampling_client().result()
+        print(f"ephemeral sampler tokens {greedy(ephemeral)}", flush=True)
+        sampler_path = training.save_weights_for_sampler("sdk-sampler").result().path
+        print(f"saved sampler {sampler_path}", flush=True)
+        saved = service.create_sampling_client(model_path=sampler_path).result()
+        print(f"saved sampler tokens {greedy(saved)}", flush=True)
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

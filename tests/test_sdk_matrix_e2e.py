@@ -1,0 +1,130 @@
+"""Clients of every current Tinker SDK run unchanged against the default cluster (2 processes).
+
+Each SDK version gets its own small environment (tests/sdk_envs.py) and a client written
+for that SDK's public API; `txflow run custom --client-python` runs it there. The client
+trains with forward_backward and optim_step in flight together, saves its state, restores
+it into a new training client and runs a forward pass, and samples greedily from an
+ephemeral sampler and from saved sampler weights. The run then discovers and verifies every
+checkpoint the client saved.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import alive_pids, run_txflow
+from tests.sdk_envs import SDK_VERSIONS, sdk_env
+from txflow.processes import free_port
+
+pytestmark = pytest.mark.e2e
+
+CLIENTS = Path(__file__).parent / "clients"
+# 0.13 and 0.25 have the same public API for what the client does; 0.38 returns futures of clients.
+CLIENT_FOR = {"0.13.1": "sdk_client_0_13.py", "0.25.0": "sdk_client_0_13.py", "0.38.0": "sdk_client_0_38.py"}
+
+# tinker-cookbook 0.6.1 in the 0.38 environment, with the CPU torch wheel this machine offers.
+# Its dependency tml-renderers>=0.4.1 is not on the package index (0.2.1 is the newest there); it
+# is imported lazily and only for models served through it, not for a Hugging Face tokenizer with
+# the `role_colon` renderer, so every other dependency is installed and the cookbook without deps.
+COOKBOOK_STEPS = (
+    ("torch==2.13.0",),
+    ("aiohttp", "anyio", "blobfile", "chz", "cloudpickle", "datasets", "pillow", "pyrage", "termcolor",
+     "tiktoken"),
+    ("--no-deps", "tinker-cookbook==0.6.1"),
+)
+CONVERSATIONS = [("English: one\nFrench:", " un"), ("English: two\nFrench:", " deux"),
+                 ("English: three\nFrench:", " trois"), ("English: four\nFrench:", " quatre")]
+
+
+def client_lines(state: Path) -> list[str]:
+    return (state / "logs" / "client.log").read_text().splitlines()
+
+
+def assert_every_saved_checkpoint_verified(report: dict) -> dict[str, list[dict]]:
+    """Every checkpoint the client saved was found, committed, restored and checked; by kind."""
+    saved: dict[str, list[dict]] = {}
+    for checkpoint in report["checkpoints"]["all"]:
+        saved.setdefault(checkpoint["kind"], []).append(checkpoint)
+    assert set(saved) == {"state", "sampler"}, saved
+    checks = report["restore"]["checks"]
+    assert sorted(c["tinker_path"] for c in checks) == sorted(c["tinker_path"] for c in report["checkpoints"]["all"])
+    assert all(c["passed"] for c in checks) and report["restore"]["passed"], checks
+    artifacts = {a["url"]: a for a in report["artifacts"]}
+    for checkpoint in report["checkpoints"]["all"]:
+        assert artifacts[checkpoint["url"]]["complete"] and artifacts[checkpoint["url"]]["committed"], checkpoint
+    return saved
+
+
+@pytest.mark.parametrize("version", SDK_VERSIONS)
+def test_a_client_of_each_sdk_runs_unchanged_in_its_own_environment(version, tmp_path, txflow_env, reaper):
+    python = sdk_env(version) / "bin" / "python"
+    state = reaper.watch(tmp_path / "state")
+    result = run_txflow(["run", "custom", "--run-id", "sdk-" + version.replace(".", "-"), "--state-dir", str(state),
+                         "--checkpoints", str(tmp_path / "ckpt"), "--client", str(CLIENTS / CLIENT_FOR[version]),
+                         "--client-python", str(python),
+                         "--client-arg=--base-url", "--client-arg={base_url}",
+                         "--client-arg=--model-name", "--client-arg={base_model}", "--json"], txflow_env, tmp_path)
+    log = "\n".join(client_lines(state)) if (state / "logs" / "client.log").exists() else ""
+    assert result.returncode == 0, result.stderr[-3000:] + "\n--- client.log ---\n" + log[-3000:]
+    report = json.loads(result.stdout)
+    assert report["status"] == "passed" and report["mode"] == "custom"
+
+    # The client ran under the interpreter it was given, with that environment's SDK.
+    assert f"client environment: {python} (Python 3." in result.stderr and f"tinker {version})" in result.stderr
+    lines = client_lines(state)
+    assert lines[0] == f"tinker {version}"
+    assert lines[-1] == "done"
+    losses = [float(m[1]) for line in lines if (m := re.fullmatch(r"step \d+ loss (\S+)", line))]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    log = "\n".join(lines)
+    restored, live = map(float, re.search(r"restored forward loss (\S+) live forward loss (\S+)", log).groups())
+    assert abs(restored - live) <= 1e-6  # the restored state is the live state
+    ephemeral = json.loads(re.search(r"ephemeral sampler tokens (\[.*\])", log)[1])
+    saved_tokens = json.loads(re.search(r"saved sampler tokens (\[.*\])", log)[1])
+    assert len(ephemeral) == 4 and ephemeral == saved_tokens  # same weights, greedy: same tokens
+
+    saved = assert_every_saved_checkpoint_verified(report)
+    assert [c["tinker_path"].rsplit("/", 1)[1] for c in saved["state"]] == ["sdk-state"]
+    assert [c["tinker_path"].rsplit("/", 1)[1] for c in saved["sampler"]] == ["sdk-sampler"]
+    assert alive_pids(state) == []
+
+
+def test_the_tinker_cookbook_supervised_trainer_runs_as_a_client(tmp_path, txflow_env, reaper):
+    """The cookbook's own supervised-learning CLI (`tinker_cookbook.recipes.chat_sl.train`) on a local
+    JSONL of conversations and the local model, rendered with `role_colon` (the tiny tokenizer has no
+    Qwen3 chat tokens)."""
+    python = sdk_env("0.38.0", COOKBOOK_STEPS, name="tinker-0.38.0-cookbook-0.6.1") / "bin" / "python"
+    data = tmp_path / "conversations.jsonl"
+    data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
+                                                     {"role": "assistant", "content": a}]}) + "\n"
+                            for q, a in CONVERSATIONS))
+    # Offline: Hugging Face reads only the local model; the cookbook's price lookup (https) goes to a
+    # closed port on loopback instead of the internet, and fails as it does without a network.
+    env = {**txflow_env, "HF_HUB_OFFLINE": "1", "https_proxy": f"http://127.0.0.1:{free_port()}",
+           "no_proxy": "127.0.0.1,localhost"}
+    state = reaper.watch(tmp_path / "state")
+    log_path = tmp_path / "cookbook-log"
+    result = run_txflow(["run", "custom", "--run-id", "cookbook-sl", "--state-dir", str(state),
+                         "--checkpoints", str(tmp_path / "ckpt"), "--client", "tinker_cookbook.recipes.chat_sl.train",
+                         "--client-python", str(python),
+                         "--client-arg=base_url={base_url}", "--client-arg=model_name={base_model}",
+                         f"--client-arg=dataset={data}", "--client-arg=renderer_name=role_colon",
+                         "--client-arg=batch_size=2", "--client-arg=max_length=128", "--client-arg=lora_rank=8",
+                         "--client-arg=learning_rate=0.01", f"--client-arg=log_path={log_path}", "--json"],
+                        env, tmp_path)
+    log = "\n".join(client_lines(state)) if (state / "logs" / "client.log").exists() else ""
+    assert result.returncode == 0, result.stderr[-3000:] + "\n--- client.log ---\n" + log[-3000:]
+    report = json.loads(result.stdout)
+    assert report["status"] == "passed"
+    assert "tinker 0.38.0)" in result.stderr and "Training completed successfully" in log
+    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    # 4 conversations in batches of 2: two optimizer steps, each with a finite training loss.
+    assert [m["step"] for m in metrics] == [0, 1] and all(math.isfinite(m["train_mean_nll"]) for m in metrics)
+    saved = assert_every_saved_checkpoint_verified(report)
+    assert [c["tinker_path"].rsplit("/", 1)[1] for c in saved["state"] + saved["sampler"]] == ["final", "final"]
+    assert alive_pids(state) == []
