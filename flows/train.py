@@ -203,8 +203,7 @@ def _cluster_fault(handle: ClusterHandle | None, exc: Exception) -> Failure | No
     so is a request that made no progress within its deadline.
     """
     if handle is not None:
-        handle.monitor.poll()  # a death the request surfaced before the monitor's next look
-        failure = handle.monitor.first_failure()
+        failure = handle.monitor.settle()  # a death the request surfaced before the monitor's next look
         if failure is not None:
             return failure
     if isinstance(exc, NoProgress):

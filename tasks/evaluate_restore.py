@@ -104,8 +104,8 @@ def verify_client_checkpoints(cfg: RunConfig, handle: ClusterHandle, saved: Save
                 check["tokens"] = tokens
                 check["passed"] = all(len(t) > 0 for t in tokens)
         except Exception as exc:  # a checkpoint that cannot be loaded fails its check, not the listing
-            handle.monitor.poll()
-            handle.monitor.raise_if_failed()  # ... unless the cluster itself broke: that is a fault to retry
+            if handle.monitor.settle():  # ... unless the cluster itself broke: that is a fault to retry
+                handle.monitor.raise_if_failed()
             check["passed"], check["error"] = False, f"{type(exc).__name__}: {exc}"
         checks.append(check)
     return RestoreCheck(passed=bool(checks) and all(c["passed"] for c in checks), checks=checks)

@@ -12,7 +12,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from txflow import skyrl_adapter
-from txflow.cluster import Cluster, Launcher
+from txflow.cluster import Cluster, Launcher, PlacementFailed
 from txflow.config import RunConfig
 from txflow.handle import ClusterHandle
 from txflow.log import get_logger, register_secret
@@ -51,8 +51,15 @@ def wait_for_api(handle: ClusterHandle, timeout_s: float) -> None:
                      f"Last lines of {api.log}:\n{handle.launcher.tail(api)}")
 
 
-# Retries are safe here: a failed attempt stops what it started, and the next one starts afresh.
-@task(name="provision-coordinator", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)
+def retry_unless_unplaceable(task, task_run, state) -> bool:
+    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+    return not isinstance(exc, PlacementFailed)
+
+
+# Retries are safe here: a failed attempt stops what it started, and the next one starts afresh (a
+# port taken meanwhile, say). A cluster that cannot be placed is not retried: it would not fit now either.
+@task(name="provision-coordinator", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_unplaceable,
+      cache_policy=NO_CACHE)
 def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
     """Start the API server, then rank 0, without waiting for either (launch-workers proves them
     ready); each is in cluster.json as soon as it exists, and a monitor watches them from the start."""

@@ -84,6 +84,11 @@ class Cluster(BaseModel):
         return cls.model_validate_json((Path(state_dir) / "cluster.json").read_text())
 
 
+class PlacementFailed(RuntimeError):
+    """The launcher cannot place the cluster; the message says what was asked and what there is.
+    Retrying at once does not help, so nothing retries it."""
+
+
 class Launcher(ABC):
     """Places the processes of a cluster, reports their exit, shows their logs and stops them."""
 

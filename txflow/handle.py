@@ -65,10 +65,9 @@ class ClusterHandle:
         if kind == "result":
             return value
         if kind == "error":
-            # A rank's death often reaches the client first, as a failed request: let the monitor look
-            # now, so the error names the dead rank instead of the peer error it caused.
-            self.monitor.poll()
-            value = self.monitor.first_failure() or value
+            # A rank's death often reaches the client first, as a failed request: let the monitor look,
+            # so the error names the dead rank instead of the peer error it caused.
+            value = self.monitor.settle() or value
         if isinstance(value, BaseException):
             raise value
         if value.abandoned_at is None:
@@ -87,8 +86,7 @@ class ClusterHandle:
         except ClusterFault:
             raise
         except Exception as exc:
-            self.monitor.poll()
-            failure = self.monitor.first_failure()
+            failure = self.monitor.settle()
             if failure is None:
                 raise
             if failure.abandoned_at is None:

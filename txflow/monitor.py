@@ -120,6 +120,15 @@ class RankMonitor:
         """The failure that broke the cluster: a dead rank before the API that exited because of it."""
         return next((f for f in self.failures if f.role != "api"), None) or next(iter(self.failures), None)
 
+    def settle(self, timeout_s: float = 3.0) -> Failure | None:
+        """After an error that a peer's death may explain: the failure that broke the cluster, looking now
+        and, when nothing is found yet, waiting up to `timeout_s` for the monitor to find one (a dead local
+        process shows at once; a lost Ray node only when Ray gives up on its actor, ~2.5 s)."""
+        self.poll()
+        if self.first_failure() is None:
+            self.failed.wait(timeout_s)
+        return self.first_failure()
+
     def raise_if_failed(self) -> None:
         """Raise RankDied naming the process whose exit broke the cluster, if one has exited."""
         failure = self.first_failure()

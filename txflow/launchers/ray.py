@@ -44,21 +44,17 @@ from pathlib import Path
 
 import ray
 from ray.util import get_placement_group
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from txflow import lifeline, processes
-from txflow.cluster import Cluster, Launcher, ProcessRecord
+from txflow.cluster import Cluster, Launcher, PlacementFailed, ProcessRecord
 from txflow.monitor import LostProcess
 
 NAMESPACE = "txflow"
 ADDRESS_ENV = "RAY_ADDRESS"
 CONTROL_TIMEOUT_S = 5.0
 RUNTIME_ENV = {"env_vars": {"RAY_kill_child_processes_on_worker_exit": "false"}}  # quirk 1
-
-
-class PlacementFailed(RuntimeError):
-    """The ranks could not be placed on the Ray cluster; the message says what was asked and what there is."""
 
 
 @ray.remote(concurrency_groups={"wait": 4, "control": 2})
@@ -100,8 +96,9 @@ class RankHost:
 
     @ray.method(concurrency_group="control")
     def stop(self, grace_s: float) -> dict[int, int | None]:
-        processes.stop_groups([pid for pid, proc in self.procs.items() if proc.poll() is None], grace_s)
-        return {pid: proc.poll() for pid, proc in self.procs.items()}
+        processes.stop_groups(list(self.procs), grace_s)
+        # wait(), not poll(): poll() answers None while the "wait" group's thread holds the process.
+        return {pid: proc.wait(timeout=5) for pid, proc in self.procs.items()}
 
 
 def connect(address: str | None) -> str:
@@ -151,8 +148,7 @@ class RayLauncher(Launcher):
                                   "actors": [], "node_ids": []}
         cluster.save()  # from here on a hook can find and remove what exists
         try:
-            if not group.wait(timeout_seconds=self.timeout_s):
-                raise PlacementFailed(self._unplaceable(n, bundle))
+            self._wait_placed(group, n, bundle)
             actors = []
             for index in range(n):
                 name = f"{prefix}-rank{index}"
@@ -175,15 +171,24 @@ class RayLauncher(Launcher):
             self.stop(cluster)
             raise
 
-    def _unplaceable(self, n: int, bundle: dict) -> str:
+    def _wait_placed(self, group, n: int, bundle: dict) -> None:
+        """Until the group is placed; at once when Ray finds it infeasible, else at the deadline."""
+        deadline = time.monotonic() + self.timeout_s
+        while not group.wait(timeout_seconds=0.5):
+            state = (placement_group_table(group).get("stats") or {}).get("scheduling_state")
+            if state == "INFEASIBLE" or time.monotonic() > deadline:
+                raise PlacementFailed(self._unplaceable(n, bundle, state))
+
+    def _unplaceable(self, n: int, bundle: dict, state: str | None) -> str:
         alive = [node for node in ray.nodes() if node["Alive"]]
         have = "; ".join(f"node {node['NodeManagerAddress']} ({node['NodeID'][:8]}): "
                          + ", ".join(f"{k} {v:g}" for k, v in sorted(node["Resources"].items())
                                      if k in ("CPU", "GPU", "memory") or k.startswith("accelerator"))
                          for node in alive)
-        return (f"Ray could not place {n} ranks of {bundle} each with strategy {self.strategy} (rank 0 on this "
-                f"driver's node) within {self.timeout_s:.0f} s. The cluster has {len(alive)} alive node(s): {have}. "
-                f"Add nodes, lower --ray-cpus-per-rank / --ray-gpus-per-rank, or choose another --ray-placement")
+        why = "Ray finds it infeasible" if state == "INFEASIBLE" else f"not within {self.timeout_s:.0f} s"
+        return (f"Ray cannot place {n} ranks of {bundle} each with strategy {self.strategy}, rank 0 on this driver's "
+                f"node ({why}). The cluster has {len(alive)} alive node(s): {have}. Add nodes, lower "
+                f"--ray-cpus-per-rank / --ray-gpus-per-rank, or choose another --ray-placement")
 
     # --- processes ----------------------------------------------------------------------
 

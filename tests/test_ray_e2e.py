@@ -1,0 +1,304 @@
+"""`--launcher ray` end to end on a real two-node Ray cluster on this machine (tests/ray_cluster.py):
+both nodes and every driver inside a private network namespace whose only interface is loopback, the
+second node (and its view of the run's state directory) on a private tmpfs, dashboard off.
+
+The cluster is shared by the tests of this module; the lost-node test runs last, as it kills a node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import API_KEY_MARKER, PASSWORD_MARKER, new_prefect_home
+from tests.ray_cluster import running_cluster
+from txflow.processes import free_port, is_alive
+
+pytestmark = pytest.mark.e2e
+
+STORAGE_MARKER = "ray-storage-option-MARKER-91c2"
+BUCKET = "txflow-ray"
+RUN_DEADLINE_S = 700
+
+# A driver inside the namespace: what Ray itself holds about the cluster (dashboard off: the GCS tables).
+RAY_STATE = textwrap.dedent("""
+    import json, sys, ray
+    ray.init(address=sys.argv[1], namespace="txflow", logging_level="ERROR", log_to_driver=False)
+    actors = ray._private.state.state.actor_table(None)
+    groups = ray.util.placement_group_table()
+    print(json.dumps({
+        "actors": [{"name": a.get("Name"), "state": a.get("State"), "namespace": a.get("RayNamespace")}
+                   for a in actors.values()],
+        "groups": [{"name": g.get("name"), "state": g.get("state")} for g in groups.values()],
+        "total": ray.cluster_resources(), "available": ray.available_resources(),
+        "raw": repr(actors) + repr(groups),
+    }))
+""")
+MAKE_BUCKET = textwrap.dedent("""
+    import sys, boto3
+    boto3.client("s3", endpoint_url=sys.argv[1], aws_access_key_id="k", aws_secret_access_key="s",
+                 region_name="us-east-1").create_bucket(Bucket=sys.argv[2])
+""")
+
+
+@pytest.fixture(scope="module")
+def ray_env(tmp_path_factory, prefect_db):
+    """The cluster, a moto S3 server inside its namespace, and the environment of a `txflow` driver there."""
+    if os.geteuid() != 0:
+        pytest.fail("the Ray tests need root (network and mount namespaces keep Ray on loopback)")
+    work = tmp_path_factory.mktemp("ray")
+    states = Path(f"/tmp/txr-runs-{secrets.token_hex(3)}")  # the second node sees its own empty tmpfs here
+    with running_cluster(workers=1, num_cpus=1, worker_private_dirs=(states,)) as cluster:
+        port = free_port()
+        cluster.spawn([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)],
+                      work / "moto.log")
+        endpoint = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while cluster.python_run(MAKE_BUCKET, endpoint, BUCKET, timeout=60).returncode != 0:
+            assert time.monotonic() < deadline, (work / "moto.log").read_text()[-2000:]
+            time.sleep(0.5)
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "RAY_ADDRESS"))}
+        env.update(PREFECT_HOME=str(new_prefect_home(work / "prefect-home", prefect_db)),
+                   PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1", TINKER_TELEMETRY="0",
+                   AWS_ENDPOINT_URL=endpoint, AWS_ACCESS_KEY_ID="txflow-test", AWS_SECRET_ACCESS_KEY="unused",
+                   AWS_DEFAULT_REGION="us-east-1", RAY_ADDRESS=cluster.address)
+        yield cluster, env, work, states
+    shutil.rmtree(states, ignore_errors=True)
+
+
+def txflow(cluster, env, work: Path, run_id: str, states: Path, *options: str) -> tuple[subprocess.Popen, Path]:
+    log = work / f"{run_id}.log"
+    proc = cluster.spawn([sys.executable, "-m", "txflow.cli", "run", "sft", "--launcher", "ray", "--run-id", run_id,
+                          "--state-dir", str(states / run_id), "--json", *options], log, env=env)
+    return proc, log
+
+
+def output(log: Path) -> tuple[dict | None, str]:
+    """The --json report (stdout and stderr share the log) and the whole text."""
+    text = log.read_text()
+    start = text.find('{\n  "run_id"')
+    return (json.loads(text[start:text.rindex("}") + 1]) if start >= 0 else None), text
+
+
+def wait_until(predicate, proc: subprocess.Popen, log: Path, what: str, timeout: float = RUN_DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert proc.poll() is None, f"{what}: txflow exited {proc.returncode}\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"{what}: not within {timeout} s\n{log.read_text()[-4000:]}"
+        time.sleep(0.2)
+
+
+def cluster_json(states: Path, run_id: str) -> dict:
+    return json.loads((states / run_id / "cluster.json").read_text())
+
+
+def ray_state(cluster) -> dict:
+    return json.loads(cluster.python_run(RAY_STATE, cluster.address, timeout=120, check=True).stdout.splitlines()[-1])
+
+
+def assert_nothing_left(cluster, records: list[dict]) -> None:
+    """No actor of ours alive, no placement group left, every resource free, no rank or API process."""
+    deadline = time.monotonic() + 20
+    while True:
+        state = ray_state(cluster)
+        ours = [a for a in state["actors"] if (a["name"] or "").startswith("txflow-") and a["state"] != "DEAD"]
+        groups = [g for g in state["groups"] if (g["name"] or "").startswith("txflow-") and g["state"] != "REMOVED"]
+        free = all(abs(state["available"].get(k, 0) - v) < 1e-6 for k, v in state["total"].items()
+                   if k in ("CPU", "GPU"))
+        alive = [r for r in records if is_alive(r["pid"], r["start_time"])]
+        if not (ours or groups or alive) and free:
+            return
+        assert time.monotonic() < deadline, (ours, groups, state["available"], state["total"], alive)
+        time.sleep(0.5)
+
+
+def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, postgres):
+    """One rank per node, checkpoints on S3, the restore checked from the bucket; rank 1 SIGKILLed
+    mid-training is named within 2 s and the run resumes on a fresh placement. Meanwhile every listener is
+    on loopback, and no secret reaches Ray's tables, Ray's logs or any command line."""
+    cluster, env, work, states = ray_env
+    env = env | {"TINKER_API_KEY": API_KEY_MARKER}
+    proc, log = txflow(cluster, env, work, "ray-sft", states, "--steps", "10", "--save-every", "3",
+                       "--train-retries", "1", "--checkpoints", f"s3://{BUCKET}/runs",
+                       "--storage-option", f"secret={STORAGE_MARKER}", "--database-url", postgres("tinker_ray"))
+    metrics = states / "ray-sft" / "metrics.jsonl"
+
+    def steps() -> int:
+        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+    try:
+        wait_until(lambda: steps() >= 4, proc, log, "step 4 on the first placement")
+        first = cluster_json(states, "ray-sft")
+        listeners = cluster.listeners()
+        command_lines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+                         for pid in cluster.pids() if Path(f"/proc/{pid}/cmdline").exists()}
+        during = ray_state(cluster)
+        worker = next(p for p in first["processes"] if p["rank"] == 1)
+        killed_at = time.time()
+        os.kill(worker["pid"], signal.SIGKILL)
+        code = proc.wait(timeout=RUN_DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    report, text = output(log)
+    assert code == 0 and report and report["status"] == "passed", text[-4000:]
+    assert report["restore"]["passed"] and report["restore"]["abs_diff"] <= 1e-6
+    ranks = {r["rank"]: r for r in report["cluster"]["ranks"]}
+    assert ranks[0]["node_id"] and ranks[1]["node_id"] and ranks[0]["node_id"] != ranks[1]["node_id"]
+    assert ranks[None]["node_id"] == ranks[0]["node_id"]  # the API beside rank 0
+    [failure] = report["failures"]
+    assert (failure["rank"], failure["exit_code"], failure["step"]) == (1, -signal.SIGKILL, "train")
+    assert 0 <= failure["detected_at"] - killed_at < 2 and 0 <= failure["abandoned_at"] - killed_at < 2
+    assert failure["resumed_at"] == "train" and report["metrics"][-1]["step"] == 10
+    assert len(re.findall(rf"dead process detected: rank 1 \(worker\), pid {worker['pid']},", text)) == 1
+    # Checkpoints: in the bucket and verified; rank 1's node never saw the run's state directory.
+    assert all(a["complete"] and a["committed"] for a in report["artifacts"] if a["kind"] != "file")
+    assert report["checkpoints"]["state"]["url"].startswith(f"s3://{BUCKET}/runs/ray-sft/")
+    assert not (states / "ray-sft" / "logs" / "rank1.log").exists()  # it is on node 1's own disk
+    node1_log = cluster.run(["cat", str(states / "ray-sft" / "logs" / "rank1.log")], node=1, check=True).stdout
+    assert "entering command loop" in node1_log
+    # cluster.json says what a hook needs to find the cluster by name.
+    recorded = first["launcher_state"]
+    assert recorded["address"] == cluster.address and recorded["namespace"] == "txflow"
+    assert recorded["placement_group"] and len(recorded["actors"]) == 2 and len(set(recorded["node_ids"])) == 2
+    assert {p["actor"] for p in first["processes"]} == set(recorded["actors"])
+    # Loopback only: every listener of the namespace, the API and the JAX coordinator included.
+    loopback = ("127.0.0.1:", "[::ffff:127.0.0.1]:")
+    assert [row for row in listeners if not row[0].startswith(loopback)] == [], listeners
+    ports = {port for p in first["processes"] for port in p["ports"].values()}
+    assert ports and ports <= {int(address.rsplit(":", 1)[1]) for address, _ in listeners}
+    # No secret in Ray's tables (while it ran), in any log or file of either node, or on a command line.
+    markers = [STORAGE_MARKER, PASSWORD_MARKER, API_KEY_MARKER]
+    assert [m for m in markers if m in during["raw"]] == []
+    assert [(pid, m) for pid, line in command_lines.items() for m in markers if m in line] == []
+    for node in (0, 1):
+        found = cluster.run(["grep", "-rl", "-e", markers[0], "-e", markers[1], "-e", markers[2],
+                             str(cluster.nodes[node].temp_dir)], node=node)
+        assert found.returncode == 1 and found.stdout == "", found.stdout  # 1: grep found nothing
+    assert [m for m in markers if m in text] == []
+    assert_nothing_left(cluster, [p for c in (first, cluster_json(states, "ray-sft")) for p in c["processes"]])
+
+
+STATUS_DURING_A_LONG_CALL = textwrap.dedent("""
+    import json, os, sys, time
+    import ray
+    from txflow.cluster import Cluster
+    from txflow.launchers.ray import RayLauncher
+
+    state = sys.argv[2]
+    os.makedirs(state, exist_ok=True)
+    cluster = Cluster(run_id="status", launcher="ray", state_dir=state, host="", api_port=0, coordinator_port=None,
+                      num_processes=1, base_model_path="x", checkpoints_base="y")
+    launcher = RayLauncher(address=sys.argv[1], timeout_s=60)
+    launcher.place(cluster, "")
+    # A rank that ignores SIGTERM: stop() then blocks for its whole grace period.
+    record = launcher.start(cluster, "coordinator", 0, [sys.executable, "-c",
+                            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"],
+                            {}, {}, "rank0")
+    actor = launcher._actor(cluster, 0)
+    latencies = []
+    for _ in range(5):  # wait_exit is in flight all along
+        began = time.monotonic()
+        ray.get(actor.status.remote(record.pid), timeout=1)
+        latencies.append(time.monotonic() - began)
+    stopping = actor.stop.remote(4.0)
+    time.sleep(0.5)
+    began = time.monotonic()
+    during_stop = ray.get(actor.status.remote(record.pid), timeout=1)
+    latencies.append(time.monotonic() - began)
+    tail_began = time.monotonic()
+    ray.get(actor.tail.remote(record.log, 5), timeout=1)
+    latencies.append(time.monotonic() - tail_began)
+    codes = ray.get(stopping, timeout=30)
+    launcher.stop(cluster, grace_s=1)
+    print(json.dumps({"latencies": latencies, "during_stop": during_stop, "codes": list(codes.values())}))
+""")
+
+
+def test_an_actor_answers_status_and_log_calls_while_blocked_on_its_rank(ray_env):
+    """The seed review's bug: a status call queued behind a blocking call. Here control calls have their own
+    concurrency group: they answer within a second while the actor waits for its rank to exit, and while a
+    stop() is blocked on a rank that ignores SIGTERM."""
+    cluster, env, work, states = ray_env
+    result = cluster.python_run(STATUS_DURING_A_LONG_CALL, cluster.address, str(states / "status"), timeout=180,
+                                env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    assert max(found["latencies"]) < 1.0 and found["during_stop"] is None
+    assert found["codes"] == [-signal.SIGKILL]  # it outlived the grace period, as it should
+
+
+def test_a_cluster_that_cannot_be_placed_fails_at_once_naming_what_was_asked_and_leaves_nothing(ray_env):
+    cluster, env, work, states = ray_env
+    began = time.monotonic()
+    proc, log = txflow(cluster, env, work, "ray-3", states, "--processes", "3", "--startup-timeout", "120",
+                       "--checkpoints", str(work / "ckpt"))
+    code = proc.wait(timeout=300)
+    seconds = time.monotonic() - began
+    report, text = output(log)
+    assert code == 1 and report["status"] == "failed", text[-3000:]
+    assert "Ray cannot place 3 ranks of {'CPU': 1" in report["error"] and "STRICT_SPREAD" in report["error"]
+    assert "infeasible" in report["error"] and "2 alive node(s)" in report["error"]
+    assert seconds < 120  # it did not wait out the deadline
+    assert_nothing_left(cluster, [])
+
+
+def test_sigkill_of_the_driver_leaves_no_actor_or_rank_within_15_s(ray_env):
+    cluster, env, work, states = ray_env
+    proc, log = txflow(cluster, env, work, "ray-kill9", states, "--steps", "500", "--checkpoints",
+                       str(work / "ckpt"))
+    metrics = states / "ray-kill9" / "metrics.jsonl"
+    try:
+        wait_until(lambda: metrics.exists() and metrics.read_text().strip(), proc, log, "training to start")
+        records = cluster_json(states, "ray-kill9")["processes"]
+        actors = [pid for pid in cluster.pids() if "RankHost" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+        assert len(records) == 3 and len(actors) == 2
+        proc.kill()
+        killed_at = time.monotonic()
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    while time.monotonic() - killed_at < 15 and (any(is_alive(r["pid"], r["start_time"]) for r in records)
+                                                or any(is_alive(pid) for pid in actors)):
+        time.sleep(0.2)
+    print(f"driver SIGKILLed: actors and ranks gone after {time.monotonic() - killed_at:.1f} s")
+    assert not any(is_alive(r["pid"], r["start_time"]) for r in records)
+    assert not any(is_alive(pid) for pid in actors)
+    assert_nothing_left(cluster, records)
+
+
+def test_a_lost_node_is_a_rank_death_and_a_retry_that_cannot_be_placed_fails_clearly(ray_env):
+    """Last: it kills the second node's raylet. The lost node is detected as a death of the rank it held;
+    the retry cannot place two ranks on one node, so the run fails saying so, and leaves nothing."""
+    cluster, env, work, states = ray_env
+    proc, log = txflow(cluster, env, work, "ray-lost", states, "--steps", "500", "--train-retries", "1",
+                       "--startup-timeout", "60", "--checkpoints", str(work / "ckpt"))
+    metrics = states / "ray-lost" / "metrics.jsonl"
+    try:
+        wait_until(lambda: metrics.exists() and metrics.read_text().strip(), proc, log, "training to start")
+        records = cluster_json(states, "ray-lost")["processes"]
+        cluster.kill_node(1, "raylet")
+        code = proc.wait(timeout=RUN_DEADLINE_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    report, text = output(log)
+    assert code == 1 and report["status"] == "failed", text[-4000:]
+    # The rank on the lost node is a dead rank (whichever death the monitor saw first is the run's failure).
+    assert re.search(r"dead process detected: rank 1 \(worker\), pid \d+, its Ray actor \S+ on node 127.0.0.1 "
+                     r"\(\w+\) is gone", text), text[-4000:]
+    assert len(report["failures"]) == 1 and report["failures"][0]["resumed_at"] is None
+    assert "Ray cannot place 2 ranks" in report["error"] and "1 alive node(s)" in report["error"]
+    assert_nothing_left(cluster, records)
