@@ -131,7 +131,8 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
     env = env | {"TINKER_API_KEY": API_KEY_MARKER}
     proc, log = txflow(cluster, env, work, "ray-sft", states, "--steps", "10", "--save-every", "3",
                        "--train-retries", "1", "--checkpoints", f"s3://{BUCKET}/runs",
-                       "--storage-option", f"secret={STORAGE_MARKER}", "--database-url", postgres("tinker_ray"))
+                       "--storage-option", "key=txflow-test", "--storage-option", f"secret={STORAGE_MARKER}",
+                       "--database-url", postgres("tinker_ray"))
     metrics = states / "ray-sft" / "metrics.jsonl"
 
     def steps() -> int:
@@ -299,6 +300,6 @@ def test_a_lost_node_is_a_rank_death_and_a_retry_that_cannot_be_placed_fails_cle
     # The rank on the lost node is a dead rank (whichever death the monitor saw first is the run's failure).
     assert re.search(r"dead process detected: rank 1 \(worker\), pid \d+, its Ray actor \S+ on node 127.0.0.1 "
                      r"\(\w+\) is gone", text), text[-4000:]
-    assert len(report["failures"]) == 1 and report["failures"][0]["resumed_at"] is None
+    assert len(report["failures"]) == 1 and report["failures"][0]["resumed_at"] == "train"  # it was tried
     assert "Ray cannot place 2 ranks" in report["error"] and "1 alive node(s)" in report["error"]
     assert_nothing_left(cluster, records)

@@ -108,7 +108,8 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
     first, command_lines = run_watching_command_lines(
         ["run", "sft", "--run-id", "s3-first", "--steps", "8", "--save-every", "3",
          "--database-url", postgres("tinker_s3"), "--checkpoints", root, "--state-dir", str(first_state),
-         "--storage-option", f"secret={STORAGE_OPTION_MARKER}", "--json"], env, tmp_path)
+         "--storage-option", "key=txflow-test", "--storage-option", f"secret={STORAGE_OPTION_MARKER}", "--json"],
+        env, tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     # api, rank 0, rank 1, the embedded Prefect server (and its guard) were all seen running.
     assert sum("txflow.skyrl_adapter" in c for c in command_lines.values()) >= 3, command_lines
