@@ -1,0 +1,53 @@
+"""The flow-versus-by-hand benchmark's output (scripts/bench_flow.py), on synthetic measurements:
+its format, and that it refuses to compare sides that ran a different number of steps. No timing here."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench_flow.py"
+
+
+@pytest.fixture
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_flow", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def side(wall: float, steps: int, step_s: float, rss: dict) -> dict:
+    return {"wall": wall, "outside": 1.0, "cluster_up": 20.0, "train": steps * step_s, "save_restore": 10.0,
+            "teardown": 0.2, "steps": steps, "step_seconds": [7.0] + [step_s] * (steps - 1), "rss": rss,
+            "restore_passed": True}
+
+
+def test_the_table_reports_phases_ratio_step_overhead_and_memory(bench):
+    hand = side(50.0, 20, 0.30, {"driver (txflow / script)": 350, "rank 0 (engine)": 1300})
+    flow = side(54.0, 20, 0.306, {"driver (txflow / script)": 370, "rank 0 (engine)": 1310, "prefect server": 200})
+    text = bench.table("compilation cache off, 20 steps", hand, flow)
+    assert text.startswith("## compilation cache off, 20 steps")
+    for phase in ("whole process", "outside the flow", "cluster up", "train steps", "save + restore + checks",
+                  "teardown"):
+        assert re.search(rf"\| {re.escape(phase)}[^|]* \| [\d.]+ \| [\d.]+ \|", text), phase
+    assert "steps: by hand 20, flow 20" in text
+    assert "whole-process ratio: 1.080 (target <= 1.10)" in text
+    assert "median train step: by hand 0.300 s, flow 0.306 s, overhead +2.0% (target <= 3%)" in text
+    assert "- prefect server: by hand 0, flow 200" in text
+    assert "- total: by hand 1650, flow 1880, flow adds 230 MiB (target <= 300)" in text
+
+
+def test_sides_with_different_step_counts_are_not_compared(bench, monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(bench, "by_hand", lambda steps, env, work: side(50.0, steps, 0.3, {}))
+    monkeypatch.setattr(bench, "flow", lambda steps, env, work, run_id: side(55.0, steps - 1, 0.3, {}))
+    monkeypatch.setattr(bench, "build_tiny_model", lambda: tmp_path)
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: None)
+    monkeypatch.setattr(sys, "argv", ["bench_flow.py", "--steps", "20", "--long-steps", "0", "--cache", "off"])
+    with pytest.raises(AssertionError):
+        bench.main()
+    assert "whole-process ratio" not in capsys.readouterr().out
