@@ -142,8 +142,9 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
         wait_until(lambda: steps() >= 4, proc, log, "step 4 on the first placement")
         first = cluster_json(states, "ray-sft")
         listeners = cluster.listeners()
+        # Every process of the namespace but `txflow` itself, whose command line is the user's own.
         command_lines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                         for pid in cluster.pids() if Path(f"/proc/{pid}/cmdline").exists()}
+                         for pid in cluster.pids() if pid != proc.pid and Path(f"/proc/{pid}/cmdline").exists()}
         during = ray_state(cluster)
         worker = next(p for p in first["processes"] if p["rank"] == 1)
         killed_at = time.time()
@@ -205,9 +206,11 @@ STATUS_DURING_A_LONG_CALL = textwrap.dedent("""
     launcher.place(cluster, "")
     # A rank that ignores SIGTERM: stop() then blocks for its whole grace period.
     record = launcher.start(cluster, "coordinator", 0, [sys.executable, "-c",
-                            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)"],
-                            {}, {}, "rank0")
+                            "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                            "print('ignoring SIGTERM', flush=True); time.sleep(120)"], {}, {}, "rank0")
     actor = launcher._actor(cluster, 0)
+    while "ignoring SIGTERM" not in ray.get(actor.tail.remote(record.log, 5), timeout=5):
+        time.sleep(0.05)
     latencies = []
     for _ in range(5):  # wait_exit is in flight all along
         began = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -122,8 +123,11 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
     state_url = report["checkpoints"]["state"]["url"]
     state_prefix = state_url.removeprefix(f"s3://{BUCKET}/")
     sidecar = json.loads(boto3.client("s3").get_object(Bucket=BUCKET, Key=state_prefix + COMMIT_SUFFIX)["Body"].read())
-    assert {f"{state_prefix}/{name}": size for name, size in sidecar["files"].items()}.items() <= keys.items()
-    assert f"{state_prefix}/{STATE_FILE}" in keys and sidecar["files"] == {STATE_FILE: keys[f"{state_prefix}/{STATE_FILE}"]}
+    assert {f"{state_prefix}/{name}": entry["size"] for name, entry in sidecar["files"].items()}.items() <= keys.items()
+    assert list(sidecar["files"]) == [STATE_FILE]
+    assert sidecar["files"][STATE_FILE]["size"] == keys[f"{state_prefix}/{STATE_FILE}"]
+    body = boto3.client("s3").get_object(Bucket=BUCKET, Key=f"{state_prefix}/{STATE_FILE}")["Body"].read()
+    assert sidecar["files"][STATE_FILE]["md5"] == hashlib.md5(body).hexdigest()
     sampler_key = report["checkpoints"]["sampler"]["url"].removeprefix(f"s3://{BUCKET}/")
     assert sampler_key in keys and sampler_key + COMMIT_SUFFIX in keys
     assert {"runs/s3-first/report.json", "runs/s3-first/manifest.json", "runs/s3-first/metrics.jsonl"} <= set(keys)
