@@ -18,16 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.ray_cluster import RayCluster, RayClusterError, pids_in_namespace
+from tests.ray_cluster import RayCluster, pids_in_namespace
 from txflow.processes import is_alive
 
-pytestmark = [
-    pytest.mark.e2e,
-    pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("nsenter"),
-                       reason="needs root with ip/nsenter (network and mount namespaces)"),
-    pytest.mark.skipif(not shutil.which("ray", path=str(Path(sys.executable).parent)),
-                       reason="ray is not installed in this environment"),
-]
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(autouse=True)
+def root_with_namespaces():
+    # Failing, not skipping: without these the Ray tests would prove nothing, and say so only in a skip line.
+    if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("nsenter"):
+        pytest.fail("the Ray tests need root with ip and nsenter (network and mount namespaces)")
 
 # A driver: connects, prints every node Ray knows as JSON.
 DRIVER_NODES = textwrap.dedent("""
@@ -106,31 +107,3 @@ def test_teardown_kills_what_escaped_the_process_groups(base_dir):
     assert escaped in teardown.sigkilled
     assert not is_alive(escaped)
     assert teardown.leftovers == []
-
-
-def test_a_node_that_cannot_start_fails_fast_with_its_log_and_leaves_nothing(base_dir):
-    cluster = RayCluster(base_dir, workers=1, num_cpus=1, object_store_mb=100,
-                         env={"RAY_OBJECT_STORE_ALLOW_SLOW_STORAGE": "0"})
-    cluster.object_store_mb = 1  # below Ray's minimum object store: `ray start` refuses
-    began = time.monotonic()
-    with pytest.raises(RayClusterError, match="node 0 exited"):
-        with cluster:
-            pass
-    assert time.monotonic() - began < 60
-    assert cluster.teardown.leftovers == []
-    assert cluster.netns not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-
-
-def test_kill_node_takes_the_worker_node_away_and_the_head_stays(base_dir):
-    with RayCluster(base_dir, workers=1, num_cpus=1, object_store_mb=100) as cluster:
-        raylet = cluster.kill_node(1, "raylet")
-        assert raylet not in [pid for pid, _ in cluster.ray_processes()] or not is_alive(raylet)
-        began = time.monotonic()
-        while time.monotonic() - began < 60:
-            alive = {n["node_id"]: n["alive"] for n in cluster.nodes_info()}
-            if not alive[cluster.nodes[1].node_id]:
-                break
-            time.sleep(0.5)
-        print(f"\nworker node reported dead by the GCS {time.monotonic() - began:.1f} s after its raylet was killed")
-        assert alive == {cluster.nodes[0].node_id: True, cluster.nodes[1].node_id: False}
-        assert cluster.nodes[1].proc.wait(timeout=30) is not None  # its `ray start --block` gave up too

@@ -25,7 +25,7 @@ from txflow import storage
 from txflow.launchers.local import ISOLATE_WORKER_DISKS_ENV
 from txflow.skyrl_adapter import STATE_FILE
 from txflow.config import RunConfig
-from txflow.discovery import COMMIT_SUFFIX, discover, write_commit
+from txflow.discovery import COMMIT_SUFFIX, discover
 
 pytestmark = pytest.mark.e2e
 
