@@ -64,9 +64,9 @@ def test_first_night_passes_and_says_so():
 
 
 def test_a_steady_history_and_a_steady_night_pass():
-    past = [night(i, sft__final_eval_loss=5.40 + 0.003 * (i % 3), rl__eval_reward=0.60 + 0.01 * (i % 2),
+    past = [night(i, sft__final_eval_loss=5.40 + 0.003 * (i % 3), rl__reward_gain=0.30 + 0.01 * (i % 2),
                   rl__median_step_s=4.0 + 0.05 * (i % 3)) for i in range(7)]
-    tonight = night(7, sft__final_eval_loss=5.405, rl__eval_reward=0.605, rl__median_step_s=4.05)
+    tonight = night(7, sft__final_eval_loss=5.405, rl__reward_gain=0.305, rl__median_step_s=4.05)
     result = by_figure(compare(tonight, past))
     assert {c.verdict for c in result.values()} == {"ok"}
     assert result["rl.median_step_s"].baseline == pytest.approx(4.05)
@@ -99,18 +99,25 @@ def test_a_loss_worse_than_every_earlier_night_beyond_noise_is_a_regression():
 
 def test_a_noisy_but_fine_history_raises_nothing():
     steps = [3.2, 5.9, 4.1, 6.3, 3.8, 5.2, 4.6]
-    rewards = [0.52, 0.61, 0.47, 0.66, 0.55, 0.58, 0.50]
-    past = [night(i, rl__median_step_s=s, rl__eval_reward=r) for i, (s, r) in enumerate(zip(steps, rewards))]
+    losses = [5.40, 5.46, 5.38, 5.52, 5.43, 5.47, 5.41]
+    past = [night(i, rl__median_step_s=s, sft__final_eval_loss=x) for i, (s, x) in enumerate(zip(steps, losses))]
     # Tonight is slower and worse than the median, but well inside the history's own spread.
-    result = compare(night(7, rl__median_step_s=6.0, rl__eval_reward=0.45), past)
+    result = compare(night(7, rl__median_step_s=6.0, sft__final_eval_loss=5.53), past)
     assert history.regressions(result) == []
     assert {c.verdict for c in result} == {"ok"}
 
 
 def test_higher_is_better_figures_regress_when_they_fall_and_improve_when_they_rise():
-    past = nights("rl.reward_gain", [0.30, 0.31, 0.29, 0.30, 0.32, 0.30, 0.31])
-    assert by_figure(compare(night(7, rl__reward_gain=0.10), past))["rl.reward_gain"].verdict == "regression"
-    assert by_figure(compare(night(7, rl__reward_gain=0.50), past))["rl.reward_gain"].verdict == "improved"
+    past = nights("sft.eval_loss_gain", [0.30, 0.31, 0.29, 0.30, 0.32, 0.30, 0.31])
+    assert by_figure(compare(night(7, sft__eval_loss_gain=0.20), past))["sft.eval_loss_gain"].verdict == "regression"
+    assert by_figure(compare(night(7, sft__eval_loss_gain=0.40), past))["sft.eval_loss_gain"].verdict == "improved"
+
+
+def test_the_rl_gain_regresses_only_when_learning_collapses():
+    # Fixed-seed RL is chaotic: across seeds the gain spans 0.13-0.48, so a fall to another seed's level passes.
+    past = nights("rl.reward_gain", [0.36] * 7)
+    assert by_figure(compare(night(7, rl__reward_gain=0.14), past))["rl.reward_gain"].verdict == "ok"
+    assert by_figure(compare(night(7, rl__reward_gain=0.05), past))["rl.reward_gain"].verdict == "regression"
 
 
 def test_only_the_trailing_window_forms_the_baseline():

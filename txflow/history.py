@@ -143,9 +143,13 @@ FIGURES: dict[str, Figure] = {
     "sft.median_step_s": _seconds("SFT median step (s)"),
     "sft.save_s": _seconds("SFT save (s)"),
     "sft.total_s": _seconds("SFT run total (s)"),
-    "rl.eval_reward": Figure("higher", "RL eval reward of the saved sampler", abs_tol=0.03),
+    # RL quality is judged on the gain only, with a wide floor: a fixed-seed RL run is chaotic under tiny
+    # numeric changes (sampling amplifies them), and across seeds the nightly configuration's gain spans
+    # 0.13-0.48 (10 seeds measured). The run's own check already proves learning (gain >= 0.05, p <= 0.01);
+    # here a fall of more than 0.25 (learning collapsed to about half) is what counts.
+    "rl.eval_reward": Figure("none", "RL eval reward of the saved sampler"),
     "rl.base_eval_reward": Figure("none", "RL eval reward of the base model"),
-    "rl.reward_gain": Figure("higher", "RL eval reward: saved minus base", abs_tol=0.03),
+    "rl.reward_gain": Figure("higher", "RL eval reward: saved minus base", abs_tol=0.25),
     "rl.clip_fraction": Figure("none", "RL mean fraction of clipped tokens (ppo)"),
     "rl.restore_abs_diff": Figure("lower", "RL restore |loss diff|", abs_tol=1e-6),
     "rl.startup_s": _seconds("RL cluster start-up (s)"),
@@ -156,7 +160,7 @@ FIGURES: dict[str, Figure] = {
 }
 
 # Drawn in the trend plot, in this order.
-KEY_FIGURES = ("sft.final_eval_loss", "rl.eval_reward", "rl.reward_gain", "sft.median_step_s", "rl.median_step_s",
+KEY_FIGURES = ("sft.final_eval_loss", "rl.reward_gain", "sft.median_step_s", "rl.median_step_s", "rl.startup_s",
                "nightly.total_s")
 
 WINDOW = 7
@@ -198,7 +202,7 @@ def compare(tonight: NightlyRecord, history: list[NightlyRecord], window: int = 
       - baseline = median of those values; noise = 1.4826 * their median absolute deviation (a robust
         standard deviation: one wild night neither moves the baseline nor widens the band much);
       - band = max(4 * noise, rel_tol * |baseline|, abs_tol), with the floors of the figure in FIGURES
-        (timings 25% and 0.5 s; losses 0.02 nats; rewards 0.03; restore |diff| 1e-6);
+        (timings 25% and 0.5 s; SFT losses 0.02 nats; RL reward gain 0.25; restore |diff| 1e-6);
       - "regression" when tonight is worse than the baseline by more than the band, in the figure's
         direction; "improved" when it is better by more than the band; otherwise "ok".
     Where the noise term sets the band, chance alone flags a steady figure on about 2.5% of nights
