@@ -193,7 +193,7 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
 
 
 STATUS_DURING_A_LONG_CALL = textwrap.dedent("""
-    import json, os, sys, time
+    import json, os, subprocess, sys, time
     import ray
     from txflow.cluster import Cluster
     from txflow.launchers.ray import RayLauncher
@@ -225,15 +225,32 @@ STATUS_DURING_A_LONG_CALL = textwrap.dedent("""
     ray.get(actor.tail.remote(record.log, 5), timeout=1)
     latencies.append(time.monotonic() - tail_began)
     codes = ray.get(stopping, timeout=30)
-    launcher.stop(cluster, grace_s=1)
-    print(json.dumps({"latencies": latencies, "during_stop": during_stop, "codes": list(codes.values())}))
+    # A second rank, then a hook in another process (another Ray driver) stops the cluster from cluster.json.
+    second = launcher.start(cluster, "coordinator", 0, [sys.executable, "-c", "import time; time.sleep(120)"], {}, {},
+                            "rank0-again")
+    hook = subprocess.run([sys.executable, "-c", "import sys; from txflow.launchers import stop_cluster; "
+                           "print([r.exit_code for r in stop_cluster(sys.argv[1], grace_s=2)])", state],
+                          capture_output=True, text=True, timeout=120)
+    from ray.util.placement_group import placement_group_table
+    from txflow.processes import is_alive
+    try:
+        ray.get_actor(cluster.launcher_state["actors"][0], namespace="txflow")
+        actor_gone = False
+    except ValueError:
+        actor_gone = True
+    groups = [g["state"] for g in placement_group_table().values()
+              if g["name"] == cluster.launcher_state["placement_group"]]
+    print(json.dumps({"latencies": latencies, "during_stop": during_stop, "codes": list(codes.values()),
+                      "hook": hook.returncode, "hook_err": hook.stderr[-2000:], "actor_gone": actor_gone,
+                      "groups": groups, "second_alive": is_alive(second.pid, second.start_time)}))
 """)
 
 
-def test_an_actor_answers_status_and_log_calls_while_blocked_on_its_rank(ray_env):
+def test_actors_answer_while_blocked_and_a_hook_in_another_process_stops_them_by_name(ray_env):
     """The seed review's bug: a status call queued behind a blocking call. Here control calls have their own
     concurrency group: they answer within a second while the actor waits for its rank to exit, and while a
-    stop() is blocked on a rank that ignores SIGTERM."""
+    stop() is blocked on a rank that ignores SIGTERM. Then a hook in another process (another Ray driver)
+    stops the cluster from cluster.json alone: actors killed, placement group removed, process gone."""
     cluster, env, work, states = ray_env
     result = cluster.python_run(STATUS_DURING_A_LONG_CALL, cluster.address, str(states / "status"), timeout=180,
                                 env=env)
@@ -241,6 +258,8 @@ def test_an_actor_answers_status_and_log_calls_while_blocked_on_its_rank(ray_env
     found = json.loads(result.stdout.strip().splitlines()[-1])
     assert max(found["latencies"]) < 1.0 and found["during_stop"] is None
     assert found["codes"] == [-signal.SIGKILL]  # it outlived the grace period, as it should
+    assert found["hook"] == 0, found["hook_err"]
+    assert found["actor_gone"] and found["groups"] == ["REMOVED"] and not found["second_alive"]
 
 
 def test_a_cluster_that_cannot_be_placed_fails_at_once_naming_what_was_asked_and_leaves_nothing(ray_env):
