@@ -14,7 +14,7 @@ from txflow.config import RunConfig
 from txflow.handle import ClusterHandle
 from txflow.log import get_logger
 from txflow.monitor import retry_unless_cluster_fault
-from txflow.results import RestoreCheck, Saved
+from txflow.results import LiveReference, RestoreCheck, Saved
 
 LOSS_TOLERANCE = 1e-6
 EVAL_SEED_OFFSET = 7_777_777
@@ -23,10 +23,15 @@ EVAL_SEED_OFFSET = 7_777_777
 def restore(cfg: RunConfig, handle: ClusterHandle, client, state_url: str, rank: int):
     """A fresh training client holding the state copied back from its durable URL."""
     restored = client.create_lora_training_client(base_model=handle.cluster.base_model_path, rank=rank)
-    path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, state_url, "state", restored.model_id,
-                                     "restored")
-    handle.wait(restored.load_state(path), "loading the restored state", cfg.step_timeout_s)
+    load_state(cfg, handle, restored, state_url)
     return restored
+
+
+def load_state(cfg: RunConfig, handle: ClusterHandle, training_client, state_url: str) -> None:
+    """Copy the state at `state_url` back from durable storage and load it into `training_client`."""
+    path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, state_url, "state",
+                                     training_client.model_id, "restored")
+    handle.wait(training_client.load_state(path), "loading the restored state", cfg.step_timeout_s)
 
 
 def restored_sampler(cfg: RunConfig, handle: ClusterHandle, client, sampler_url: str, rank: int):
@@ -39,12 +44,19 @@ def restored_sampler(cfg: RunConfig, handle: ClusterHandle, client, sampler_url:
     return client.create_sampling_client(model_path=path), slot
 
 
-def mean_eval_reward(sampling_client, cfg: RunConfig, data: rl.RLData, handle: ClusterHandle) -> float:
-    """Mean reward over every prompt, `group_size` samples each, with a fixed seed."""
+# The quality bar of each mode, from scripts/learner_check.py: 10 seeds of the nightly configuration with a
+# working learner and 10 with a broken one (README, "Telling a working learner from a broken one").
+SFT_MIN_LOSS_GAIN = 0.05  # nats of held-out loss, base model minus trained; working runs gained >= 0.22
+RL_MIN_REWARD_GAIN = 0.05  # eval reward, saved sampler minus base model, same prompts and seeds
+RL_MAX_P = 0.01  # one-sided exact sign-flip test over the per-prompt differences
+
+
+def eval_rewards(sampling_client, cfg: RunConfig, data: rl.RLData, handle: ClusterHandle) -> list[float]:
+    """Mean reward of each prompt, `group_size` samples each, with fixed seeds."""
     groups = rl.sample_groups(sampling_client, data, list(range(len(data.prompts))), cfg.group_size,
                               cfg.max_tokens, cfg.temperature, cfg.seed + EVAL_SEED_OFFSET, handle,
                               cfg.step_timeout_s)
-    return statistics.fmean(rl.rewards_of(groups))
+    return [statistics.fmean(r.reward for r in group) for group in groups]
 
 
 def quarter_means(metrics: list[dict], key: str) -> tuple[float, float]:
@@ -53,23 +65,30 @@ def quarter_means(metrics: list[dict], key: str) -> tuple[float, float]:
     return statistics.fmean(m[key] for m in metrics[:k]), statistics.fmean(m[key] for m in metrics[-k:])
 
 
-def sft_quality(cfg: RunConfig, handle: ClusterHandle, client, sampler, metrics: list[dict], data) -> dict:
-    """The training loss fell."""
-    first, final = metrics[0]["nll"], metrics[-1]["nll"]
-    return {"first_step_loss": first, "final_step_loss": final, "loss_fell": final < first,
-            "quality_passed": final < first}
+def sft_quality(cfg: RunConfig, handle: ClusterHandle, client, sampler, metrics: list[dict], data,
+                live: LiveReference, base_loss: float) -> dict:
+    """The held-out loss of the trained model is below the base model's by at least SFT_MIN_LOSS_GAIN."""
+    gain = base_loss - live.eval_loss
+    return {"base_eval_loss": base_loss, "final_eval_loss": live.eval_loss, "eval_loss_gain": gain,
+            "first_step_loss": metrics[0]["nll"], "final_step_loss": metrics[-1]["nll"],
+            "quality_passed": gain >= SFT_MIN_LOSS_GAIN}
 
 
-def rl_quality(cfg: RunConfig, handle: ClusterHandle, client, sampler, metrics: list[dict],
-               data: rl.RLData) -> dict:
-    """Reward rose during training, and the saved sampler beats the base model on the same prompts and seeds."""
+def rl_quality(cfg: RunConfig, handle: ClusterHandle, client, sampler, metrics: list[dict], data: rl.RLData,
+               live: LiveReference, base_loss: float) -> dict:
+    """The saved sampler beats the base model on the same prompts and seeds by at least RL_MIN_REWARD_GAIN,
+    and on enough prompts that chance is ruled out (sign-flip p <= RL_MAX_P)."""
+    saved = eval_rewards(sampler, cfg, data, handle)
+    base = eval_rewards(client.create_sampling_client(base_model=handle.cluster.base_model_path), cfg, data, handle)
+    gain = statistics.fmean(saved) - statistics.fmean(base)
+    p = evaluation.sign_flip_p([s - b for s, b in zip(saved, base)])
     first, last = quarter_means(metrics, "reward_mean")
-    eval_reward = mean_eval_reward(sampler, cfg, data, handle)
-    base = client.create_sampling_client(base_model=handle.cluster.base_model_path)
-    base_reward = mean_eval_reward(base, cfg, data, handle)
-    return {"reward_first_quarter": first, "reward_last_quarter": last, "reward_rose": last > first,
-            "eval_reward": eval_reward, "base_eval_reward": base_reward,
-            "quality_passed": last > first and eval_reward > base_reward}
+    figures = {"eval_reward": statistics.fmean(saved), "base_eval_reward": statistics.fmean(base),
+               "reward_gain": gain, "sign_flip_p": p, "reward_first_quarter": first, "reward_last_quarter": last,
+               "quality_passed": gain >= RL_MIN_REWARD_GAIN and p <= RL_MAX_P}
+    if "clip_fraction" in metrics[0]:
+        figures["clip_fraction"] = statistics.fmean(m["clip_fraction"] for m in metrics)
+    return figures
 
 
 QUALITY = {"sft": sft_quality, "rl": rl_quality}
@@ -135,15 +154,18 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
     live = saved.live
     state_url, sampler_url = (next(c.url for c in saved.checkpoints if c.kind == kind)
                               for kind in ("state", "sampler"))
-    restored = restore(cfg, handle, client, state_url, cfg.lora_rank)
+    restored = client.create_lora_training_client(base_model=handle.cluster.base_model_path, rank=cfg.lora_rank)
     try:
+        # The fresh adapter is zero (LoRA's B starts at 0): this is the base model's loss, for free.
+        base_loss = evaluation.eval_loss(restored, live.examples, handle, timeout)
+        load_state(cfg, handle, restored, state_url)
         loss_after = evaluation.eval_loss(restored, live.examples, handle, timeout)
     finally:
         evaluation.unload(handle, restored.model_id)
     sampler, slot = restored_sampler(cfg, handle, client, sampler_url, cfg.lora_rank)
     try:
         tokens = evaluation.greedy_tokens(sampler, live.prompts, handle, timeout, cfg.seed)
-        quality = QUALITY[cfg.mode](cfg, handle, client, sampler, metrics, data)
+        quality = QUALITY[cfg.mode](cfg, handle, client, sampler, metrics, data, live, base_loss)
     finally:
         evaluation.unload(handle, slot.model_id)
 

@@ -12,7 +12,7 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import custom, rl, sft, storage
+from txflow import custom, rl, sft, skyrl_adapter, storage
 from txflow.config import RunConfig
 from txflow.handle import ClusterHandle
 from txflow.log import get_logger
@@ -85,13 +85,22 @@ def rl_step(cfg: RunConfig, handle: ClusterHandle, data: rl.RLData):
         indices = sft.batch_indices(len(data.prompts), step, cfg.batch_size, cfg.seed)
         groups = rl.sample_groups(policy, data, indices, cfg.group_size, cfg.max_tokens, cfg.temperature,
                                   cfg.seed * 100_003 + step, handle, cfg.step_timeout_s)
-        fwd_bwd = training_client.forward_backward(rl.to_datums(groups, data), cfg.loss)
-        optim = training_client.optim_step(adam)
-        handle.wait(fwd_bwd, f"forward_backward of step {step + 1}", cfg.step_timeout_s)
-        handle.wait(optim, f"optim_step of step {step + 1}", cfg.step_timeout_s)
+        # One optimizer step per minibatch, all in flight: the engine runs a model's requests in order.
+        batches = rl.minibatches(rl.to_datums(groups, data), cfg.substeps)
+        pending = [(batch, training_client.forward_backward(batch, cfg.loss), training_client.optim_step(adam))
+                   for batch in batches]
+        clipped = counted = 0
+        for i, (batch, fwd_bwd, optim) in enumerate(pending):
+            output = handle.wait(fwd_bwd, f"forward_backward {i + 1} of step {step + 1}", cfg.step_timeout_s)
+            handle.wait(optim, f"optim_step {i + 1} of step {step + 1}", cfg.step_timeout_s)
+            found = rl.clip_fraction(batch, output.loss_fn_outputs, skyrl_adapter.PPO_CLIP_EPSILON)
+            clipped, counted = clipped + found[0], counted + found[1]
         rewards = rl.rewards_of(groups)
-        return {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
-                "tokens_sampled": sum(len(r.tokens) for g in groups for r in g)}
+        row = {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
+               "tokens_sampled": sum(len(r.tokens) for g in groups for r in g)}
+        if cfg.loss == "ppo":
+            row["clip_fraction"] = clipped / counted if counted else 0.0
+        return row
 
     return step_fn
 

@@ -41,6 +41,26 @@ def greedy_tokens(sampling_client, prompts: list[list[int]], handle: ClusterHand
     return [list(handle.wait(f, "a greedy sample", timeout_s).sequences[0].tokens) for f in futures]
 
 
+def sign_flip_p(differences: list[float], samples: int = 200_000) -> float:
+    """One-sided p-value that paired differences this far above zero come from chance: the share of the
+    2^n sign assignments whose sum is at least the observed sum (exact up to 20 non-zero differences,
+    a seeded sample of `samples` assignments beyond)."""
+    import itertools
+    import random
+
+    values = [abs(d) for d in differences if d != 0]
+    observed = sum(d for d in differences if d != 0)
+    if not values:
+        return 1.0
+    if len(values) <= 20:
+        signs = itertools.product((1, -1), repeat=len(values))
+        hits = sum(sum(s * v for s, v in zip(combo, values)) >= observed - 1e-12 for combo in signs)
+        return hits / 2 ** len(values)
+    rng = random.Random(0)
+    hits = sum(sum(v if rng.random() < 0.5 else -v for v in values) >= observed - 1e-12 for _ in range(samples))
+    return (hits + 1) / (samples + 1)
+
+
 def unload(handle: ClusterHandle, model_id: str) -> None:
     """Free a LoRA adapter slot; SkyRL-tx keeps it until the session times out otherwise."""
     cluster = handle.cluster

@@ -3,6 +3,7 @@ and update with group-relative advantages (importance sampling or PPO)."""
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 
@@ -97,6 +98,32 @@ def to_datums(groups: list[list[Rollout]], data: RLData) -> list:
                 },
             ))
     return datums
+
+
+def minibatches(datums: list, substeps: int) -> list[list]:
+    """The datums, in group order, as `min(substeps, len)` contiguous minibatches of nearly equal size:
+    one optimizer step each (the cookbook's substeps). The old policy of every minibatch is the sampler's."""
+    n = min(substeps, len(datums))
+    bounds = [round(i * len(datums) / n) for i in range(n + 1)]
+    return [datums[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def clip_fraction(datums: list, outputs: list, epsilon: float) -> tuple[int, int]:
+    """(clipped, counted) action tokens of a PPO update: the ratio r = exp(new - old logprob) is clipped
+    where it moved past 1 +- epsilon in the direction its advantage pushes (A > 0 and r > 1 + epsilon, or
+    A < 0 and r < 1 - epsilon). `outputs` are forward_backward's per-datum outputs (new logprobs)."""
+    clipped = counted = 0
+    for datum, output in zip(datums, outputs):
+        inputs = datum.loss_fn_inputs
+        new = output["logprobs"].tolist()
+        for weight, old, advantage, now in zip(inputs["weights"].tolist(), inputs["logprobs"].tolist(),
+                                               inputs["advantages"].tolist(), new):
+            if weight <= 0 or advantage == 0:
+                continue
+            counted += 1
+            ratio = math.exp(now - old)
+            clipped += (advantage > 0 and ratio > 1 + epsilon) or (advantage < 0 and ratio < 1 - epsilon)
+    return clipped, counted
 
 
 def rewards_of(groups: list[list[Rollout]]) -> list[float]:

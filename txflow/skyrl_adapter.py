@@ -103,6 +103,8 @@ ENGINE_MODULE = "tx.tinker.engine"
 WORKER_MODULE = "tx.tinker.backends.jax"
 DATABASE_URL_ENV = "TX_DATABASE_URL"
 
+# SkyRL-tx 0.3.0's `ppo` loss clips the ratio at 1 +- 0.2, hard-coded (its loss_fn_config is ignored).
+PPO_CLIP_EPSILON = 0.2
 # The Tinker SDK's default LoRA rank; the cluster must accept at least it.
 TINKER_DEFAULT_RANK = 32
 # Adapter 0 is the base model; one for training, one per restore check, spare.
