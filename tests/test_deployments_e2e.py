@@ -15,6 +15,7 @@ import subprocess
 import time
 import uuid
 from contextlib import contextmanager
+from datetime import timedelta
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import httpx
 import pytest
 import yaml
 
+from deployments.defaults import NIGHTLY_SFT
 from tests.helpers import PREFECT, alive_pids, cluster_pids, descendants, new_prefect_home
 from txflow.config import RunConfig
 from txflow.processes import free_port, is_alive
@@ -329,9 +331,10 @@ def test_deployments_on_the_server(server, deployed):
     assert deployments["nightly-validation/nightly"].parameters == {"sft": CONFIGS["nightly_sft"],
                                                                     "rl": CONFIGS["nightly_rl"]}
     # The UI form: RunConfig's fields, typed, with the model's descriptions.
-    for name, params in (("train/sft", ["config"]), ("nightly-validation/nightly", ["sft", "rl"])):
+    for name, params, extra in (("train/sft", ["config"], set()),
+                                ("nightly-validation/nightly", ["sft", "rl"], {"modes", "history_root"})):
         schema = deployments[name].parameter_openapi_schema
-        assert set(schema["properties"]) == set(params), name
+        assert set(schema["properties"]) == set(params) | extra, name
         assert all(schema["properties"][p]["$ref"] == "#/definitions/RunConfig" for p in params)
         fields = schema["definitions"]["RunConfig"]["properties"]
         assert set(fields) == set(RunConfig.model_fields)
@@ -508,3 +511,68 @@ def test_nightly_validation_fails_loudly(server, worker, tmp_path, reaper, start
     assert "nightly validation FAILED" in message and "sft run" in message and "rl run" in message, message
     assert "no such directory" in message
 
+
+
+def _artifacts(server: Server, flow_run_id: str) -> dict[str, object]:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with api(server) as client:
+        found = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[uuid.UUID(flow_run_id)])))
+    return {a.key: a for a in found if a.key}
+
+
+def test_the_nightly_compares_tonight_with_the_history_and_fails_on_a_regression(server, worker, tmp_path, reaper,
+                                                                                  started_runs):
+    """Night 1: SFT passes, RL fails (its reward cannot be imported): the nightly fails naming the RL run.
+    Night 2: SFT alone, compared with the history. Then the history is altered so that tonight looks 2x
+    slower: night 3 fails and names the figures."""
+    from txflow import history
+
+    root = str(tmp_path / "history")
+    sft = {**NIGHTLY_SFT, "checkpoints": str(tmp_path / "ckpt"), "state_dir": str(tmp_path / "sft")}
+    rl = {"mode": "rl", "steps": 2, "reward": "nowhere_xyz:fn", "checkpoints": str(tmp_path / "ckpt"),
+          "state_dir": str(tmp_path / "rl")}
+
+    def night(params: dict, name: str):
+        reaper.watch(tmp_path / name)
+        params = {**params, "sft": {**params["sft"], "run_id": f"nightly-{name}",
+                                    "state_dir": str(tmp_path / name)}}
+        flow_run_id = _run_deployment(server, "nightly-validation/nightly", params, started_runs)
+        return flow_run_id, _wait_final(server, flow_run_id, worker, deadline_s=RUN_DEADLINE_S)
+
+    # Night 1: one run fails, the other passes.
+    first_id, first = night({"sft": sft, "rl": rl, "history_root": root}, "n1")
+    assert first.state.is_failed(), f"{first.state.name}: {first.state.message}"
+    assert "rl run" in first.state.message and "cannot import module" in first.state.message
+    assert "sft run" not in first.state.message
+    summary = _artifacts(server, first_id)["nightly-validation"].data
+    assert "**FAILED**" in summary and "| sft | `nightly-n1` | passed |" in summary
+    assert re.search(r"\| rl \| `nightly-rl-[^`]+` \| failed \| .*cannot import module", summary)
+
+    # Night 2: SFT alone passes; its comparison is in its artifacts.
+    second_id, second = night({"sft": sft, "modes": ["sft"], "history_root": root}, "n2")
+    assert second.state.is_completed(), f"{second.state.name}: {second.state.message}\n{worker.tail()}"
+    artifacts = _artifacts(server, second_id)
+    rows = artifacts["nightly-validation-figures"].data
+    rows = json.loads(rows) if isinstance(rows, str) else rows
+    by_figure = {row["figure"]: row for row in rows}
+    assert {"sft.final_eval_loss", "sft.eval_loss_gain", "sft.median_step_s", "sft.startup_s"} <= set(by_figure)
+    assert by_figure["sft.startup_s"]["verdict"] == "not enough history"  # night 1 failed: no baseline
+    assert "data:image/png;base64," in artifacts["nightly-validation"].data  # the trend
+
+    # Three earlier nights at half of night 2's times: tonight looks twice as slow.
+    records, problems = history.read(root)
+    assert problems == [] and [r.status for r in records] == ["failed", "passed"]
+    tonight = records[-1]
+    slow = {k: (v / 2 if k.endswith("_s") else v) for k, v in tonight.figures.items()}
+    for days in (3, 2, 1):
+        history.append(root, history.NightlyRecord(
+            started_at=tonight.started_at - timedelta(days=days, hours=1),
+            versions=tonight.versions, figures=slow, status="passed"))
+    third_id, third = night({"sft": sft, "modes": ["sft"], "history_root": root}, "n3")
+    assert third.state.is_failed(), f"{third.state.name}: {third.state.message}"
+    message = third.state.message
+    assert "sft.startup_s regressed: tonight" in message and "sft.total_s regressed" in message, message
+    summary = _artifacts(server, third_id)["nightly-validation"].data
+    assert "regression" in summary and "**sft.startup_s**" in summary
+    assert history.read(root)[0][-1].status == "regression"
