@@ -129,8 +129,8 @@ def test_two_runs_at_once_do_not_collide(tmp_path, txflow_env, reaper):
     for _, state, _ in runs:
         reaper.watch(state)
     codes = [finish(proc, files, timeout=600) for proc, _, files in runs]  # together well below pytest's 1500 s
+    assert codes == [0, 0], [(tmp_path / f"{r}.log").read_text()[-4000:] for r in ("left", "right")]
     reports = [json.loads((tmp_path / f"{run_id}.json").read_text()) for run_id in ("left", "right")]
-    assert codes == [0, 0], [(tmp_path / f"{r}.log").read_text()[-2000:] for r in ("left", "right")]
     assert [r["run_id"] for r in reports] == ["left", "right"]
     assert all(r["status"] == "passed" for r in reports)
     assert reports[0]["checkpoint_root"] != reports[1]["checkpoint_root"]

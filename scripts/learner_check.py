@@ -1,0 +1,140 @@
+"""Do the mode checks tell a working learner from a broken one? The nightly configuration, 10 seeds each way.
+
+For each configuration below, runs the real `train` flow (its own cluster, its own
+embedded Prefect server, in a subprocess) once per seed, with the learner working
+or deliberately broken in that subprocess only:
+
+- SFT, learning rate 0 (Adam gets lr 0 whatever the config says);
+- RL, advantages with the wrong sign (rewards negated before the update), or all zero.
+
+and records whether the run's quality check passed, with its figures. Prints a
+markdown table (the README's) and writes one JSON line per run to `--out`. The
+check is right when it passes every working run and fails every broken one.
+Not part of `make test`: at 2 processes it takes about an hour and a half.
+
+    python scripts/learner_check.py [--seeds 10] [--only sft,rl] [--out learner_check.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from deployments.defaults import NIGHTLY_RL, NIGHTLY_SFT  # noqa: E402
+
+# label, mode, config, how the learner is broken (None: working), seeds (None: --seeds)
+EXPERIMENTS = [
+    ("SFT, nightly (6 steps, lr 2e-2)", "sft", NIGHTLY_SFT, None, None),
+    ("SFT, learning rate 0", "sft", NIGHTLY_SFT, "lr0", None),
+    ("RL, nightly (PPO, 4 substeps, 16 steps)", "rl", NIGHTLY_RL, None, None),
+    ("RL PPO, advantages of the wrong sign", "rl", NIGHTLY_RL, "flip", None),
+    ("RL PPO, zero advantages", "rl", NIGHTLY_RL, "zero", 3),
+    ("RL importance sampling, 4 substeps", "rl", {**NIGHTLY_RL, "loss": "importance_sampling"}, None, 3),
+    ("RL importance sampling, wrong sign", "rl", {**NIGHTLY_RL, "loss": "importance_sampling"}, "flip", 3),
+]
+
+# Runs in the subprocess: break the learner as asked, run the flow, print the report.
+RUN = textwrap.dedent("""
+    import json, sys
+    import tinker
+    from txflow import embedded_prefect, rl
+
+    config, broken = json.loads(sys.argv[1]), sys.argv[2]
+    if broken == "lr0":
+        adam = tinker.types.AdamParams
+        tinker.types.AdamParams = lambda **kw: adam(**{**kw, "learning_rate": 0.0})
+    elif broken in ("flip", "zero"):
+        to_datums = rl.to_datums
+
+        def broken_datums(groups, data):
+            factor = -1.0 if broken == "flip" else 0.0
+            changed = [[rl.Rollout(r.row, r.tokens, r.logprobs, factor * r.reward) for r in g] for g in groups]
+            return to_datums(changed, data)
+
+        rl.to_datums = broken_datums
+    from flows.train import RunFailed, train_flow
+    from txflow.config import RunConfig
+
+    cfg = RunConfig.model_validate(config).resolved()
+    with embedded_prefect.server(cfg.state_dir) as server:
+        server.wait_ready()
+        try:
+            report = train_flow(config=cfg)
+        except RunFailed as failed:
+            report = failed.report
+    print("REPORT " + json.dumps({"status": report["status"], "restore": report["restore"], "error": report["error"]}))
+""")
+
+FIGURES = {"sft": ("eval_loss_gain", "held-out loss gain over the base model (nats)"),
+           "rl": ("reward_gain", "eval reward gain over the base model")}
+
+
+def run(config: dict, broken: str | None, work: Path, env: dict) -> dict:
+    run_id = f"{config['mode']}-{broken or 'ok'}-s{config['seed']}-{int(time.time())}"
+    config = {**config, "run_id": run_id, "state_dir": str(work / run_id), "checkpoints": str(work / "ckpt")}
+    began = time.monotonic()
+    result = subprocess.run([sys.executable, "-c", RUN, json.dumps(config), broken or ""], env=env, cwd=work,
+                            capture_output=True, text=True, timeout=1800)
+    line = next((l for l in result.stdout.splitlines() if l.startswith("REPORT ")), None)
+    if line is None:
+        raise SystemExit(f"run {run_id} gave no report (exit {result.returncode}):\n{result.stderr[-3000:]}")
+    report = json.loads(line.removeprefix("REPORT "))
+    restore = report["restore"] or {}
+    return {"run_id": run_id, "seed": config["seed"], "broken": broken, "status": report["status"],
+            "check_passed": bool(restore.get("quality_passed")), "restore_passed": bool(restore.get("passed")),
+            "figures": {k: v for k, v in restore.items() if isinstance(v, (int, float)) and not isinstance(v, bool)},
+            "seconds": round(time.monotonic() - began, 1), "error": report["error"]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--only", default="sft,rl", help="modes to run")
+    parser.add_argument("--out", default="learner_check.jsonl")
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="learner-check-"))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
+    env.update(PREFECT_HOME=str(work / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
+               DO_NOT_TRACK="1", TINKER_TELEMETRY="0")
+    subprocess.run([str(Path(sys.executable).parent / "prefect"), "server", "database", "upgrade", "-y"], env=env,
+                   check=True, capture_output=True, timeout=300)
+    rows = []
+    with open(args.out, "a") as out:
+        for label, mode, config, broken, seeds in EXPERIMENTS:
+            if mode not in args.only.split(","):
+                continue
+            results = []
+            for seed in range(seeds or args.seeds):
+                result = run({**config, "seed": seed}, broken, work, env)
+                out.write(json.dumps({"experiment": label, **result}) + "\n")
+                out.flush()
+                results.append(result)
+                print(f"{label}, seed {seed}: check {'passed' if result['check_passed'] else 'failed'} "
+                      f"{FIGURES[mode][0]} {result['figures'].get(FIGURES[mode][0])}", file=sys.stderr, flush=True)
+            rows.append((label, mode, broken, results))
+    print("| configuration | learner | seeds | " + " / ".join(f for f, _ in FIGURES.values())
+          + " (min ... max) | check passed | right |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for label, mode, broken, results in rows:
+        key = FIGURES[mode][0]
+        values = [r["figures"].get(key) for r in results if r["figures"].get(key) is not None]
+        span = f"{min(values):+.3f} ... {max(values):+.3f}" if values else "-"
+        passed = sum(r["check_passed"] for r in results)
+        right = passed == len(results) if broken is None else passed == 0
+        print(f"| {label} | {'broken' if broken else 'working'} | {len(results)} | {span} | "
+              f"{passed}/{len(results)} | {'yes' if right else '**NO**'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
