@@ -6,10 +6,18 @@ process that outlives a `txflow` killed by SIGKILL. txflow starts the same
 server itself, under the lifeline guard, so it dies with `txflow`; and it
 starts it early, so the server's ~7-12 s start-up overlaps the flow's imports.
 With `PREFECT_API_URL` set, that server is used and nothing is started.
+
+Two `txflow run`s at once share one Prefect database (`PREFECT_HOME`). A Prefect
+server registers its block types at start-up by "select, then insert if
+missing", so two servers starting together on one database race, and the loser
+exits with `UNIQUE constraint failed: block_type.slug` (seen in CI). Start-ups
+therefore take turns under a file lock in `PREFECT_HOME`, held until the server
+answers; once started, servers share the database fine (SQLite WAL).
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import sys
 import time
@@ -29,9 +37,41 @@ def startup_timeout_s() -> float:
     return float(os.environ.get(STARTUP_TIMEOUT_ENV) or DEFAULT_STARTUP_TIMEOUT_S)
 
 
+def prefect_home() -> Path:
+    """Prefect's home directory (its SQLite database lives there by default), without importing Prefect."""
+    return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+
+
+class StartLock:
+    """An exclusive flock on `<PREFECT_HOME>/txflow-server-start.lock`: one server start at a time per
+    database. The kernel drops it when its holder dies, however it dies."""
+
+    def __init__(self, home: Path, timeout_s: float):
+        home.mkdir(parents=True, exist_ok=True)
+        self.path = home / "txflow-server-start.lock"
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    self.release()
+                    raise RuntimeError(f"Another Prefect server start held {self.path} for more than "
+                                       f"{timeout_s:.0f} s ({STARTUP_TIMEOUT_ENV} sets the limit).") from None
+                time.sleep(0.05)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing drops the lock
+            self._fd = None
+
+
 class EmbeddedServer:
     def __init__(self, log: Path):
         self.log = log
+        self._start_lock = StartLock(prefect_home(), startup_timeout_s())
         self.port = processes.free_port("127.0.0.1")
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         # What Prefect's SubprocessASGIServer sets for its server process.
@@ -42,7 +82,14 @@ class EmbeddedServer:
         self.proc = processes.spawn(lifeline.guarded(cmd), log, env=lifeline.child_env(env))
 
     def wait_ready(self) -> None:
-        """Block until the server answers /health; fail with its log when it dies or does not answer in time."""
+        """Block until the server answers /health; fail with its log when it dies or does not answer in time.
+        Either way the start-up lock is released."""
+        try:
+            self._wait_ready()
+        finally:
+            self._start_lock.release()
+
+    def _wait_ready(self) -> None:
         import httpx
 
         timeout_s = startup_timeout_s()
@@ -63,6 +110,7 @@ class EmbeddedServer:
             time.sleep(0.1)
 
     def stop(self) -> None:
+        self._start_lock.release()
         processes.stop_groups([self.proc.pid], grace_s=5.0)
         self.proc.wait(timeout=10)
 

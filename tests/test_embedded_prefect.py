@@ -1,0 +1,69 @@
+"""The embedded Prefect server of `txflow run`: start-ups on one database take turns."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from tests.helpers import new_prefect_home
+from txflow import embedded_prefect
+from txflow.processes import is_alive
+
+
+def test_a_second_start_waits_for_the_first_and_gives_up_at_the_limit(tmp_path):
+    first = embedded_prefect.StartLock(tmp_path, timeout_s=1)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="Another Prefect server start held .* more than 0 s"):
+        embedded_prefect.StartLock(tmp_path, timeout_s=0.3)
+    assert time.monotonic() - started >= 0.3
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(embedded_prefect.StartLock(tmp_path, timeout_s=10)))
+    waiter.start()
+    time.sleep(0.3)
+    assert not got  # still waiting while the first holds it
+    first.release()
+    waiter.join(timeout=5)
+    assert got
+    got[0].release()
+
+
+@pytest.mark.e2e
+def test_two_servers_starting_at_once_on_one_database_take_turns_and_both_come_up(tmp_path, prefect_db, monkeypatch):
+    # Without the start-up lock, one server's block-type registration can collide with the other's
+    # (UNIQUE constraint failed: block_type.slug) and it exits: a `txflow run` failed that way in CI
+    # (1 start in 3 here, with the lock removed). So the second server must not even be spawned before
+    # the first answers.
+    home = new_prefect_home(tmp_path / "prefect-home", prefect_db)
+    for key in [k for k in os.environ if k.startswith("PREFECT_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PREFECT_HOME", str(home))
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    servers: list[embedded_prefect.EmbeddedServer] = []
+    spawned, ready, errors = {}, {}, []
+
+    def start(name: str) -> None:
+        try:
+            server = embedded_prefect.EmbeddedServer(tmp_path / f"{name}.log")
+            spawned[name] = time.monotonic()
+            servers.append(server)
+            server.wait_ready()
+            ready[name] = time.monotonic()
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(name,)) for name in ("one", "two")]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert errors == [] and len(ready) == 2, errors
+    finally:
+        for server in servers:
+            server.stop()
+    first, second = sorted(ready, key=ready.get)
+    assert spawned[second] >= ready[first], (spawned, ready)
+    assert not any(is_alive(s.proc.pid) for s in servers)
