@@ -32,15 +32,15 @@ sys.path.insert(0, str(REPO))
 
 from deployments.defaults import NIGHTLY_RL, NIGHTLY_SFT  # noqa: E402
 
-# label, mode, config, how the learner is broken (None: working), seeds (None: --seeds)
+# label, mode, config, how the learner is broken (None: working), seeds (None: --seeds, else --extra-seeds)
 EXPERIMENTS = [
     ("SFT, nightly (6 steps, lr 2e-2)", "sft", NIGHTLY_SFT, None, None),
     ("SFT, learning rate 0", "sft", NIGHTLY_SFT, "lr0", None),
     ("RL, nightly (PPO, 4 substeps, 16 steps)", "rl", NIGHTLY_RL, None, None),
     ("RL PPO, advantages of the wrong sign", "rl", NIGHTLY_RL, "flip", None),
-    ("RL PPO, zero advantages", "rl", NIGHTLY_RL, "zero", 3),
-    ("RL importance sampling, 4 substeps", "rl", {**NIGHTLY_RL, "loss": "importance_sampling"}, None, 3),
-    ("RL importance sampling, wrong sign", "rl", {**NIGHTLY_RL, "loss": "importance_sampling"}, "flip", 3),
+    ("RL PPO, zero advantages", "rl", NIGHTLY_RL, "zero", "extra"),
+    ("RL importance sampling, 4 substeps", "rl", {**NIGHTLY_RL, "loss": "importance_sampling"}, None, "extra"),
+    ("RL importance sampling, wrong sign", "rl", {**NIGHTLY_RL, "loss": "importance_sampling"}, "flip", "extra"),
 ]
 
 # Runs in the subprocess: break the learner as asked, run the flow, print the report.
@@ -99,6 +99,8 @@ def run(config: dict, broken: str | None, work: Path, env: dict) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--extra-seeds", type=int, default=3, help="seeds of the side experiments (zero advantages, "
+                        "importance sampling)")
     parser.add_argument("--only", default="sft,rl", help="modes to run")
     parser.add_argument("--out", default="learner_check.jsonl")
     args = parser.parse_args()
@@ -114,7 +116,7 @@ def main() -> int:
             if mode not in args.only.split(","):
                 continue
             results = []
-            for seed in range(seeds or args.seeds):
+            for seed in range(args.extra_seeds if seeds == "extra" else args.seeds):
                 result = run({**config, "seed": seed}, broken, work, env)
                 out.write(json.dumps({"experiment": label, **result}) + "\n")
                 out.flush()
@@ -123,15 +125,17 @@ def main() -> int:
                       f"{FIGURES[mode][0]} {result['figures'].get(FIGURES[mode][0])}", file=sys.stderr, flush=True)
             rows.append((label, mode, broken, results))
     print("| configuration | learner | seeds | " + " / ".join(f for f, _ in FIGURES.values())
-          + " (min ... max) | check passed | right |")
-    print("| --- | --- | --- | --- | --- | --- |")
+          + " (min ... max) | RL sign-flip p (max) | check passed | right |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     for label, mode, broken, results in rows:
         key = FIGURES[mode][0]
         values = [r["figures"].get(key) for r in results if r["figures"].get(key) is not None]
         span = f"{min(values):+.3f} ... {max(values):+.3f}" if values else "-"
+        ps = [r["figures"]["sign_flip_p"] for r in results if "sign_flip_p" in r["figures"]]
+        p_max = f"{max(ps):.2g}" if ps else "-"
         passed = sum(r["check_passed"] for r in results)
         right = passed == len(results) if broken is None else passed == 0
-        print(f"| {label} | {'broken' if broken else 'working'} | {len(results)} | {span} | "
+        print(f"| {label} | {'broken' if broken else 'working'} | {len(results)} | {span} | {p_max} | "
               f"{passed}/{len(results)} | {'yes' if right else '**NO**'} |")
     return 0
 
