@@ -16,7 +16,7 @@ from txflow.cluster import Cluster, Launcher, PlacementFailed
 from txflow.config import RunConfig
 from txflow.handle import ClusterHandle
 from txflow.log import get_logger, register_secret
-from txflow.monitor import NoProgress
+from txflow.monitor import NoProgress, retry_unless
 from txflow.storage import engine_checkpoints_base
 from txflow.tiny_model import cache_dir, resolve_base_model
 
@@ -51,14 +51,9 @@ def wait_for_api(handle: ClusterHandle, timeout_s: float) -> None:
                      f"Last lines of {api.log}:\n{handle.launcher.tail(api)}")
 
 
-def retry_unless_unplaceable(task, task_run, state) -> bool:
-    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
-    return not isinstance(exc, PlacementFailed)
-
-
 # Retries are safe here: a failed attempt stops what it started, and the next one starts afresh (a
 # port taken meanwhile, say). A cluster that cannot be placed is not retried: it would not fit now either.
-@task(name="provision-coordinator", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_unplaceable,
+@task(name="provision-coordinator", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless(PlacementFailed),
       cache_policy=NO_CACHE)
 def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
     """Start the API server, then rank 0, without waiting for either (launch-workers proves them

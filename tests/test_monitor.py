@@ -194,6 +194,19 @@ def test_task_retries_skip_cluster_faults_but_not_other_errors():
         assert step.retries >= 1 and step.retry_condition_fn is retry_unless_cluster_fault
 
 
+def test_provisioning_is_retried_unless_the_cluster_cannot_be_placed():
+    """A port taken meanwhile is worth a second attempt; a placement that does not fit would not fit again."""
+    from prefect.states import Failed
+
+    from tasks.provision_coordinator import provision_coordinator
+    from txflow.cluster import PlacementFailed
+
+    retry = provision_coordinator.retry_condition_fn
+    assert provision_coordinator.retries >= 1
+    assert retry(None, None, Failed(data=PlacementFailed("2 bundles of 1 CPU; the cluster has 1 node"))) is False
+    assert retry(None, None, Failed(data=OSError("address already in use"))) is True
+
+
 def test_an_error_raised_while_a_rank_is_dead_is_that_death(two_ranks):
     """SDK calls that block on their own surface a dead rank as a peer error; inside deaths_first it
     becomes RankDied, which no task retry runs again on the same cluster."""

@@ -187,7 +187,8 @@ def discover_cmd(args) -> int:
     else:
         for a in artifacts:
             state = "complete" if a.complete else f"INCOMPLETE: {a.reason}"
-            print(f"{a.kind:8} {a.format:9} {a.bytes:>12} B {a.files if a.files is not None else '-':>5} files  {a.url}  [{state}]")
+            files = a.files if a.files is not None else "-"
+            print(f"{a.kind:8} {a.format:9} {a.bytes:>12} B {files:>5} files  {a.url}  [{state}]")
     return 0 if all(a.complete for a in artifacts) else 1
 
 

@@ -15,7 +15,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 from txflow.cluster import Cluster, Launcher, ProcessRecord, describe_exit
 from txflow.log import get_logger
@@ -36,9 +36,7 @@ class Failure:
     resumed_from_step: int | None = None  # the training step it resumed from
 
     def as_dict(self) -> dict:
-        return {"rank": self.rank, "role": self.role, "exit_code": self.exit_code, "detected_at": self.detected_at,
-                "abandoned_at": self.abandoned_at, "step": self.step, "resumed_at": self.resumed_at, "resumed_from_step": self.resumed_from_step,
-                "message": self.message}
+        return asdict(self)
 
 
 class ClusterFault(RuntimeError):
@@ -61,12 +59,19 @@ class LostProcess(RuntimeError):
     """A launcher cannot reach a process any more (its node or its actor is gone); it counts as dead."""
 
 
-def retry_unless_cluster_fault(task, task_run, state) -> bool:
-    """Prefect `retry_condition_fn`: a task retry runs on the same cluster, which is useless after a
-    dead rank or a request without progress (and would cost another `step_timeout_s`); the flow
-    retries those on a fresh cluster instead."""
-    exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
-    return not isinstance(exc, ClusterFault)
+def retry_unless(*kinds: type[BaseException]) -> Callable:
+    """A Prefect `retry_condition_fn` that retries a failed task unless its exception is one of `kinds`."""
+
+    def condition(task, task_run, state) -> bool:
+        exc = state.data if isinstance(state.data, BaseException) else state.result(raise_on_failure=False)
+        return not isinstance(exc, kinds)
+
+    return condition
+
+
+# A task retry runs on the same cluster, which is useless after a dead rank or a request without
+# progress (and would cost another `step_timeout_s`); the flow retries those on a fresh cluster instead.
+retry_unless_cluster_fault = retry_unless(ClusterFault)
 
 
 @dataclass
