@@ -35,6 +35,28 @@ def test_rl_run_improves_reward_and_restores_exactly(tmp_path, txflow_env, reape
     assert alive_pids(state) == []
 
 
+def test_ppo_with_substeps_clips_and_so_differs_from_importance_sampling(tmp_path, txflow_env, reaper):
+    """The same short run twice, 4 substeps each, PPO and importance sampling: the first rollouts are the
+    same (same seed, same weights), PPO clips some tokens, and the two end with different weights. (With
+    one substep, or a clip that never acts, PPO's update is importance sampling's to every digit.)"""
+    reports = {}
+    for loss in ("ppo", "importance_sampling"):
+        state = reaper.watch(tmp_path / loss)
+        result = run_txflow(["run", "rl", "--run-id", f"e2e-{loss}", "--state-dir", str(state), "--loss", loss,
+                             "--substeps", "4", "--steps", "2", "--processes", "1", "--save-every", "0",
+                             "--checkpoints", str(tmp_path / "ckpt"), "--json"], txflow_env, tmp_path, timeout=600)
+        # Two steps are too few for the quality bar; the run may fail it, but it trains, saves and restores.
+        assert result.returncode in (0, 1) and result.stdout, result.stderr[-4000:]
+        reports[loss] = json.loads(result.stdout)
+        assert reports[loss]["restore"]["abs_diff"] <= 1e-6, reports[loss]["restore"]
+        assert alive_pids(state) == []
+    ppo, importance = reports["ppo"], reports["importance_sampling"]
+    assert ppo["metrics"][0]["reward_mean"] == importance["metrics"][0]["reward_mean"]
+    assert max(m["clip_fraction"] for m in ppo["metrics"]) > 0, ppo["metrics"]
+    assert "clip_fraction" not in importance["metrics"][0]
+    assert abs(ppo["restore"]["loss_before"] - importance["restore"]["loss_before"]) > 1e-4
+
+
 def test_custom_client_runs_again_after_a_fault_and_every_checkpoint_it_saved_is_verified(tmp_path, txflow_env,
                                                                                           reaper):
     """A rank dies while the user's client trains: the client is the only one that knows how to go
