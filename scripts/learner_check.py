@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -96,6 +97,33 @@ def run(config: dict, broken: str | None, work: Path, env: dict) -> dict:
             "seconds": round(time.monotonic() - began, 1), "error": report["error"]}
 
 
+def print_table(rows: list[tuple[str, str, str | None, list[dict]]]) -> None:
+    """The README's table: one row per experiment (label, mode, how broken, results)."""
+    print("| configuration | learner | seeds | " + " / ".join(f for f, _ in FIGURES.values())
+          + " (min ... max) | RL sign-flip p (max) | median run (s) | check passed | right |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for label, mode, broken, results in rows:
+        key = FIGURES[mode][0]
+        values = [r["figures"].get(key) for r in results if r["figures"].get(key) is not None]
+        span = f"{min(values):+.3f} ... {max(values):+.3f}" if values else "-"
+        ps = [r["figures"]["sign_flip_p"] for r in results if "sign_flip_p" in r["figures"]]
+        p_max = f"{max(ps):.2g}" if ps else "-"
+        passed = sum(r["check_passed"] for r in results)
+        right = passed == len(results) if broken is None else passed == 0
+        seconds = statistics.median(r["seconds"] for r in results)
+        print(f"| {label} | {'broken' if broken else 'working'} | {len(results)} | {span} | {p_max} | {seconds:.0f} | "
+              f"{passed}/{len(results)} | {'yes' if right else '**NO**'} |")
+
+
+def rows_from(path: str) -> list[tuple[str, str, str | None, list[dict]]]:
+    """The experiments of a JSONL written by an earlier run, in EXPERIMENTS order."""
+    results: dict[str, list[dict]] = {}
+    for line in Path(path).read_text().splitlines():
+        row = json.loads(line)
+        results.setdefault(row["experiment"], []).append(row)
+    return [(label, mode, broken, results[label]) for label, mode, _, broken, _ in EXPERIMENTS if label in results]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=10)
@@ -103,7 +131,11 @@ def main() -> int:
                         "importance sampling)")
     parser.add_argument("--only", default="sft,rl", help="modes to run")
     parser.add_argument("--out", default="learner_check.jsonl")
+    parser.add_argument("--table-from", metavar="JSONL", help="only print the table of an earlier run's --out")
     args = parser.parse_args()
+    if args.table_from:
+        print_table(rows_from(args.table_from))
+        return 0
     work = Path(tempfile.mkdtemp(prefix="learner-check-"))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
     env.update(PREFECT_HOME=str(work / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
@@ -124,19 +156,7 @@ def main() -> int:
                 print(f"{label}, seed {seed}: check {'passed' if result['check_passed'] else 'failed'} "
                       f"{FIGURES[mode][0]} {result['figures'].get(FIGURES[mode][0])}", file=sys.stderr, flush=True)
             rows.append((label, mode, broken, results))
-    print("| configuration | learner | seeds | " + " / ".join(f for f, _ in FIGURES.values())
-          + " (min ... max) | RL sign-flip p (max) | check passed | right |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for label, mode, broken, results in rows:
-        key = FIGURES[mode][0]
-        values = [r["figures"].get(key) for r in results if r["figures"].get(key) is not None]
-        span = f"{min(values):+.3f} ... {max(values):+.3f}" if values else "-"
-        ps = [r["figures"]["sign_flip_p"] for r in results if "sign_flip_p" in r["figures"]]
-        p_max = f"{max(ps):.2g}" if ps else "-"
-        passed = sum(r["check_passed"] for r in results)
-        right = passed == len(results) if broken is None else passed == 0
-        print(f"| {label} | {'broken' if broken else 'working'} | {len(results)} | {span} | {p_max} | "
-              f"{passed}/{len(results)} | {'yes' if right else '**NO**'} |")
+    print_table(rows)
     return 0
 
 
