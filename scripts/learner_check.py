@@ -130,6 +130,7 @@ def main() -> int:
     parser.add_argument("--extra-seeds", type=int, default=3, help="seeds of the side experiments (zero advantages, "
                         "importance sampling)")
     parser.add_argument("--only", default="sft,rl", help="modes to run")
+    parser.add_argument("--experiment", help="run only the experiments whose label contains this text")
     parser.add_argument("--out", default="learner_check.jsonl")
     parser.add_argument("--table-from", metavar="JSONL", help="only print the table of an earlier run's --out")
     args = parser.parse_args()
@@ -145,7 +146,7 @@ def main() -> int:
     rows = []
     with open(args.out, "a") as out:
         for label, mode, config, broken, seeds in EXPERIMENTS:
-            if mode not in args.only.split(","):
+            if mode not in args.only.split(",") or (args.experiment and args.experiment not in label):
                 continue
             results = []
             for seed in range(args.extra_seeds if seeds == "extra" else args.seeds):
