@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -67,3 +69,33 @@ def test_two_servers_starting_at_once_on_one_database_take_turns_and_both_come_u
     first, second = sorted(ready, key=ready.get)
     assert spawned[second] >= ready[first], (spawned, ready)
     assert not any(is_alive(s.proc.pid) for s in servers)
+
+
+@pytest.mark.e2e
+def test_a_process_that_imported_prefect_first_still_uses_the_embedded_server(tmp_path, prefect_db):
+    # Prefect reads PREFECT_API_URL at import; without the settings override, a flow run here would start
+    # Prefect's own temporary server ("Starting temporary server" on stderr) instead of using ours.
+    script = """
+import sys
+from prefect import flow
+from txflow import embedded_prefect
+
+@flow
+def hello():
+    from prefect.settings import PREFECT_API_URL
+    return PREFECT_API_URL.value()
+
+with embedded_prefect.server(sys.argv[1]) as server:
+    server.wait_ready()
+    used = hello()
+    print("USED", used, "OURS", server.api_url)
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(new_prefect_home(tmp_path / "prefect-home", prefect_db)),
+               PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    used, ours = result.stdout.split("USED ")[1].split(" OURS ")
+    assert used.strip() == ours.strip()
+    assert "Starting temporary server" not in result.stderr

@@ -126,11 +126,26 @@ def server(state_dir: str):
     embedded = EmbeddedServer(Path(state_dir) / "logs" / "prefect-server.log")
     os.environ["PREFECT_API_URL"] = embedded.api_url
     try:
-        yield embedded
+        with _prefect_settings(embedded.api_url):
+            yield embedded
     finally:
         _drain_prefect_workers()
         embedded.stop()
         os.environ.pop("PREFECT_API_URL", None)
+
+
+@contextmanager
+def _prefect_settings(api_url: str):
+    """Prefect reads its settings from the environment once, when it is imported. A process that imported
+    it before the server existed would ignore PREFECT_API_URL and start a server of its own (not under
+    the lifeline, with a 20 s start-up limit); point its settings at ours as well."""
+    if "prefect" not in sys.modules:
+        yield  # imported later, it reads the environment
+        return
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: api_url}):
+        yield
 
 
 def _drain_prefect_workers() -> None:
