@@ -127,6 +127,7 @@ def rows_from(path: str) -> list[tuple[str, str, str | None, list[dict]]]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=10)
+    parser.add_argument("--first-seed", type=int, default=0, help="continue an interrupted run from this seed")
     parser.add_argument("--extra-seeds", type=int, default=3, help="seeds of the side experiments (zero advantages, "
                         "importance sampling)")
     parser.add_argument("--only", default="sft,rl", help="modes to run")
@@ -149,7 +150,7 @@ def main() -> int:
             if mode not in args.only.split(",") or (args.experiment and args.experiment not in label):
                 continue
             results = []
-            for seed in range(args.extra_seeds if seeds == "extra" else args.seeds):
+            for seed in range(args.first_seed, args.extra_seeds if seeds == "extra" else args.seeds):
                 result = run({**config, "seed": seed}, broken, work, env)
                 out.write(json.dumps({"experiment": label, **result}) + "\n")
                 out.flush()
