@@ -6,6 +6,8 @@ import json
 import shutil
 import subprocess
 import sys
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 from txflow.processes import is_alive, proc_stats, start_time
@@ -154,3 +156,18 @@ def private_mounts_work() -> bool:
                               capture_output=True, timeout=10).returncode == 0
     except (OSError, subprocess.TimeoutExpired):
         return False
+
+
+def fresh_root(kind: str, local: Path) -> Iterator[str]:
+    """A storage root that does not exist yet, for a parametrized fixture: `local` for "local", else a
+    unique memory:// URL, removed afterwards."""
+    if kind == "local":
+        yield str(local)
+        return
+    import fsspec
+
+    url = f"memory://txflow-test-{uuid.uuid4().hex}"
+    yield url
+    fs = fsspec.filesystem("memory")
+    if fs.exists(url):
+        fs.rm(url, recursive=True)

@@ -9,12 +9,12 @@ import json
 import os
 import posixpath
 import tarfile
-import uuid
 from pathlib import Path
 
 import fsspec
 import pytest
 
+from tests.helpers import fresh_root
 from txflow.discovery import commit_record, COMMIT_SUFFIX, discover, write_commit, write_manifest
 
 
@@ -24,14 +24,7 @@ from txflow.discovery import commit_record, COMMIT_SUFFIX, discover, write_commi
 @pytest.fixture(params=["local", "memory"])
 def root(request, tmp_path):
     """A run root that does not exist yet: a local path, or a unique memory:// URL removed afterwards."""
-    if request.param == "local":
-        yield str(tmp_path / "run")
-        return
-    url = f"memory://txflow-test-{uuid.uuid4().hex}"
-    yield url
-    fs = fsspec.filesystem("memory")
-    if fs.exists(url):
-        fs.rm(url, recursive=True)
+    yield from fresh_root(request.param, tmp_path / "run")
 
 
 @pytest.fixture(scope="session")

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import json
 import threading
-import uuid
 from datetime import datetime, timedelta, timezone
 
 import fsspec
 import pytest
 from pydantic import ValidationError
 
+from tests.helpers import fresh_root
 from txflow import history
 from txflow.history import NightlyRecord, Versions, compare
 
@@ -36,14 +36,7 @@ def by_figure(comparisons) -> dict[str, history.Comparison]:
 @pytest.fixture(params=["local", "memory"])
 def root(request, tmp_path):
     """A history root that does not exist yet: a local directory, or a unique memory:// URL."""
-    if request.param == "local":
-        yield str(tmp_path / "history")
-        return
-    url = f"memory://txflow-history-{uuid.uuid4().hex}"
-    yield url
-    fs = fsspec.filesystem("memory")
-    if fs.exists(url):
-        fs.rm(url, recursive=True)
+    yield from fresh_root(request.param, tmp_path / "history")
 
 
 def put(url: str, data: bytes) -> None:
