@@ -5,16 +5,19 @@ the bundled SFT data, batch 4, LoRA rank 32, lr 2e-2, no periodic saves. The
 by-hand side is `scripts/bench_by_hand.py` (the upstream processes started by
 a plain script, a cookbook-style loop, no Prefect). For each configuration it
 prints the whole-process wall times and their ratio, a per-phase table, the
-median train-step time of each side (step 1, which compiles, left out), and the
-peak RSS of every process of each side (read from /proc while they run).
+median (and mean) train-step time of each side (step 1, which compiles, left
+out), and the peak RSS and CPU time of every process of each side (read from
+/proc while they run): on 2 shared cores the job is CPU-bound, so the flow's
+extra CPU is what its extra wall time is made of.
 
 The flow's Prefect home holds a migrated database, as after a user's first run.
 Configurations: JAX's persistent compilation cache off on both sides, and on
 (one shared cache directory, warmed by an unmeasured run of each side first,
 as a user's second run finds it); each at `--steps` and at `--long-steps`, to
-separate the fixed cost from the per-step cost.
+separate the fixed cost from the per-step cost. One run swings by about +-5%
+here, so `--steps` runs `--repeat` back-to-back pairs and reports the median.
 
-    python scripts/bench_flow.py [--steps 20] [--long-steps 100] [--cache off,on]
+    python scripts/bench_flow.py [--steps 20] [--long-steps 100] [--cache off,on] [--repeat 3]
 """
 
 from __future__ import annotations
@@ -37,14 +40,16 @@ from txflow.datasets import bundled_dataset  # noqa: E402
 from txflow.processes import proc_stats  # noqa: E402
 from txflow.tiny_model import build_tiny_model  # noqa: E402
 
+TICKS = os.sysconf("SC_CLK_TCK")
 JOB = {"processes": 2, "batch_size": 4, "lora_rank": 32, "learning_rate": 2e-2}
 
 
 class PeakRSS:
-    """Polls /proc for the process tree under `pid`: the peak RSS (VmHWM) of each process, by role."""
+    """Polls /proc for the process tree under `pid`: the peak RSS (VmHWM) and the CPU time of each
+    process, by role."""
 
     def __init__(self, pid: int):
-        self.pid, self.peaks, self.roles = pid, {}, {}
+        self.pid, self.peaks, self.roles, self.cpu = pid, {}, {}, {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -52,7 +57,8 @@ class PeakRSS:
     def _run(self) -> None:
         while not self._stop.is_set():
             children: dict[int, list[int]] = {}
-            for child, fields in proc_stats():
+            stats = dict(proc_stats())
+            for child, fields in stats.items():
                 children.setdefault(int(fields[1]), []).append(child)
             tree, todo = [], [self.pid]
             while todo:
@@ -60,6 +66,9 @@ class PeakRSS:
                 tree.append(pid)
                 todo += children.get(pid, [])
             for pid in tree:
+                fields = stats.get(pid)
+                if fields is not None:  # utime + stime: the CPU each side costs a machine of 2 cores
+                    self.cpu[pid] = max(self.cpu.get(pid, 0.0), (int(fields[11]) + int(fields[12])) / TICKS)
                 try:
                     status = Path(f"/proc/{pid}/status").read_text()
                     cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -73,15 +82,18 @@ class PeakRSS:
                     self.roles[pid] = role_of(pid == self.pid, cmdline)
             self._stop.wait(0.3)
 
-    def stop(self) -> dict[str, float]:
+    def stop(self) -> tuple[dict[str, float], dict[str, float]]:
+        """Peak RSS (MiB) and CPU seconds (as last seen) by role."""
         self._stop.set()
         self._thread.join()
-        by_role: dict[str, float] = {}
+        rss: dict[str, float] = {}
+        cpu: dict[str, float] = {}
         for pid, kib in self.peaks.items():
-            role = self.roles[pid]
+            role = self.roles.get(pid)  # None: only ever seen without a command line (a zombie)
             if role:
-                by_role[role] = by_role.get(role, 0.0) + kib / 1024
-        return by_role
+                rss[role] = rss.get(role, 0.0) + kib / 1024
+                cpu[role] = cpu.get(role, 0.0) + self.cpu.get(pid, 0.0)
+        return rss, cpu
 
 
 def role_of(is_top: bool, cmdline: str) -> str | None:
@@ -95,17 +107,17 @@ def role_of(is_top: bool, cmdline: str) -> str | None:
     return None if cmdline.startswith("/bin/sh") else "other"
 
 
-def run_side(cmd: list[str], env: dict, cwd: Path) -> tuple[float, str, dict[str, float]]:
+def run_side(cmd: list[str], env: dict, cwd: Path) -> tuple[float, str, dict[str, float], dict[str, float]]:
     began = time.monotonic()
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=open(cwd / "side.log", "a"),
                             text=True)
     rss = PeakRSS(proc.pid)
     out, _ = proc.communicate(timeout=1800)
     wall = time.monotonic() - began
-    peaks = rss.stop()
+    peaks, cpu = rss.stop()
     if proc.returncode != 0:
         raise SystemExit(f"{cmd[:4]} exited {proc.returncode}; see {cwd / 'side.log'}")
-    return wall, out, peaks
+    return wall, out, peaks, cpu
 
 
 def by_hand(steps: int, env: dict, work: Path) -> dict:
@@ -113,12 +125,12 @@ def by_hand(steps: int, env: dict, work: Path) -> dict:
            "--dataset", bundled_dataset("sft"), "--steps", str(steps), "--processes", str(JOB["processes"]),
            "--batch-size", str(JOB["batch_size"]), "--learning-rate", str(JOB["learning_rate"]),
            "--lora-rank", str(JOB["lora_rank"])]
-    wall, out, peaks = run_side(cmd, env, work)
+    wall, out, peaks, cpu = run_side(cmd, env, work)
     result = json.loads(out.strip().splitlines()[-1])
     phases = result["phases"]
     return {"wall": wall, "outside": wall - phases["total"], "cluster_up": phases["cluster_up"],
             "train": phases["train"], "save_restore": phases["save_restore"], "teardown": phases["teardown"],
-            "steps": result["steps"], "step_seconds": result["step_seconds"], "rss": peaks}
+            "steps": result["steps"], "step_seconds": result["step_seconds"], "rss": peaks, "cpu": cpu}
 
 
 def flow(steps: int, env: dict, work: Path, run_id: str) -> dict:
@@ -126,39 +138,71 @@ def flow(steps: int, env: dict, work: Path, run_id: str) -> dict:
            "--processes", str(JOB["processes"]), "--batch-size", str(JOB["batch_size"]),
            "--learning-rate", str(JOB["learning_rate"]), "--lora-rank", str(JOB["lora_rank"]),
            "--run-id", run_id, "--state-dir", str(work / run_id), "--checkpoints", str(work / "ckpt"), "--json"]
-    wall, out, peaks = run_side(cmd, env, work)
+    wall, out, peaks, cpu = run_side(cmd, env, work)
     report = json.loads(out)
     t = report["timings_s"]
     return {"wall": wall, "outside": wall - t["total"] + t.get("preflight", 0.0),
             "cluster_up": t["provision-coordinator"] + t["launch-workers"], "train": t["train"],
             "save_restore": t["save-checkpoint"] + t["discover-artifacts"] + t["evaluate-restore"],
             "teardown": t["teardown"], "steps": len(report["metrics"]),
-            "step_seconds": [m["seconds"] for m in report["metrics"]], "rss": peaks,
+            "step_seconds": [m["seconds"] for m in report["metrics"]], "rss": peaks, "cpu": cpu,
             "restore_passed": report["restore"]["passed"]}
 
 
 def median_step(side: dict) -> float:
-    return statistics.median(side["step_seconds"][1:])
+    return statistics.median(steady_steps(side))
 
 
-def table(label: str, hand: dict, txflow: dict) -> str:
+def steady_steps(side: dict) -> list[float]:
+    """Step times without step 1, which compiles (pooled over the runs of a combined side)."""
+    return side.get("steady") or side["step_seconds"][1:]
+
+
+def combine(runs: list[dict]) -> dict:
+    """One side of `--repeat` runs: the median of every figure, per role for memory and CPU, and the
+    steady step times of all runs pooled. A single run passes through."""
+    if len(runs) == 1:
+        return runs[0]
+    side = {key: statistics.median(run[key] for run in runs)
+            for key in ("wall", "outside", "cluster_up", "train", "save_restore", "teardown")}
+    for key in ("rss", "cpu"):
+        roles = {role for run in runs for role in run[key]}
+        side[key] = {role: statistics.median(run[key].get(role, 0.0) for run in runs) for role in roles}
+    side["steps"] = runs[0]["steps"]
+    side["steady"] = [seconds for run in runs for seconds in steady_steps(run)]
+    return side
+
+
+def table(label: str, hand: dict, txflow: dict, pair_ratios: list[float] | None = None) -> str:
+    """The comparison of one configuration; with `pair_ratios` (several back-to-back pairs), the sides are
+    `combine`d and the ratio is the median of the pairs' ratios."""
     rows = [("whole process", "wall"), ("outside the flow (start-up and exit)", "outside"),
             ("cluster up", "cluster_up"), ("train steps", "train"), ("save + restore + checks", "save_restore"),
             ("teardown", "teardown")]
     lines = [f"## {label}", "", "| phase | by hand (s) | flow (s) |", "| --- | --- | --- |"]
     lines += [f"| {name} | {hand[key]:.1f} | {txflow[key]:.1f} |" for name, key in rows]
-    ratio = txflow["wall"] / hand["wall"]
+    ratio = statistics.median(pair_ratios) if pair_ratios else txflow["wall"] / hand["wall"]
     step_overhead = median_step(txflow) / median_step(hand) - 1
     lines += ["", f"steps: by hand {hand['steps']}, flow {txflow['steps']}",
-              f"whole-process ratio: {ratio:.3f} (target <= 1.10)",
-              f"median train step: by hand {median_step(hand):.3f} s, flow {median_step(txflow):.3f} s, "
-              f"overhead {100 * step_overhead:+.1f}% (target <= 3%)", "", "peak RSS (MiB):"]
+              f"whole-process ratio: {ratio:.3f} (target <= 1.10)"]
+    if pair_ratios and len(pair_ratios) > 1:
+        lines += [f"ratio of each pair (median above): {', '.join(f'{r:.3f}' for r in pair_ratios)}"]
+    means = [statistics.fmean(steady_steps(side)) for side in (hand, txflow)]
+    lines += [f"median train step: by hand {median_step(hand):.3f} s, flow {median_step(txflow):.3f} s, "
+              f"overhead {100 * step_overhead:+.1f}% (target <= 3%)",
+              f"mean train step: by hand {means[0]:.3f} s, flow {means[1]:.3f} s, "
+              f"overhead {100 * (means[1] / means[0] - 1):+.1f}% (step times are bimodal, ~0.3 s and ~0.5 s, "
+              "on both sides)", "", "peak RSS (MiB):"]
     roles = sorted(set(hand["rss"]) | set(txflow["rss"]))
     lines += [f"- {role}: by hand {hand['rss'].get(role, 0):.0f}, flow {txflow['rss'].get(role, 0):.0f}"
               for role in roles]
     extra = sum(txflow["rss"].values()) - sum(hand["rss"].values())
     lines += [f"- total: by hand {sum(hand['rss'].values()):.0f}, flow {sum(txflow['rss'].values()):.0f}, "
-              f"flow adds {extra:.0f} MiB (target <= 300)", ""]
+              f"flow adds {extra:.0f} MiB (target <= 300)", "", "CPU time (s; 2 cores are shared by every process):"]
+    roles = sorted(set(hand["cpu"]) | set(txflow["cpu"]))
+    lines += [f"- {role}: by hand {hand['cpu'].get(role, 0):.1f}, flow {txflow['cpu'].get(role, 0):.1f}"
+              for role in roles]
+    lines += [f"- total: by hand {sum(hand['cpu'].values()):.1f}, flow {sum(txflow['cpu'].values()):.1f}", ""]
     return "\n".join(lines)
 
 
@@ -167,6 +211,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--long-steps", type=int, default=100, help="0: skip the long runs")
     parser.add_argument("--cache", default="off,on", help="comma-separated: off, on")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="back-to-back pairs at --steps (one run swings by +-5%% on 2 shared cores); "
+                             "the long runs run once")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="bench-flow-"))
@@ -188,13 +235,17 @@ def main() -> int:
             # Warm the shared cache with one unmeasured run of each side, as a user's second run finds it.
             by_hand(args.steps, env, work)
             flow(args.steps, env, work, f"warm-{len(results)}")
-        for steps in [args.steps] + ([args.long_steps] if args.long_steps else []):
-            hand = by_hand(steps, env, work)
-            txflow = flow(steps, env, work, f"bench-{cache}-{steps}")
-            assert hand["steps"] == txflow["steps"] == steps, (hand["steps"], txflow["steps"])
-            assert txflow["restore_passed"]
+        for steps, repeat in [(args.steps, args.repeat)] + ([(args.long_steps, 1)] if args.long_steps else []):
+            hands, flows = [], []
+            for i in range(repeat):
+                hands.append(by_hand(steps, env, work))
+                flows.append(flow(steps, env, work, f"bench-{cache}-{steps}-{i}"))
+                assert hands[-1]["steps"] == flows[-1]["steps"] == steps, (hands[-1]["steps"], flows[-1]["steps"])
+                assert flows[-1]["restore_passed"]
+            hand, txflow = combine(hands), combine(flows)
             results.append((cache, steps, hand, txflow))
-            print(table(f"compilation cache {cache}, {steps} steps", hand, txflow), flush=True)
+            label = f"compilation cache {cache}, {steps} steps" + (f", median of {repeat} pairs" if repeat > 1 else "")
+            print(table(label, hand, txflow, [f["wall"] / h["wall"] for h, f in zip(hands, flows)]), flush=True)
     if len(results) > 1:
         print("## fixed cost (whole process minus steps x median step)\n")
         for cache, steps, hand, txflow in results:

@@ -21,15 +21,17 @@ def bench():
     return module
 
 
-def side(wall: float, steps: int, step_s: float, rss: dict) -> dict:
+def side(wall: float, steps: int, step_s: float, rss: dict, cpu: dict | None = None) -> dict:
     return {"wall": wall, "outside": 1.0, "cluster_up": 20.0, "train": steps * step_s, "save_restore": 10.0,
             "teardown": 0.2, "steps": steps, "step_seconds": [7.0] + [step_s] * (steps - 1), "rss": rss,
-            "restore_passed": True}
+            "cpu": cpu or {}, "restore_passed": True}
 
 
 def test_the_table_reports_phases_ratio_step_overhead_and_memory(bench):
-    hand = side(50.0, 20, 0.30, {"driver (txflow / script)": 350, "rank 0 (engine)": 1300})
-    flow = side(54.0, 20, 0.306, {"driver (txflow / script)": 370, "rank 0 (engine)": 1310, "prefect server": 200})
+    hand = side(50.0, 20, 0.30, {"driver (txflow / script)": 350, "rank 0 (engine)": 1300},
+                {"driver (txflow / script)": 2.0, "rank 0 (engine)": 40.0})
+    flow = side(54.0, 20, 0.306, {"driver (txflow / script)": 370, "rank 0 (engine)": 1310, "prefect server": 200},
+                {"driver (txflow / script)": 6.5, "rank 0 (engine)": 41.0, "prefect server": 5.25})
     text = bench.table("compilation cache off, 20 steps", hand, flow)
     assert text.startswith("## compilation cache off, 20 steps")
     for phase in ("whole process", "outside the flow", "cluster up", "train steps", "save + restore + checks",
@@ -40,6 +42,8 @@ def test_the_table_reports_phases_ratio_step_overhead_and_memory(bench):
     assert "median train step: by hand 0.300 s, flow 0.306 s, overhead +2.0% (target <= 3%)" in text
     assert "- prefect server: by hand 0, flow 200" in text
     assert "- total: by hand 1650, flow 1880, flow adds 230 MiB (target <= 300)" in text
+    assert "- prefect server: by hand 0.0, flow 5.2" in text
+    assert "- total: by hand 42.0, flow 52.8" in text
 
 
 def test_sides_with_different_step_counts_are_not_compared(bench, monkeypatch, tmp_path, capsys):
@@ -51,3 +55,17 @@ def test_sides_with_different_step_counts_are_not_compared(bench, monkeypatch, t
     with pytest.raises(AssertionError):
         bench.main()
     assert "whole-process ratio" not in capsys.readouterr().out
+
+
+def test_repeated_pairs_report_the_median_ratio_and_pool_their_steps(bench):
+    hands = [side(50.0, 20, 0.30, {"api": 200}, {"api": 3.0}), side(52.0, 20, 0.50, {"api": 210}, {"api": 4.0}),
+             side(51.0, 20, 0.30, {"api": 220}, {"api": 5.0})]
+    flows = [side(55.0, 20, 0.30, {"api": 200}), side(54.6, 20, 0.30, {"api": 200}),
+             side(60.0, 20, 0.50, {"api": 200})]
+    hand, flow = bench.combine(hands), bench.combine(flows)
+    assert (hand["wall"], hand["rss"], hand["cpu"]) == (51.0, {"api": 210}, {"api": 4.0})
+    assert len(hand["steady"]) == 3 * 19 and bench.median_step(hand) == 0.30
+    text = bench.table("x", hand, flow, [f["wall"] / h["wall"] for h, f in zip(hands, flows)])
+    assert "whole-process ratio: 1.100 (target <= 1.10)" in text  # the middle of 1.100, 1.050, 1.176
+    assert "ratio of each pair (median above): 1.100, 1.050, 1.176" in text
+    assert "mean train step: by hand 0.367 s, flow 0.367 s, overhead +0.0%" in text
