@@ -99,3 +99,26 @@ with embedded_prefect.server(sys.argv[1]) as server:
     used, ours = result.stdout.split("USED ")[1].split(" OURS ")
     assert used.strip() == ours.strip()
     assert "Starting temporary server" not in result.stderr
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("given, enabled", [(None, False), ("true", True)])
+def test_automations_are_off_in_the_embedded_server_unless_asked_for(tmp_path, prefect_db, monkeypatch, given,
+                                                                     enabled):
+    # The trigger services cost CPU the ranks need; a server that lives for one run has no use for them.
+    import httpx
+
+    for key in [k for k in os.environ if k.startswith("PREFECT_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PREFECT_HOME", str(new_prefect_home(tmp_path / "prefect-home", prefect_db)))
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    if given is not None:
+        monkeypatch.setenv("PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED", given)
+    server = embedded_prefect.EmbeddedServer(tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        settings = httpx.get(f"{server.api_url}/admin/settings", timeout=10).json()  # the server's own view
+    finally:
+        server.stop()
+    assert settings["server"]["services"]["triggers"]["enabled"] is enabled
+    assert not is_alive(server.proc.pid)

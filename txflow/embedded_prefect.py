@@ -32,6 +32,13 @@ STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
 DEFAULT_STARTUP_TIMEOUT_S = 120.0
 
 
+# Automations (reactive and proactive triggers, their actions) off in the embedded server: it lives for one
+# run, so an automation could only ever see that run, and the trigger services cost ~1 s of CPU per run
+# (at start, then ~1.5% of a core) that the ranks need on 2 cores. A real `prefect server` (PREFECT_API_URL)
+# is untouched; setting the variable turns them back on here.
+EMBEDDED_DEFAULTS = {"PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED": "false"}
+
+
 def startup_timeout_s() -> float:
     """How long the server may take to answer: Prefect's own setting when given, else 120 s."""
     return float(os.environ.get(STARTUP_TIMEOUT_ENV) or DEFAULT_STARTUP_TIMEOUT_S)
@@ -74,8 +81,9 @@ class EmbeddedServer:
         self._start_lock = StartLock(prefect_home(), startup_timeout_s())
         self.port = processes.free_port("127.0.0.1")
         self.api_url = f"http://127.0.0.1:{self.port}/api"
-        # What Prefect's SubprocessASGIServer sets for its server process.
-        env = {**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+        # What Prefect's SubprocessASGIServer sets for its server process, and EMBEDDED_DEFAULTS under
+        # whatever the environment sets.
+        env = {**EMBEDDED_DEFAULTS, **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1"}
         cmd = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
