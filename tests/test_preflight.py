@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import tomllib
 import uuid
 from pathlib import Path
 
@@ -469,3 +471,18 @@ def test_the_readme_documents_every_flag_of_txflow_run():
     run = cli._parser()._subparsers._group_actions[0].choices["run"]
     flags = [flag for action in run._actions for flag in action.option_strings if flag.startswith("--")]
     assert [flag for flag in flags if f"`{flag}" not in readme and f"{flag}`" not in readme] == []
+
+
+def test_the_txflow_command_hands_over_its_output_and_exit_code(tmp_path):
+    # `txflow` leaves without the interpreter's module teardown (cli.entry): what it printed must still
+    # arrive whole, and its exit code must still say what it found (1: an incomplete checkpoint).
+    sampler = tmp_path / "model_x" / "sampler_weights"
+    sampler.mkdir(parents=True)
+    (sampler / "step-000001.tar.gz").write_bytes(b"half a save")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout to a pipe is buffered
+    result = run_txflow(["discover", str(tmp_path), "--json"], env=env, cwd=tmp_path, timeout=120)
+    assert result.returncode == 1, result.stderr
+    [artifact] = json.loads(result.stdout)
+    assert (artifact["kind"], artifact["complete"], artifact["bytes"]) == ("sampler", False, 11)
+    assert tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"] == {
+        "txflow": "txflow.cli:entry"}
