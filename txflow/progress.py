@@ -2,8 +2,8 @@
 
 The artifact is updated off the training loop's critical path: a request to the
 Prefect API per step would add its latency to every step, so a background
-thread sends the latest value whenever the previous send is done (updates in
-between coalesce), and `close` sends the last one.
+thread sends the latest value at most once a second (updates in between
+coalesce), and `close` sends the last one at once.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import threading
 from tqdm import tqdm
 
 PROGRESS_ENV = "TXFLOW_PROGRESS"
+MIN_INTERVAL_S = 1.0
 
 
 class StepProgress:
@@ -64,6 +65,9 @@ class StepProgress:
                 closed = self._closed
             if value is not None:
                 update_progress_artifact(self.artifact_id, progress=value)
+                # At most one update a second: each costs the Prefect server CPU that the ranks share.
+                with self._wake:
+                    self._wake.wait_for(lambda: self._closed, timeout=MIN_INTERVAL_S)
             if closed and value is None:
                 return
 
