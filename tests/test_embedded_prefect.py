@@ -122,3 +122,39 @@ def test_automations_are_off_in_the_embedded_server_unless_asked_for(tmp_path, p
         server.stop()
     assert settings["server"]["services"]["triggers"]["enabled"] is enabled
     assert not is_alive(server.proc.pid)
+
+
+@pytest.mark.e2e
+def test_the_last_log_line_reaches_a_named_server_before_the_process_leaves(tmp_path, prefect_db, monkeypatch):
+    # `txflow` exits without Prefect's exit handlers (cli.entry), so the server context must deliver what
+    # Prefect's log worker still holds, also when PREFECT_API_URL names the server (here a real one that
+    # the test starts, standing for a user's `prefect server`).
+    import httpx
+
+    for key in [k for k in os.environ if k.startswith("PREFECT_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PREFECT_HOME", str(new_prefect_home(tmp_path / "prefect-home", prefect_db)))
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    script = """
+import os, sys
+from prefect import flow, get_run_logger
+from txflow import embedded_prefect
+
+@flow
+def hello():
+    get_run_logger().info("the last line of the run")
+
+with embedded_prefect.server(sys.argv[1]):
+    hello()
+os._exit(0)  # as cli.entry leaves
+"""
+    server = embedded_prefect.EmbeddedServer(tmp_path / "server.log")
+    try:
+        server.wait_ready()
+        result = subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                                env={**os.environ, "PREFECT_API_URL": server.api_url}, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        logs = httpx.post(f"{server.api_url}/logs/filter", json={"limit": 200}, timeout=30).json()
+    finally:
+        server.stop()
+    assert "the last line of the run" in [entry["message"] for entry in logs], result.stderr[-3000:]

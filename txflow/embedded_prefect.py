@@ -126,10 +126,14 @@ class EmbeddedServer:
 @contextmanager
 def server(state_dir: str):
     """Start the embedded server (unless PREFECT_API_URL names one) and point this process's Prefect
-    client at it; yields it (or None) and stops it at the end, after Prefect's log and event
-    workers have delivered what they hold."""
+    client at it; yields it (or None) and stops it at the end. Either way, Prefect's log and event
+    workers have delivered what they hold when this returns (`txflow` then exits without running
+    Prefect's exit handlers: `cli.entry`)."""
     if os.environ.get("PREFECT_API_URL"):
-        yield None
+        try:
+            yield None
+        finally:
+            _drain_prefect_workers()
         return
     embedded = EmbeddedServer(Path(state_dir) / "logs" / "prefect-server.log")
     os.environ["PREFECT_API_URL"] = embedded.api_url
