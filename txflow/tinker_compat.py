@@ -147,16 +147,19 @@ async def forward_backward(req: Request):
 
 
 async def retrieve_future(request: dict, req: Request):
-    """Upstream's result; as protobuf for forward, forward_backward and sample when the client asks."""
+    """Upstream's result, noticed sooner (adapter point 11); as protobuf for forward, forward_backward and
+    sample when the client asks."""
     from sqlmodel import select
     from tx.tinker import api, types
     from tx.tinker.db_models import FutureDB
+
+    from txflow.skyrl_adapter import wait_for_result
 
     try:
         retrieve = api.RetrieveFutureRequest.model_validate(request)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
-    result = await api.retrieve_future(retrieve, req)
+    result = await wait_for_result(retrieve.request_id, req)
     if PROTO not in req.headers.get("accept", ""):
         return result
     async with _db(req) as session:
