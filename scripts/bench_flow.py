@@ -191,8 +191,8 @@ def table(label: str, hand: dict, txflow: dict, pair_ratios: list[float] | None 
     lines += [f"median train step: by hand {median_step(hand):.3f} s, flow {median_step(txflow):.3f} s, "
               f"overhead {100 * step_overhead:+.1f}% (target <= 3%)",
               f"mean train step: by hand {means[0]:.3f} s, flow {means[1]:.3f} s, "
-              f"overhead {100 * (means[1] / means[0] - 1):+.1f}% (step times are bimodal, ~0.3 s and ~0.5 s, "
-              "on both sides)", "", "peak RSS (MiB):"]
+              f"overhead {100 * (means[1] / means[0] - 1):+.1f}% (by hand, steps take ~0.3 s or ~0.5 s: upstream's "
+              "result wait, adapter point 11)", "", "peak RSS (MiB):"]
     roles = sorted(set(hand["rss"]) | set(txflow["rss"]))
     lines += [f"- {role}: by hand {hand['rss'].get(role, 0):.0f}, flow {txflow['rss'].get(role, 0):.0f}"
               for role in roles]
