@@ -7,12 +7,25 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.helpers import new_prefect_home
 from txflow import embedded_prefect
 from txflow.processes import is_alive
+
+
+@pytest.fixture
+def own_prefect_home(tmp_path, prefect_db, monkeypatch) -> Path:
+    """A Prefect home of this test's own (a copy of the migrated template database), and no other
+    PREFECT_ setting of the environment."""
+    home = new_prefect_home(tmp_path / "prefect-home", prefect_db)
+    for key in [k for k in os.environ if k.startswith("PREFECT_")]:
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PREFECT_HOME", str(home))
+    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    return home
 
 
 def test_a_second_start_waits_for_the_first_and_gives_up_at_the_limit(tmp_path):
@@ -33,16 +46,11 @@ def test_a_second_start_waits_for_the_first_and_gives_up_at_the_limit(tmp_path):
 
 
 @pytest.mark.e2e
-def test_two_servers_starting_at_once_on_one_database_take_turns_and_both_come_up(tmp_path, prefect_db, monkeypatch):
+def test_two_servers_starting_at_once_on_one_database_take_turns_and_both_come_up(tmp_path, own_prefect_home):
     # Without the start-up lock, one server's block-type registration can collide with the other's
     # (UNIQUE constraint failed: block_type.slug) and it exits: a `txflow run` failed that way in CI
     # (1 start in 3 here, with the lock removed). So the second server must not even be spawned before
     # the first answers.
-    home = new_prefect_home(tmp_path / "prefect-home", prefect_db)
-    for key in [k for k in os.environ if k.startswith("PREFECT_")]:
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("PREFECT_HOME", str(home))
-    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     servers: list[embedded_prefect.EmbeddedServer] = []
     spawned, ready, errors = {}, {}, []
 
@@ -103,15 +111,11 @@ with embedded_prefect.server(sys.argv[1]) as server:
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("given, enabled", [(None, False), ("true", True)])
-def test_automations_are_off_in_the_embedded_server_unless_asked_for(tmp_path, prefect_db, monkeypatch, given,
+def test_automations_are_off_in_the_embedded_server_unless_asked_for(tmp_path, own_prefect_home, monkeypatch, given,
                                                                      enabled):
     # The trigger services cost CPU the ranks need; a server that lives for one run has no use for them.
     import httpx
 
-    for key in [k for k in os.environ if k.startswith("PREFECT_")]:
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("PREFECT_HOME", str(new_prefect_home(tmp_path / "prefect-home", prefect_db)))
-    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if given is not None:
         monkeypatch.setenv("PREFECT_SERVER_SERVICES_TRIGGERS_ENABLED", given)
     server = embedded_prefect.EmbeddedServer(tmp_path / "server.log")
@@ -125,16 +129,12 @@ def test_automations_are_off_in_the_embedded_server_unless_asked_for(tmp_path, p
 
 
 @pytest.mark.e2e
-def test_the_last_log_line_reaches_a_named_server_before_the_process_leaves(tmp_path, prefect_db, monkeypatch):
+def test_the_last_log_line_reaches_a_named_server_before_the_process_leaves(tmp_path, own_prefect_home):
     # `txflow` exits without Prefect's exit handlers (cli.entry), so the server context must deliver what
     # Prefect's log worker still holds, also when PREFECT_API_URL names the server (here a real one that
     # the test starts, standing for a user's `prefect server`).
     import httpx
 
-    for key in [k for k in os.environ if k.startswith("PREFECT_")]:
-        monkeypatch.delenv(key)
-    monkeypatch.setenv("PREFECT_HOME", str(new_prefect_home(tmp_path / "prefect-home", prefect_db)))
-    monkeypatch.setenv("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     script = """
 import os, sys
 from prefect import flow, get_run_logger
