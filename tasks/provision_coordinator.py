@@ -81,7 +81,7 @@ def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
         handle = ClusterHandle.watch(cluster, launcher)
         engine_argv = skyrl_adapter.engine_args(cfg, cluster.base_model_path, cluster.checkpoints_base,
                                                 cluster.coordinator_address)
-        env = child_env(cfg, db_url)
+        env = child_env(cfg, db_url) | skyrl_adapter.wake_env()  # the API and the engine wake each other
         # The API first (it creates the database tables), then rank 0 without waiting for it: the
         # engine waits for the tables itself after its imports (adapter point 8).
         api = launcher.start(cluster, "api", None, skyrl_adapter.api_command(engine_argv, cluster.host,

@@ -57,6 +57,10 @@ def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, 
     assert len(alive_pids(cfg.state_dir)) == 3
     # The readiness sample went through rank 1: it received the config and served the command.
     assert "entering command loop" in Path(by_role["worker"]["log"]).read_text()
+    # The readiness sample's result reached the API by the engine's wake (adapter point 12). (The
+    # request was stored before the engine ran, so the engine found it by looking; the SFT e2e test
+    # checks the other direction.)
+    assert "the engine's wakes reach the API" in Path(by_role["api"]["log"]).read_text()
     # Loopback only, for the API and the JAX coordinator.
     assert listening_addresses(cluster.api_port) == {"127.0.0.1"}
     assert listening_addresses(cluster.coordinator_port) == {"127.0.0.1"}

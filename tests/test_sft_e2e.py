@@ -67,6 +67,13 @@ def test_no_process_of_the_run_is_left(sft_run):
     assert alive_pids(sft_run["state"]) == []
 
 
+def test_the_api_and_the_engine_woke_each_other(sft_run):
+    # Adapter point 12: every training step's requests woke the engine, and its results the API.
+    logs = sft_run["state"] / "logs"
+    assert "the API's wakes reach the engine" in (logs / "rank0.log").read_text()
+    assert "the engine's wakes reach the API" in (logs / "api.log").read_text()
+
+
 def test_the_run_used_postgres(sft_run):
     # The URL was really used: SkyRL-tx's tables there hold this run's models.
     engine = sqlalchemy.create_engine(sft_run["database_url"])

@@ -83,7 +83,20 @@ workaround can go:
     of a tenth of the time waited so far, between 10 ms and 0.25 s: a result is
     noticed at most ~10% late, for ~20 more looks at the database per second
     of waiting early on, fewer later. Can go when upstream's wait is tighter
-    or notified.
+    or notified. With 12., the schedule is only the fallback: a result is
+    noticed when the engine's wake comes, with a look every 0.25 s besides.
+12. The API and the engine find each other's work only by polling the
+    database: besides 11., the engine sleeps 0.1 s after every pass over its
+    pending requests, so each request that arrives while it sleeps (every
+    training step's) waits up to 0.1 s before the engine sees it; that was a
+    third of a 0.3 s step. With `wake_env` in both environments, each end
+    sends the other a wake after the commits that matter (`txflow/wake.py`):
+    the API after committing a new request (`create_future`'s session), the
+    engine after completing futures (`_complete_futures`). The engine's 0.1 s
+    sleep ends at a wake (after a 10 ms quiet spell, so that requests sent
+    together are still batched together), and `wait_for_result` looks at
+    once. The database stays the only source of truth; without wakes both
+    ends poll as in 11. Can go when upstream's engine is notified of work.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the
@@ -190,6 +203,13 @@ def engine_args(
         "--session-timeout-sec",
         "120",
     ]
+
+
+def wake_env() -> dict[str, str]:
+    """Environment for the API and rank 0 (the engine) of one cluster: the name of their wake channel (12.)."""
+    from txflow import wake
+
+    return {wake.ENV: wake.new_name()}
 
 
 def coordinator_env(coordinator_address: str | None) -> dict[str, str]:
@@ -299,6 +319,8 @@ RANK_READY_MARKERS = {
 
 def serve_api(argv: list[str]) -> None:
     """Run the upstream FastAPI app with a lifespan that does not spawn an engine."""
+    import asyncio
+
     import uvicorn
     from sqlmodel import SQLModel
     from sqlalchemy.ext.asyncio import create_async_engine
@@ -308,7 +330,7 @@ def serve_api(argv: list[str]) -> None:
     from tx.tinker.db_models import enable_sqlite_wal, get_async_database_url
     from tx.utils.log import get_uvicorn_log_config
 
-    from txflow import tinker_compat
+    from txflow import tinker_compat, wake
 
     parser = argparse.ArgumentParser(description="SkyRL-tx Tinker API without its engine spawn")
     add_model(parser, EngineConfig)
@@ -325,16 +347,38 @@ def serve_api(argv: list[str]) -> None:
         async with app.state.db_engine.begin() as conn:
             await conn.run_sync(SQLModel.metadata.create_all)
         app.state.external_inference_client = None
+        channel = wake.Channel.from_env("api", "engine")  # (12.)
+        app.state.result_wakes = wake.AsyncWakes(channel, asyncio.get_running_loop()) if channel else None
         yield
+        if app.state.result_wakes:
+            app.state.result_wakes.close()
         await app.state.db_engine.dispose()
 
     api.app.router.lifespan_context = lifespan
+    _wake_engine_on_new_requests(api)
     tinker_compat.install(api.app)
     api.app.state.engine_config = engine_config
     uvicorn.run(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
 
 
-# --- result latency (11.) -----------------------------------------------------
+def _wake_engine_on_new_requests(api) -> None:
+    """Every request the API stores goes through upstream's `create_future`: once the session that
+    stored one commits, wake the engine (12.)."""
+    from sqlalchemy import event
+
+    upstream = api.create_future
+
+    async def create_future(session, *args, **kwargs):
+        request_id = await upstream(session, *args, **kwargs)
+        wakes = api.app.state.result_wakes
+        if wakes:
+            event.listen(session.sync_session, "after_commit", lambda _session: wakes.channel.send(), once=True)
+        return request_id
+
+    api.create_future = create_future
+
+
+# --- result latency (11.) and wake-ups (12.) -----------------------------------
 
 RESULT_TIMEOUT_S = 300.0  # upstream's
 RESULT_POLL_MIN_S, RESULT_POLL_MAX_S, RESULT_POLL_FRACTION = 0.01, 0.25, 0.1
@@ -347,7 +391,8 @@ def result_poll_s(waited_s: float) -> float:
 
 async def wait_for_result(request_id: str, req) -> Any:
     """Upstream's `retrieve_future` wait (the same answers: the result, 404, 400 with the engine's error,
-    500, 408 after 300 s), with `result_poll_s` between looks instead of upstream's 0.1 s x 1.5^n."""
+    500, 408 after 300 s). It looks again when the engine's wake comes, else every 0.25 s (12.); without
+    wakes, after `result_poll_s` instead of upstream's 0.1 s x 1.5^n (11.)."""
     import asyncio
     import time
 
@@ -357,8 +402,10 @@ async def wait_for_result(request_id: str, req) -> Any:
     from sqlmodel.ext.asyncio.session import AsyncSession
     from tx.tinker.db_models import FutureDB, RequestStatus
 
+    wakes = getattr(req.app.state, "result_wakes", None)
     began = time.perf_counter()
     while time.perf_counter() - began < RESULT_TIMEOUT_S:
+        woken = wakes.event() if wakes else None  # before the look: a wake during it is not missed
         try:
             async with AsyncSession(req.app.state.db_engine) as session:
                 # The status first, so that a pending future's result JSON is not read on every look.
@@ -376,7 +423,14 @@ async def wait_for_result(request_id: str, req) -> Any:
                     raise HTTPException(status_code=500, detail="Unknown error")
         except SATimeoutError:
             pass
-        await asyncio.sleep(result_poll_s(time.perf_counter() - began))
+        if woken is None:
+            await asyncio.sleep(result_poll_s(time.perf_counter() - began))
+        else:
+            try:
+                await asyncio.wait_for(woken.wait(), RESULT_POLL_MAX_S)
+                _say_once(wakes, "the engine's wakes reach the API")
+            except TimeoutError:
+                pass
     raise HTTPException(status_code=408, detail="Timeout waiting for result")
 
 
@@ -608,6 +662,48 @@ def _engine_waits_for_tables(timeout_s: float = 300.0) -> None:
     TinkerEngine.run = run
 
 
+def _say_once(holder, text: str) -> None:
+    """One line in this process's log the first time a wake arrives: proof that the channel works."""
+    if not getattr(holder, "said", False):
+        holder.said = True
+        print(f"txflow: {text} (adapter point 12)", file=sys.stderr, flush=True)
+
+
+class _EngineClock:
+    """What upstream's engine module sees as `time`. Its one `time.sleep`, the 0.1 s after each pass over
+    the pending requests, ends early at the API's wake (12.); everything else is the `time` module."""
+
+    def __init__(self, channel):
+        self._channel = channel
+
+    def sleep(self, seconds: float) -> None:
+        if self._channel.sleep(seconds):
+            _say_once(self, "the API's wakes reach the engine")
+
+    def __getattr__(self, name: str):
+        import time
+
+        return getattr(time, name)
+
+
+def _engine_wakes(engine_module) -> None:
+    """The engine's end of the wake channel (12.): woken by new requests, waking the API once its
+    results are committed."""
+    from txflow import wake
+
+    channel = wake.Channel.from_env("engine", "api")
+    if channel is None:
+        return
+    engine_module.time = _EngineClock(channel)
+    upstream_complete = engine_module.TinkerEngine._complete_futures
+
+    def _complete_futures(self, results):
+        upstream_complete(self, results)
+        channel.send()
+
+    engine_module.TinkerEngine._complete_futures = _complete_futures
+
+
 def run_upstream(module: str, argv: list[str], gate_timeout_s: float | None = None) -> None:
     """Run an upstream entry point (engine or worker) with txflow's checkpoint I/O installed; a worker
     given `gate_timeout_s` joins only once rank 0's coordinator listens (8.)."""
@@ -619,6 +715,7 @@ def run_upstream(module: str, argv: list[str], gate_timeout_s: float | None = No
     if module == ENGINE_MODULE:
         _engine_waits_for_tables()
         _broadcast_delete_model()
+        _engine_wakes(entry)
     if gate_timeout_s is not None:
         _gate_on_coordinator(argv[argv.index("--coordinator-address") + 1], gate_timeout_s)
     sys.argv = [module, *argv]
