@@ -18,6 +18,7 @@ from sqlmodel.ext.asyncio.session import AsyncSession
 from tx.tinker import api, types
 from tx.tinker.db_models import FutureDB, RequestStatus
 
+from tests.test_result_wait import _add
 from txflow import skyrl_adapter, wake
 
 LONG_S = 30.0  # a sleep that a wake must cut short
@@ -198,12 +199,7 @@ def test_a_waiting_result_is_returned_at_the_engines_wake_not_at_the_next_look(t
         wakes = wake.AsyncWakes(api_end, asyncio.get_running_loop())
         req = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(db_engine=db, result_wakes=wakes)))
         try:
-            async with AsyncSession(db) as session:
-                future = FutureDB(request_type=types.RequestType.OPTIM_STEP, request_data={})
-                session.add(future)
-                await session.commit()
-                await session.refresh(future)
-                request_id = future.request_id
+            request_id = await _add(db)  # a pending request, as the API stores it
             waiting = asyncio.create_task(skyrl_adapter.wait_for_result(str(request_id), req))
             await asyncio.sleep(0.3)
             assert not waiting.done()
@@ -235,12 +231,7 @@ def test_a_wake_that_comes_while_the_api_looks_is_not_missed(tmp_path, monkeypat
         api_end, engine_end = pair()
         wakes = wake.AsyncWakes(api_end, asyncio.get_running_loop())
         req = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(db_engine=db, result_wakes=wakes)))
-        async with AsyncSession(db) as session:
-            future = FutureDB(request_type=types.RequestType.OPTIM_STEP, request_data={})
-            session.add(future)
-            await session.commit()
-            await session.refresh(future)
-            request_id = future.request_id
+        request_id = await _add(db)  # a pending request, as the API stores it
 
         async def exec_then_engine_finishes(self, statement, *args, **kwargs):
             found = await upstream_exec(self, statement, *args, **kwargs)
