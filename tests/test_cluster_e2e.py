@@ -155,7 +155,8 @@ def test_every_process_is_stopped_after_sigterm_to_the_flow_process(tmp_path, tx
 
 def test_sigkill_of_txflow_leaves_nothing_it_started_alive_within_15_s(tmp_path, txflow_env, reaper):
     """What an OOM kill or a lost terminal does: no Python code of txflow runs. Every process it
-    started (API, ranks, the embedded Prefect server) notices its parent's death by itself."""
+    started (API, ranks, the embedded Prefect server) dies by itself: each notices its parent's
+    death, or a rank dies first with its peer."""
     state = reaper.watch(tmp_path / "state")
     log = open(tmp_path / "txflow.log", "w")
     proc = subprocess.Popen(txflow_cmd(*_sft_args(tmp_path, "kill9", "--steps", "500")), env=txflow_env,
@@ -185,5 +186,13 @@ def test_sigkill_of_txflow_leaves_nothing_it_started_alive_within_15_s(tmp_path,
         left = [(pid, t) for pid, t in left if is_alive(pid, t)]
     assert left == [], {pid: commands.get(pid) for pid, _ in left}
     print(f"every descendant gone {time.monotonic() - killed_at:.1f} s after the SIGKILL")
-    for name in ("api", "rank0", "rank1"):
-        assert f"parent process {proc.pid} is gone" in (state / "logs" / f"{name}.log").read_text()
+    noticed = f"parent process {proc.pid} is gone"
+    logs = {name: (state / "logs" / f"{name}.log").read_text() for name in ("api", "rank0", "rank1")}
+    assert noticed in logs["api"], logs["api"][-3000:]
+    # The ranks' lifelines fire together. The first rank to die can take its peer with it: JAX aborts a
+    # rank whose coordination service (or whose peer's) connection closes, and that abort can win the
+    # race against the peer's own lifeline thread (CI saw it once). So at least one rank must have
+    # noticed by itself, and the other either noticed too or aborted on losing its peer.
+    assert noticed in logs["rank0"] or noticed in logs["rank1"], {n: t[-2000:] for n, t in logs.items()}
+    for name in ("rank0", "rank1"):
+        assert noticed in logs[name] or "CoordinationService" in logs[name], logs[name][-3000:]
