@@ -8,9 +8,15 @@ extra process, all at once; wait for /healthz; run a cookbook-style loop
 state and the sampler weights; restore the state into a fresh client and run
 a forward pass; sample greedily from the saved sampler; kill everything.
 
-Prints one JSON object: seconds per phase, per-step seconds, the first and last
-loss, and the pids of the processes it started (for the benchmark's RSS
-readings). Used by `scripts/bench_flow.py`; not part of txflow.
+The job is the flow's, batch for batch: the same held-out tenth of the data
+(the flow evaluates on it), the same seeded shuffle per epoch (txflow.sft's
+`batch_indices`, plain data code) and the same adapter seed. So both sides
+compute the same losses, which the benchmark checks; a different data order
+alone moved the ranks' peak RSS by ~50 MiB at 100 steps.
+
+Prints one JSON object: seconds per phase, per-step seconds and per-step
+losses (the benchmark reads memory and CPU from /proc itself). Used by
+`scripts/bench_flow.py`; not part of txflow.
 
     python scripts/bench_by_hand.py --model-dir DIR --dataset FILE [--steps 20] [--processes 2]
 """
@@ -52,6 +58,7 @@ def main() -> int:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--learning-rate", type=float, default=2e-2)
     parser.add_argument("--lora-rank", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
 
     began = time.monotonic()
@@ -90,6 +97,9 @@ def main() -> int:
         from tinker import types
         from transformers import AutoTokenizer
 
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from txflow.sft import batch_indices
+
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
         rows = [json.loads(line) for line in Path(args.dataset).read_text().splitlines() if line.strip()]
 
@@ -100,14 +110,16 @@ def main() -> int:
             return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
 
-        data = [datum(row) for row in rows]
+        held_out = max(1, len(rows) // 10) if len(rows) > 1 else 0
+        data = [datum(row) for row in rows[: len(rows) - held_out]]
         service = tinker.ServiceClient(base_url=base_url, api_key="tml-by-hand")
-        training = service.create_lora_training_client(base_model=args.model_dir, rank=args.lora_rank)
+        training = service.create_lora_training_client(base_model=args.model_dir, rank=args.lora_rank,
+                                                       seed=args.seed)
         phases["cluster_up"] = time.monotonic() - began
         adam = types.AdamParams(learning_rate=args.learning_rate)
         for step in range(args.steps):
             started = time.monotonic()
-            batch = [data[(step * args.batch_size + i) % len(data)] for i in range(args.batch_size)]
+            batch = [data[i] for i in batch_indices(len(data), step, args.batch_size, args.seed)]
             fwd_bwd = training.forward_backward(batch, "cross_entropy")
             optim = training.optim_step(adam)
             out = fwd_bwd.result()
@@ -143,7 +155,7 @@ def main() -> int:
     phases["total"] = time.monotonic() - began
     print(json.dumps({"phases": {k: round(v, 3) for k, v in phases.items()},
                       "step_seconds": [round(s, 4) for s in step_seconds], "steps": len(step_seconds),
-                      "loss_first": losses[0], "loss_last": losses[-1]}))
+                      "losses": losses}))
     return 0
 
 

@@ -42,6 +42,7 @@ from txflow.tiny_model import build_tiny_model  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 JOB = {"processes": 2, "batch_size": 4, "lora_rank": 32, "learning_rate": 2e-2}
+LOSS_TOLERANCE = 1e-5
 
 
 class PeakRSS:
@@ -130,7 +131,8 @@ def by_hand(steps: int, env: dict, work: Path) -> dict:
     phases = result["phases"]
     return {"wall": wall, "outside": wall - phases["total"], "cluster_up": phases["cluster_up"],
             "train": phases["train"], "save_restore": phases["save_restore"], "teardown": phases["teardown"],
-            "steps": result["steps"], "step_seconds": result["step_seconds"], "rss": peaks, "cpu": cpu}
+            "steps": result["steps"], "step_seconds": result["step_seconds"], "losses": result["losses"],
+            "rss": peaks, "cpu": cpu}
 
 
 def flow(steps: int, env: dict, work: Path, run_id: str) -> dict:
@@ -145,8 +147,15 @@ def flow(steps: int, env: dict, work: Path, run_id: str) -> dict:
             "cluster_up": t["provision-coordinator"] + t["launch-workers"], "train": t["train"],
             "save_restore": t["save-checkpoint"] + t["discover-artifacts"] + t["evaluate-restore"],
             "teardown": t["teardown"], "steps": len(report["metrics"]),
-            "step_seconds": [m["seconds"] for m in report["metrics"]], "rss": peaks, "cpu": cpu,
+            "step_seconds": [m["seconds"] for m in report["metrics"]], "losses": [m["nll"] for m in report["metrics"]],
+            "rss": peaks, "cpu": cpu,
             "restore_passed": report["restore"]["passed"]}
+
+
+def loss_gap(hand: dict, txflow: dict) -> float:
+    """The largest difference between the two sides' per-step losses: both run the same batches from the
+    same adapter seed, so anything above float noise means they did not run the same job."""
+    return max(abs(a - b) for a, b in zip(hand["losses"], txflow["losses"], strict=True))
 
 
 def median_step(side: dict) -> float:
@@ -236,16 +245,20 @@ def main() -> int:
             by_hand(args.steps, env, work)
             flow(args.steps, env, work, f"warm-{len(results)}")
         for steps, repeat in [(args.steps, args.repeat)] + ([(args.long_steps, 1)] if args.long_steps else []):
-            hands, flows = [], []
+            hands, flows, gaps = [], [], []
             for i in range(repeat):
                 hands.append(by_hand(steps, env, work))
                 flows.append(flow(steps, env, work, f"bench-{cache}-{steps}-{i}"))
                 assert hands[-1]["steps"] == flows[-1]["steps"] == steps, (hands[-1]["steps"], flows[-1]["steps"])
                 assert flows[-1]["restore_passed"]
+                gaps.append(loss_gap(hands[-1], flows[-1]))
+                assert gaps[-1] <= LOSS_TOLERANCE, f"not the same job: per-step losses differ by up to {gaps[-1]:.3g}"
             hand, txflow = combine(hands), combine(flows)
             results.append((cache, steps, hand, txflow))
             label = f"compilation cache {cache}, {steps} steps" + (f", median of {repeat} pairs" if repeat > 1 else "")
             print(table(label, hand, txflow, [f["wall"] / h["wall"] for h, f in zip(hands, flows)]), flush=True)
+            print(f"same job: every step's loss agrees between the sides within {max(gaps):.1e} "
+                  f"(limit {LOSS_TOLERANCE:.0e})\n", flush=True)
     if len(results) > 1:
         print("## fixed cost (whole process minus steps x median step)\n")
         for cache, steps, hand, txflow in results:

@@ -1,5 +1,6 @@
 """The flow-versus-by-hand benchmark's output (scripts/bench_flow.py), on synthetic measurements:
-its format, and that it refuses to compare sides that ran a different number of steps. No timing here."""
+its format, and that it refuses to compare sides that did not run the same job (a different number of
+steps, or different losses). No timing here."""
 
 from __future__ import annotations
 
@@ -21,10 +22,20 @@ def bench():
     return module
 
 
-def side(wall: float, steps: int, step_s: float, rss: dict, cpu: dict | None = None) -> dict:
+def side(wall: float, steps: int, step_s: float, rss: dict, cpu: dict | None = None, nudge: float = 0.0) -> dict:
     return {"wall": wall, "outside": 1.0, "cluster_up": 20.0, "train": steps * step_s, "save_restore": 10.0,
             "teardown": 0.2, "steps": steps, "step_seconds": [7.0] + [step_s] * (steps - 1), "rss": rss,
-            "cpu": cpu or {}, "restore_passed": True}
+            "cpu": cpu or {}, "restore_passed": True, "losses": [3.0 - 0.1 * i + nudge for i in range(steps)]}
+
+
+def run_main(bench, monkeypatch, tmp_path, hand, flow):
+    monkeypatch.setattr(bench, "by_hand", lambda steps, env, work: hand(steps))
+    monkeypatch.setattr(bench, "flow", lambda steps, env, work, run_id: flow(steps))
+    monkeypatch.setattr(bench, "build_tiny_model", lambda: tmp_path)
+    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: None)
+    monkeypatch.setattr(sys, "argv", ["bench_flow.py", "--steps", "20", "--long-steps", "0", "--cache", "off",
+                                      "--repeat", "1"])
+    return bench.main()
 
 
 def test_the_table_reports_phases_ratio_step_overhead_and_memory(bench):
@@ -47,14 +58,25 @@ def test_the_table_reports_phases_ratio_step_overhead_and_memory(bench):
 
 
 def test_sides_with_different_step_counts_are_not_compared(bench, monkeypatch, tmp_path, capsys):
-    monkeypatch.setattr(bench, "by_hand", lambda steps, env, work: side(50.0, steps, 0.3, {}))
-    monkeypatch.setattr(bench, "flow", lambda steps, env, work, run_id: side(55.0, steps - 1, 0.3, {}))
-    monkeypatch.setattr(bench, "build_tiny_model", lambda: tmp_path)
-    monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: None)
-    monkeypatch.setattr(sys, "argv", ["bench_flow.py", "--steps", "20", "--long-steps", "0", "--cache", "off"])
     with pytest.raises(AssertionError):
-        bench.main()
+        run_main(bench, monkeypatch, tmp_path, lambda steps: side(50.0, steps, 0.3, {}),
+                 lambda steps: side(55.0, steps - 1, 0.3, {}))
     assert "whole-process ratio" not in capsys.readouterr().out
+
+
+def test_sides_whose_losses_differ_did_not_run_the_same_job(bench, monkeypatch, tmp_path, capsys):
+    with pytest.raises(AssertionError, match="not the same job: per-step losses differ by up to 0.01"):
+        run_main(bench, monkeypatch, tmp_path, lambda steps: side(50.0, steps, 0.3, {}),
+                 lambda steps: side(55.0, steps, 0.3, {}, nudge=0.01))
+    assert "whole-process ratio" not in capsys.readouterr().out
+
+
+def test_sides_that_ran_the_same_job_are_compared_and_say_so(bench, monkeypatch, tmp_path, capsys):
+    assert run_main(bench, monkeypatch, tmp_path, lambda steps: side(50.0, steps, 0.3, {}),
+                    lambda steps: side(55.0, steps, 0.3, {}, nudge=2e-6)) == 0
+    out = capsys.readouterr().out
+    assert "steps: by hand 20, flow 20" in out and "whole-process ratio: 1.100" in out
+    assert "same job: every step's loss agrees between the sides within 2.0e-06 (limit 1e-05)" in out
 
 
 def test_repeated_pairs_report_the_median_ratio_and_pool_their_steps(bench):
