@@ -27,7 +27,11 @@ def child_env(cfg: RunConfig, database_url: str) -> dict[str, str]:
            # Compiled programs persist across runs: a new cluster skips most of its ~10 s of JIT per rank.
            # An explicit JAX_COMPILATION_CACHE_DIR (or "" to switch it off) wins.
            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
-                                                       str(cache_dir() / "jax-compilation"))}
+                                                       str(cache_dir() / "jax-compilation")),
+           # glibc gives threads up to 8 malloc arenas per core, and XLA's thread pool fragments them: a
+           # rank's RSS then grows with every step (+330 MiB over 100 SFT steps here, against +100 MiB with
+           # 2 arenas) at no step time we could measure. An explicit MALLOC_ARENA_MAX wins.
+           "MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
     if Path(cfg.base_model).is_dir() or cfg.base_model == "tiny":
         # A local model needs no hub; never let a rank try to reach one.
         env["HF_HUB_OFFLINE"] = "1"

@@ -61,6 +61,9 @@ def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, 
     # request was stored before the engine ran, so the engine found it by looking; the SFT e2e test
     # checks the other direction.)
     assert "the engine's wakes reach the API" in Path(by_role["api"]["log"]).read_text()
+    # Every process of the cluster runs with 2 malloc arenas: a rank's heap would grow with the steps.
+    for proc in recorded["processes"]:
+        assert b"\0MALLOC_ARENA_MAX=2\0" in b"\0" + Path(f"/proc/{proc['pid']}/environ").read_bytes(), proc["role"]
     # Loopback only, for the API and the JAX coordinator.
     assert listening_addresses(cluster.api_port) == {"127.0.0.1"}
     assert listening_addresses(cluster.coordinator_port) == {"127.0.0.1"}
