@@ -45,6 +45,18 @@ def test_a_second_start_waits_for_the_first_and_gives_up_at_the_limit(tmp_path):
     got[0].release()
 
 
+def test_a_server_that_cannot_be_spawned_leaves_the_start_lock_free(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path))
+
+    def no_spawn(*args, **kwargs):
+        raise OSError("fork failed")
+
+    monkeypatch.setattr(embedded_prefect.processes, "spawn", no_spawn)
+    with pytest.raises(OSError, match="fork failed"):
+        embedded_prefect.EmbeddedServer(tmp_path / "server.log")
+    embedded_prefect.StartLock(tmp_path, timeout_s=0).release()  # free at once, not held by the failed start
+
+
 @pytest.mark.e2e
 def test_two_servers_starting_at_once_on_one_database_take_turns_and_both_come_up(tmp_path, own_prefect_home):
     # Without the start-up lock, one server's block-type registration can collide with the other's

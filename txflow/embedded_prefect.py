@@ -87,7 +87,11 @@ class EmbeddedServer:
                "PREFECT__SERVER_FINAL": "1"}
         cmd = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
-        self.proc = processes.spawn(lifeline.guarded(cmd), log, env=lifeline.child_env(env))
+        try:
+            self.proc = processes.spawn(lifeline.guarded(cmd), log, env=lifeline.child_env(env))
+        except BaseException:  # no server, so no `stop`: the next start in this process must not wait on us
+            self._start_lock.release()
+            raise
 
     def wait_ready(self) -> None:
         """Block until the server answers /health; fail with its log when it dies or does not answer in time.
