@@ -393,6 +393,11 @@ async def wait_for_result(request_id: str, req) -> Any:
     """Upstream's `retrieve_future` wait (the same answers: the result, 404, 400 with the engine's error,
     500, 408 after 300 s). It looks again when the engine's wake comes, else every 0.25 s (12.); without
     wakes, after `result_poll_s` instead of upstream's 0.1 s x 1.5^n (11.)."""
+    return (await wait_for_future(request_id, req)).result_data
+
+
+async def wait_for_future(request_id: str, req) -> Any:
+    """`wait_for_result`, returning the completed future's row (its `request_type` included)."""
     import asyncio
     import time
 
@@ -417,7 +422,7 @@ async def wait_for_result(request_id: str, req) -> Any:
                     found = await session.exec(select(FutureDB).where(FutureDB.request_id == int(request_id)))
                     future = found.first()
                     if future.status == RequestStatus.COMPLETED:
-                        return future.result_data
+                        return future
                     if future.result_data and "error" in future.result_data:
                         raise HTTPException(status_code=400, detail=future.result_data["error"])
                     raise HTTPException(status_code=500, detail="Unknown error")

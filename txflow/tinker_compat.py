@@ -149,22 +149,18 @@ async def forward_backward(req: Request):
 async def retrieve_future(request: dict, req: Request):
     """Upstream's result, noticed sooner (adapter point 11); as protobuf for forward, forward_backward and
     sample when the client asks."""
-    from sqlmodel import select
     from tx.tinker import api, types
-    from tx.tinker.db_models import FutureDB
 
-    from txflow.skyrl_adapter import wait_for_result
+    from txflow.skyrl_adapter import wait_for_future
 
     try:
         retrieve = api.RetrieveFutureRequest.model_validate(request)
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
-    result = await wait_for_result(retrieve.request_id, req)
+    future = await wait_for_future(retrieve.request_id, req)
+    result, request_type = future.result_data, future.request_type
     if PROTO not in req.headers.get("accept", ""):
         return result
-    async with _db(req) as session:
-        found = await session.exec(select(FutureDB.request_type).where(FutureDB.request_id == int(retrieve.request_id)))
-        request_type = found.first()
     if request_type in (types.RequestType.FORWARD, types.RequestType.FORWARD_BACKWARD):
         return Response(encode_forward_backward_output(result), media_type=PROTO)
     if request_type == types.RequestType.SAMPLE:
