@@ -9,10 +9,10 @@ state and the sampler weights; restore the state into a fresh client and run
 a forward pass; sample greedily from the saved sampler; kill everything.
 
 The job is the flow's, batch for batch: the same held-out tenth of the data
-(the flow evaluates on it), the same seeded shuffle per epoch (txflow.sft's
-`batch_indices`, plain data code) and the same adapter seed. So both sides
-compute the same losses, which the benchmark checks; a different data order
-alone moved the ranks' peak RSS by ~50 MiB at 100 steps.
+(the flow evaluates on it), the same seeded shuffle per epoch (both from
+txflow.sft's `split` and `batch_indices`, plain data code) and the same adapter
+seed. So both sides compute the same losses, which the benchmark checks; a
+different data order alone moved the ranks' peak RSS by ~50 MiB at 100 steps.
 
 Prints one JSON object: seconds per phase, per-step seconds and per-step
 losses (the benchmark reads memory and CPU from /proc itself). Used by
@@ -98,7 +98,7 @@ def main() -> int:
         from transformers import AutoTokenizer
 
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from txflow.sft import batch_indices
+        from txflow.sft import batch_indices, split
 
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
         rows = [json.loads(line) for line in Path(args.dataset).read_text().splitlines() if line.strip()]
@@ -110,8 +110,7 @@ def main() -> int:
             return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
 
-        held_out = max(1, len(rows) // 10) if len(rows) > 1 else 0
-        data = [datum(row) for row in rows[: len(rows) - held_out]]
+        data = [datum(row) for row in split(rows)[0]]
         service = tinker.ServiceClient(base_url=base_url, api_key="tml-by-hand")
         training = service.create_lora_training_client(base_model=args.model_dir, rank=args.lora_rank,
                                                        seed=args.seed)

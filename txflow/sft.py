@@ -27,11 +27,16 @@ def encode(row: dict, tokenizer, max_len: int, where: str) -> Example:
 
 
 def prepare(rows: list[dict], tokenizer, max_len: int, url: str) -> SFTData:
-    """Tokenize every row; the last tenth (at least one row) is held out for evaluation."""
+    """Tokenize every row; the last tenth is held out for evaluation (`split`)."""
     examples = [encode(row, tokenizer, max_len, f"{url} line {i + 1}") for i, row in enumerate(rows)]
-    held_out = max(1, len(examples) // 10) if len(examples) > 1 else 0
-    train = examples[: len(examples) - held_out]
-    return SFTData(train=train, eval=examples[len(examples) - held_out :] or train[:1])
+    train, held_out = split(examples)
+    return SFTData(train=train, eval=held_out or train[:1])
+
+
+def split(items: list) -> tuple[list, list]:
+    """(train, held out): the last tenth, at least one item, is held out; a single item is all train."""
+    held_out = max(1, len(items) // 10) if len(items) > 1 else 0
+    return items[: len(items) - held_out], items[len(items) - held_out :]
 
 
 def to_datum(example: Example):
