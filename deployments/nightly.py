@@ -1,5 +1,5 @@
 """The `nightly-validation` flow: a short SFT run and a short RL run of `train` as
-subflows, then tonight's figures against the nights before (`txflow.history`).
+subflows, then tonight's figures against the nights before (`txflow.reporting.history`).
 
 It fails (Failed state, the reasons in its message and in the `nightly-validation`
 markdown artifact) when a run fails or misses its checks, or when a figure is worse
@@ -20,10 +20,10 @@ from prefect import flow
 
 from deployments.defaults import NIGHTLY_RL, NIGHTLY_SFT
 from flows.train import RunFailed, train_flow
-from txflow import history
+from txflow.cluster.launchers import stop_cluster
 from txflow.config import RunConfig, new_run_id
-from txflow.launchers import stop_cluster
 from txflow.log import get_logger
+from txflow.reporting import history
 
 ARTIFACT_KEY = "nightly-validation"
 HISTORY_DIR = "nightly-history"

@@ -27,17 +27,17 @@ from tasks.provision_coordinator import provision_coordinator
 from tasks.save_checkpoint import save_checkpoint
 from tasks.teardown import teardown
 from tasks.train import train
-from txflow import report as run_report
-from txflow import storage
-from txflow.cluster import as_json
+from txflow.checkpoints import storage
+from txflow.cluster.handle import ClusterHandle
+from txflow.cluster.launchers import get_launcher, stop_cluster
+from txflow.cluster.monitor import Failure, NoProgress
+from txflow.cluster.records import as_json
 from txflow.config import RunConfig
-from txflow.handle import ClusterHandle
-from txflow.launchers import get_launcher, stop_cluster
 from txflow.log import get_logger, register_run_secrets
-from txflow.monitor import Failure, NoProgress
 from txflow.preflight import prepare
+from txflow.reporting import report as run_report
+from txflow.reporting.metrics import metrics_path, read_metrics
 from txflow.results import Discovered, RestoreCheck, Saved, Trained
-from txflow.run_files import metrics_path, read_metrics
 
 
 class RunFailed(RuntimeError):

@@ -10,7 +10,7 @@ a forward pass; sample greedily from the saved sampler; kill everything.
 
 The job is the flow's, batch for batch: the same held-out tenth of the data
 (the flow evaluates on it), the same seeded shuffle per epoch (both from
-txflow.sft's `split` and `batch_indices`, plain data code) and the same adapter
+`txflow.training.sft.split` and `txflow.training.datasets.batch_indices`, plain data code) and the same adapter
 seed. So both sides compute the same losses, which the benchmark checks; a
 different data order alone moved the ranks' peak RSS by ~50 MiB at 100 steps.
 
@@ -98,7 +98,8 @@ def main() -> int:
         from transformers import AutoTokenizer
 
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-        from txflow.sft import batch_indices, split
+        from txflow.training.datasets import batch_indices
+        from txflow.training.sft import split
 
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
         rows = [json.loads(line) for line in Path(args.dataset).read_text().splitlines() if line.strip()]

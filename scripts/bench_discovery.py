@@ -6,7 +6,7 @@ leaves them: periodic and final training states (txflow's one state file),
 sampler tarballs (real gzip tarballs) with their `.probe` markers, a commit
 marker per checkpoint as `storage.commit` writes it (sizes and MD5s), and the
 run's own files. Then times, in the same run and on the same store,
-`fs.find(root, detail=True)` (the baseline) and `txflow.discovery.discover(root)`
+`fs.find(root, detail=True)` (the baseline) and `txflow.checkpoints.discovery.discover(root)`
 (classification and verification included), and counts the S3 requests
 discovery sends. Prints both times, their ratio (target <= 1.5) and the
 requests per checkpoint.
@@ -26,8 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from txflow.discovery import COMMIT_SUFFIX, commit_record, discover, md5_of
-from txflow.skyrl_adapter import STATE_FILE
+from txflow.checkpoints.discovery import discover
+from txflow.checkpoints.markers import COMMIT_SUFFIX, commit_record, md5_of
+from txflow.upstream.skyrl_tx.layout import STATE_FILE
 
 OBJECTS_PER_STEP = 5  # state file + marker, sampler tarball + probe + marker
 
@@ -69,7 +70,8 @@ def main() -> int:
     import fsspec
     import s3fs
 
-    from txflow.processes import free_port, port_open, spawn, stop_groups
+    from txflow.processes.ports import free_port, port_open
+    from txflow.processes.groups import spawn, stop_groups
 
     server = None
     if not os.environ.get("AWS_ENDPOINT_URL"):

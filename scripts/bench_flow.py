@@ -36,9 +36,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from txflow.datasets import bundled_dataset  # noqa: E402
-from txflow.processes import proc_stats  # noqa: E402
-from txflow.tiny_model import build_tiny_model  # noqa: E402
+from txflow.processes.procfs import proc_stats# noqa: E402
+from txflow.training.datasets import bundled_dataset# noqa: E402
+from txflow.upstream.tiny_model import build_tiny_model# noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 JOB = {"processes": 2, "batch_size": 4, "lora_rank": 32, "learning_rate": 2e-2}
@@ -102,7 +102,7 @@ def role_of(is_top: bool, cmdline: str) -> str | None:
         return "driver (txflow / script)"
     for needle, role in (("engine", "rank 0 (engine)"), ("worker", "rank 1 (worker)"),
                          ("backends.jax", "rank 1 (worker)"), ("tx.tinker.api", "api"), ("adapter api", "api"),
-                         ("create_app", "prefect server"), ("txflow.lifeline", "lifeline guard")):
+                         ("create_app", "prefect server"), ("txflow.processes.lifeline", "lifeline guard")):
         if needle in cmdline:
             return role
     return None if cmdline.startswith("/bin/sh") else "other"

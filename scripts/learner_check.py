@@ -48,7 +48,8 @@ EXPERIMENTS = [
 RUN = textwrap.dedent("""
     import json, sys
     import tinker
-    from txflow import embedded_prefect, rl
+    from txflow.cluster import embedded_prefect
+    from txflow.training import rl
 
     config, broken = json.loads(sys.argv[1]), sys.argv[2]
     if broken == "lr0":

@@ -5,8 +5,8 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
+from txflow.checkpoints.discovery import discover, write_manifest
 from txflow.config import RunConfig
-from txflow.discovery import discover, write_manifest
 from txflow.log import get_logger
 from txflow.results import Discovered, Saved
 

@@ -9,12 +9,13 @@ import statistics
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import evaluation, rl, storage
+from txflow.checkpoints import storage
+from txflow.cluster.handle import ClusterHandle
+from txflow.cluster.monitor import retry_unless_cluster_fault
 from txflow.config import RunConfig
-from txflow.handle import ClusterHandle
 from txflow.log import get_logger
-from txflow.monitor import retry_unless_cluster_fault
 from txflow.results import LiveReference, RestoreCheck, Saved
+from txflow.training import evaluation, rl
 
 LOSS_TOLERANCE = 1e-6
 EVAL_SEED_OFFSET = 7_777_777

@@ -8,12 +8,13 @@ import time
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import evaluation, skyrl_adapter
+from txflow.cluster.handle import ClusterHandle
+from txflow.cluster.monitor import NoProgress
+from txflow.cluster.startup import child_env, wait_for_api
 from txflow.config import RunConfig
-from txflow.handle import ClusterHandle
 from txflow.log import get_logger
-from txflow.monitor import NoProgress
-from tasks.provision_coordinator import child_env, wait_for_api
+from txflow.training import evaluation
+from txflow.upstream.skyrl_tx import launch
 
 
 def missing_ranks(handle: ClusterHandle) -> list[str]:
@@ -22,7 +23,7 @@ def missing_ranks(handle: ClusterHandle) -> list[str]:
     for record in handle.cluster.processes:
         if record.role == "api":
             continue
-        marker = skyrl_adapter.RANK_READY_MARKERS["engine" if record.rank == 0 else "worker"]
+        marker = launch.RANK_READY_MARKERS["engine" if record.rank == 0 else "worker"]
         log_text = handle.launcher.tail(record, lines=10_000)
         if marker not in log_text:
             missing.append(f"rank {record.rank} (pid {record.pid}); last lines of {record.log}:\n"
@@ -70,7 +71,7 @@ def _launch_workers(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
                  f"once the coordinator {cluster.coordinator_address} accepts connections")
         env = child_env(cfg, cfg.resolved_database_url())
         for rank in range(1, cfg.processes):
-            cmd = skyrl_adapter.worker_command(cluster.coordinator_address, cfg.processes, rank,
+            cmd = launch.worker_command(cluster.coordinator_address, cfg.processes, rank,
                                                cfg.startup_timeout_s)
             record = handle.launcher.start(cluster, "worker", rank, cmd, env, {}, f"rank{rank}")
             log.info(f"rank {rank} (JAX worker) pid {record.pid}, log {record.log}")

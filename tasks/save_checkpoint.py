@@ -8,14 +8,16 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import evaluation, skyrl_adapter, storage
+from txflow.checkpoints import storage
+from txflow.checkpoints.discovery import discover
+from txflow.cluster.handle import ClusterHandle
+from txflow.cluster.monitor import retry_unless_cluster_fault
 from txflow.config import RunConfig
-from txflow.discovery import discover
-from txflow.handle import ClusterHandle
 from txflow.log import get_logger
-from txflow.monitor import retry_unless_cluster_fault
 from txflow.results import Checkpoint, LiveReference, Saved, Trained
-from tasks.train import training_client_at
+from txflow.training import evaluation
+from txflow.training.clients import training_client_at
+from txflow.upstream.skyrl_tx import layout
 
 
 def eval_prompts(cfg: RunConfig, data) -> list[list[int]]:
@@ -30,8 +32,8 @@ def save_client_checkpoints(cfg: RunConfig, handle: ClusterHandle) -> Saved:
     checkpoints = []
     base = handle.cluster.checkpoints_base
     for artifact in discover(base):
-        path = skyrl_adapter.tinker_path_for(artifact.path)
-        if artifact.kind in ("state", "sampler") and path and not skyrl_adapter.is_ephemeral_sampler(artifact.path):
+        path = layout.tinker_path_for(artifact.path)
+        if artifact.kind in ("state", "sampler") and path and not layout.is_ephemeral_sampler(artifact.path):
             checkpoints.append(Checkpoint(kind=artifact.kind, tinker_path=path,
                                           url=storage.commit(cfg, base, path)))
     if not checkpoints:

@@ -5,9 +5,9 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow.cluster import as_json
-from txflow.handle import ClusterHandle
-from txflow.launchers import stop_cluster
+from txflow.cluster.handle import ClusterHandle
+from txflow.cluster.launchers import stop_cluster
+from txflow.cluster.records import as_json
 from txflow.log import get_logger
 
 

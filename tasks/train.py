@@ -12,13 +12,16 @@ from typing import Any
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import custom, rl, sft, skyrl_adapter, storage
+from txflow.checkpoints import storage
+from txflow.cluster.handle import ClusterHandle
 from txflow.config import RunConfig
-from txflow.handle import ClusterHandle
 from txflow.log import get_logger
-from txflow.progress import StepProgress
+from txflow.reporting.metrics import append_metric, read_metrics, write_metrics
+from txflow.reporting.progress import StepProgress
 from txflow.results import Checkpoint, Trained
-from txflow.run_files import append_metric, read_metrics, write_metrics
+from txflow.training import custom, datasets, rl, sft
+from txflow.training.clients import training_client_at
+from txflow.upstream.skyrl_tx import PPO_CLIP_EPSILON
 
 
 def resume_point(cfg: RunConfig) -> tuple[str, int] | None:
@@ -29,21 +32,6 @@ def resume_point(cfg: RunConfig) -> tuple[str, int] | None:
     if own is not None:
         return own.url, storage.step_of(own.path)
     return storage.resolve_resume_from(cfg) if cfg.resume_from else None
-
-
-def training_client_at(cfg: RunConfig, handle: ClusterHandle, point: tuple[str, int] | None):
-    """A fresh LoRA client on `handle`; given a (URL, step) it first loads that durable state, optimizer included."""
-    client = handle.service_client()
-    training_client = client.create_lora_training_client(base_model=handle.cluster.base_model_path,
-                                                         rank=cfg.lora_rank, seed=cfg.seed)
-    if point is None:
-        return training_client
-    url, step = point
-    path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, url, "state", training_client.model_id,
-                                     f"resume-{step:06d}")
-    handle.wait(training_client.load_state_with_optimizer(path), f"loading the state of step {step}",
-                cfg.step_timeout_s)
-    return training_client
 
 
 def save_progress(cfg: RunConfig, handle: ClusterHandle, training_client, step: int) -> Checkpoint:
@@ -62,7 +50,7 @@ def sft_step(cfg: RunConfig, handle: ClusterHandle, data: sft.SFTData):
     adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
 
     def step_fn(training_client, step: int) -> dict:
-        batch = [data.train[i] for i in sft.batch_indices(len(data.train), step, cfg.batch_size, cfg.seed)]
+        batch = [data.train[i] for i in datasets.batch_indices(len(data.train), step, cfg.batch_size, cfg.seed)]
         # Both requests in flight before either is awaited, as the Tinker cookbook does.
         fwd_bwd = training_client.forward_backward([sft.to_datum(e) for e in batch], "cross_entropy")
         optim = training_client.optim_step(adam)
@@ -82,7 +70,7 @@ def rl_step(cfg: RunConfig, handle: ClusterHandle, data: rl.RLData):
 
     def step_fn(training_client, step: int) -> dict:
         policy = training_client.save_weights_and_get_sampling_client()
-        indices = sft.batch_indices(len(data.prompts), step, cfg.batch_size, cfg.seed)
+        indices = datasets.batch_indices(len(data.prompts), step, cfg.batch_size, cfg.seed)
         groups = rl.sample_groups(policy, data, indices, cfg.group_size, cfg.max_tokens, cfg.temperature,
                                   cfg.seed * 100_003 + step, handle, cfg.step_timeout_s)
         # One optimizer step per minibatch, all in flight: the engine runs a model's requests in order.
@@ -93,7 +81,7 @@ def rl_step(cfg: RunConfig, handle: ClusterHandle, data: rl.RLData):
         for i, (batch, fwd_bwd, optim) in enumerate(pending):
             output = handle.wait(fwd_bwd, f"forward_backward {i + 1} of step {step + 1}", cfg.step_timeout_s)
             handle.wait(optim, f"optim_step {i + 1} of step {step + 1}", cfg.step_timeout_s)
-            found = rl.clip_fraction(batch, output.loss_fn_outputs, skyrl_adapter.PPO_CLIP_EPSILON)
+            found = rl.clip_fraction(batch, output.loss_fn_outputs, PPO_CLIP_EPSILON)
             clipped, counted = clipped + found[0], counted + found[1]
         rewards = rl.rewards_of(groups)
         row = {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),

@@ -13,7 +13,7 @@ import pgserver
 import pytest
 
 from tests.helpers import PASSWORD_MARKER, PREFECT, new_prefect_home
-from txflow.launchers import stop_cluster
+from txflow.cluster.launchers import stop_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-from txflow.processes import is_alive, proc_stats, start_time
+from txflow.processes.procfs import is_alive, proc_stats, start_time
 
 # The Prefect CLI of the interpreter running the tests (the project venv).
 PREFECT = str(Path(sys.executable).parent / "prefect")
@@ -65,7 +65,8 @@ class MotoServer:
         import os
         import time
 
-        from txflow.processes import free_port, port_open, spawn
+        from txflow.processes.ports import free_port, port_open
+        from txflow.processes.groups import spawn
 
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
@@ -84,7 +85,7 @@ class MotoServer:
                 "AWS_SECRET_ACCESS_KEY": secret_key, "AWS_DEFAULT_REGION": "us-east-1"}
 
     def stop(self) -> None:
-        from txflow.processes import stop_groups
+        from txflow.processes.groups import stop_groups
 
         stop_groups([self.proc.pid], grace_s=3.0)
         self.proc.wait(timeout=10)

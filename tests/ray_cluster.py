@@ -8,7 +8,7 @@ port. Inside it:
 - node 0, the head: `ray start --head --block`, state under `<base>/head`;
 - node 1..n: `ray start --address 127.0.0.1:<port> --block`, each in its own
   mount namespace where `<base>/node<i>` is an empty tmpfs (what
-  `txflow.launchers.local.private_disk_command` does for a rank): it shares no disk
+  `txflow.cluster.launchers.local.private_disk_command` does for a rank): it shares no disk
   with the head, as on a real second machine.
 
 Every process the cluster starts is in the namespace, so "every pid in the

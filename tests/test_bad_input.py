@@ -7,11 +7,12 @@ from pathlib import Path
 
 import pytest
 
-from txflow import preflight, storage
+from txflow import preflight
+from txflow.checkpoints import storage
+from txflow.checkpoints.markers import write_commit
 from txflow.config import RunConfig
-from txflow.discovery import write_commit
 from txflow.preflight import PreflightError
-from txflow.rewards import RewardError, score
+from txflow.training.rewards import RewardError, score
 
 
 def write(path: Path, text: str) -> str:

@@ -1,4 +1,4 @@
-"""txflow's state checkpoint I/O in the SkyRL-tx backend (skyrl_adapter, point 6), in one process on the
+"""txflow's state checkpoint I/O in the SkyRL-tx backend (txflow.upstream.skyrl_tx.checkpoint_io, point 6), in one process on the
 tiny model: exact round trip, one file, checkpoints of upstream's Orbax format still load, clear errors.
 The multi-process, no-shared-disk path runs end to end in tests/test_s3_e2e.py."""
 
@@ -8,8 +8,8 @@ import jax
 import numpy as np
 import pytest
 
-from txflow import skyrl_adapter
-from txflow.tiny_model import resolve_base_model
+from txflow.upstream.skyrl_tx import checkpoint_io, layout
+from txflow.upstream.tiny_model import resolve_base_model
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def backend():
 
     originals = {n: JaxBackendImpl.__dict__[n] for n in ("save_checkpoint", "load_checkpoint", "load_sampler_checkpoint")}
     upstream_save = originals["save_checkpoint"]
-    skyrl_adapter.install_checkpoint_io()
+    checkpoint_io.install_checkpoint_io()
     try:
         impl = JaxBackendImpl(resolve_base_model("tiny"), JaxBackendConfig(max_lora_adapters=8, max_lora_rank=8))
         impl.upstream_save = lambda path, model_id: upstream_save(impl, path, model_id)
@@ -50,7 +50,7 @@ def test_state_round_trip_is_exact_and_one_file(backend, tmp_path):
     assert not all(np.array_equal(x, y) for x, y in zip(saved, state_of(backend, "restored")))  # seeds differ
 
     backend.save_checkpoint(tmp_path / "step-000001.tar.gz", "saved")
-    assert [p.name for p in (tmp_path / "step-000001.tar.gz").iterdir()] == [skyrl_adapter.STATE_FILE]
+    assert [p.name for p in (tmp_path / "step-000001.tar.gz").iterdir()] == [layout.STATE_FILE]
     backend.load_checkpoint(tmp_path / "step-000001.tar.gz", "restored")
 
     assert_same_state(state_of(backend, "restored"), saved)
@@ -60,7 +60,7 @@ def test_a_checkpoint_in_upstreams_orbax_format_still_loads(backend, tmp_path):
     new_model(backend, "orbax-saved", seed=3)
     new_model(backend, "orbax-restored", seed=4)
     backend.upstream_save(tmp_path / "old.tar.gz", "orbax-saved")
-    assert (tmp_path / "old.tar.gz" / skyrl_adapter.UPSTREAM_STATE_DIR).is_dir()
+    assert (tmp_path / "old.tar.gz" / checkpoint_io.UPSTREAM_STATE_DIR).is_dir()
 
     backend.load_checkpoint(tmp_path / "old.tar.gz", "orbax-restored")
 

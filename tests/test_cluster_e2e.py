@@ -13,13 +13,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from txflow.processes import is_alive
+from txflow.processes.procfs import is_alive
 
 from tasks.launch_workers import launch_workers
 from tasks.provision_coordinator import provision_coordinator
 from tasks.teardown import teardown
 from tests.helpers import alive_pids, cluster_pids, descendants, run_txflow, txflow_cmd
-from txflow.launchers.local import LocalLauncher
+from txflow.cluster.launchers.local import LocalLauncher
 from txflow.config import RunConfig
 
 pytestmark = pytest.mark.e2e

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from txflow.config import RunConfig
-from txflow.skyrl_adapter import backend_config
+from txflow.upstream.skyrl_tx.launch import backend_config
 
 
 def error_text(**fields) -> str:

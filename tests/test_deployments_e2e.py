@@ -26,7 +26,8 @@ import yaml
 from deployments.defaults import NIGHTLY_SFT
 from tests.helpers import PREFECT, alive_pids, cluster_pids, descendants, new_prefect_home
 from txflow.config import RunConfig
-from txflow.processes import free_port, is_alive
+from txflow.processes.ports import free_port
+from txflow.processes.procfs import is_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -470,7 +471,7 @@ def _engine_pid(worker_pid: int, flow_run_id: str) -> int:
 
 def test_crashed_deployment_run_stops_its_cluster(server, worker, tmp_path, reaper, started_runs):
     """SIGKILL of the flow run process: its `finally` never runs. Every process of the cluster
-    notices its parent's death (txflow.lifeline) within 15 s, and on_crashed, which the worker runs,
+    notices its parent's death (txflow.processes.lifeline) within 15 s, and on_crashed, which the worker runs,
     says in the run's logs what it stopped."""
     state = reaper.watch(tmp_path / "state")
     run_id = f"dep-crash-{uuid.uuid4().hex[:8]}"
@@ -526,7 +527,7 @@ def test_the_nightly_compares_tonight_with_the_history_and_fails_on_a_regression
     """Night 1: SFT passes, RL fails (its reward cannot be imported): the nightly fails naming the RL run.
     Night 2: SFT alone, compared with the history. Then the history is altered so that tonight looks 2x
     slower: night 3 fails and names the figures."""
-    from txflow import history
+    from txflow.reporting import history
 
     root = str(tmp_path / "history")
     sft = {**NIGHTLY_SFT, "checkpoints": str(tmp_path / "ckpt"), "state_dir": str(tmp_path / "sft")}

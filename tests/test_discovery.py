@@ -1,4 +1,4 @@
-"""Unit tests of txflow.discovery, on a local directory and on fsspec's memory filesystem."""
+"""Unit tests of txflow.checkpoints.discovery, on a local directory and on fsspec's memory filesystem."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import fsspec
 import pytest
 
 from tests.helpers import fresh_root
-from txflow.discovery import commit_record, COMMIT_SUFFIX, discover, write_commit, write_manifest
+from txflow.checkpoints.discovery import discover, write_manifest
+from txflow.checkpoints.markers import commit_record, COMMIT_SUFFIX, write_commit
 
 
 # --- fixtures and helpers ------------------------------------------------------

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import new_prefect_home
-from txflow import embedded_prefect
-from txflow.processes import is_alive
+from txflow.cluster import embedded_prefect
+from txflow.processes.procfs import is_alive
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_a_server_that_cannot_be_spawned_leaves_the_start_lock_free(tmp_path, mo
     def no_spawn(*args, **kwargs):
         raise OSError("fork failed")
 
-    monkeypatch.setattr(embedded_prefect.processes, "spawn", no_spawn)
+    monkeypatch.setattr(embedded_prefect.groups, "spawn", no_spawn)
     with pytest.raises(OSError, match="fork failed"):
         embedded_prefect.EmbeddedServer(tmp_path / "server.log")
     embedded_prefect.StartLock(tmp_path, timeout_s=0).release()  # free at once, not held by the failed start
@@ -98,7 +98,7 @@ def test_a_process_that_imported_prefect_first_still_uses_the_embedded_server(tm
     script = """
 import sys
 from prefect import flow
-from txflow import embedded_prefect
+from txflow.cluster import embedded_prefect
 
 @flow
 def hello():
@@ -150,7 +150,7 @@ def test_the_last_log_line_reaches_a_named_server_before_the_process_leaves(tmp_
     script = """
 import os, sys
 from prefect import flow, get_run_logger
-from txflow import embedded_prefect
+from txflow.cluster import embedded_prefect
 
 @flow
 def hello():

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import alive_pids, cluster_pids, txflow_cmd
-from txflow import storage
-from txflow.processes import is_alive
-from txflow.run_files import read_metrics
+from txflow.checkpoints import storage
+from txflow.processes.procfs import is_alive
+from txflow.reporting.metrics import read_metrics
 
 pytestmark = pytest.mark.e2e
 

@@ -12,8 +12,8 @@ import pytest
 from pydantic import ValidationError
 
 from tests.helpers import fresh_root
-from txflow import history
-from txflow.history import NightlyRecord, Versions, compare
+from txflow.reporting import history
+from txflow.reporting.history import NightlyRecord, Versions, compare
 
 T0 = datetime(2026, 3, 1, 3, 0, tzinfo=timezone.utc)
 VERSIONS = Versions(skyrl_tx="0.3.0", tinker="0.13.1", jax="0.10.2", txflow_commit="a" * 40)

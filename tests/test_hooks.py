@@ -15,14 +15,14 @@ from prefect.settings import PREFECT_LOGGING_TO_API_ENABLED, temporary_settings
 from prefect.states import Cancelling, Crashed
 
 from flows.train import _stop_cluster_hook, train_flow
-from txflow.processes import is_alive
+from txflow.processes.procfs import is_alive
 
 # A "flow process" that starts a cluster of two processes (as the local launcher does) and exits
 # without stopping them; the processes do not watch their parent, as a pre-lifeline rank would not.
 FLOW_PROCESS = textwrap.dedent("""
     import json, os, sys
-    from txflow.cluster import Cluster
-    from txflow.launchers.local import LocalLauncher
+    from txflow.cluster.records import Cluster
+    from txflow.cluster.launchers.local import LocalLauncher
     state = sys.argv[1]
     os.makedirs(state + "/logs", exist_ok=True)
     cluster = Cluster(run_id="hooked", launcher="local", state_dir=state, host="127.0.0.1", api_port=1,

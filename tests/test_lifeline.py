@@ -1,4 +1,4 @@
-"""Children die with the process that started them (txflow.lifeline), whatever kills it."""
+"""Children die with the process that started them (txflow.processes.lifeline), whatever kills it."""
 
 from __future__ import annotations
 
@@ -13,24 +13,24 @@ from pathlib import Path
 
 import pytest
 
-from txflow import lifeline, processes
+from txflow.processes import lifeline, procfs
 
 # A parent that starts `child_code` the way the launchers do (its own session, the lifeline
 # variable set), from a worker thread that then ends, as Prefect's task threads do; it prints
 # the child's pid and start time, then sleeps until killed.
 PARENT = textwrap.dedent("""
     import json, sys, threading, time
-    from txflow import lifeline, processes
+    from txflow.processes import groups, lifeline, procfs
     from pathlib import Path
     out = {}
     def start():
-        proc = processes.spawn(json.loads(sys.argv[1]), Path(sys.argv[2]), env=lifeline.child_env(dict(__import__('os').environ)))
-        out["pid"], out["start"] = proc.pid, processes.start_time(proc.pid)
+        proc = groups.spawn(json.loads(sys.argv[1]), Path(sys.argv[2]), env=lifeline.child_env(dict(__import__('os').environ)))
+        out["pid"], out["start"] = proc.pid, procfs.start_time(proc.pid)
     t = threading.Thread(target=start); t.start(); t.join()
     print(json.dumps(out), flush=True)
     time.sleep(300)
 """)
-WATCHING_CHILD = [sys.executable, "-c", "from txflow import lifeline; import time; lifeline.watch_parent(); "
+WATCHING_CHILD = [sys.executable, "-c", "from txflow.processes import lifeline; import time; lifeline.watch_parent(); "
                   "print('watching', flush=True); time.sleep(300)"]
 
 
@@ -43,7 +43,7 @@ def start_parent(tmp_path: Path, child: list[str]) -> tuple[subprocess.Popen, in
 
 def wait_gone(pid: int, started: int, timeout_s: float) -> float:
     began = time.monotonic()
-    while processes.is_alive(pid, started):
+    while procfs.is_alive(pid, started):
         assert time.monotonic() - began < timeout_s, f"pid {pid} still alive after {timeout_s} s"
         time.sleep(0.02)
     return time.monotonic() - began
@@ -72,7 +72,7 @@ def test_a_watching_child_dies_within_a_second_of_its_parents_sigkill(tmp_path, 
         assert time.monotonic() < deadline
         time.sleep(0.02)
     time.sleep(0.5)
-    assert processes.is_alive(child, started)  # the forking thread ended, the child lives on
+    assert procfs.is_alive(child, started)  # the forking thread ended, the child lives on
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
     assert wait_gone(child, started, timeout_s=5) < 1.0
@@ -89,7 +89,7 @@ def test_a_program_under_the_guard_dies_with_the_guards_parent(tmp_path, cleanup
         assert time.monotonic() < deadline
         time.sleep(0.02)
     pid = int(grandchild_pid.read_text())
-    program_started = processes.start_time(pid)
+    program_started = procfs.start_time(pid)
     assert os.getpgid(pid) == guard  # the program runs in the guard's process group
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
@@ -105,7 +105,7 @@ def test_the_guard_exits_as_its_program_did(tmp_path):
 
 
 def test_a_grandchild_does_not_inherit_the_parent_pid():
-    code = ("from txflow import lifeline; import os, sys; lifeline.watch_parent(); "
+    code = ("from txflow.processes import lifeline; import os, sys; lifeline.watch_parent(); "
             "sys.stdout.write(repr(os.environ.get(lifeline.PARENT_ENV)))")
     result = subprocess.run([sys.executable, "-c", code], env=lifeline.child_env(dict(os.environ)),
                             capture_output=True, text=True, timeout=30)

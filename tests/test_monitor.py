@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from txflow.cluster import Cluster, ProcessRecord
-from txflow.handle import ClusterHandle
-from txflow.launchers.local import LocalLauncher
-from txflow.monitor import NoProgress, RankDied, RankMonitor
+from txflow.cluster.handle import ClusterHandle
+from txflow.cluster.launchers.local import LocalLauncher
+from txflow.cluster.monitor import NoProgress, RankDied, RankMonitor
+from txflow.cluster.records import Cluster, ProcessRecord
 
 SLEEPER = [sys.executable, "-c", "print('rank alive', flush=True); import time; time.sleep(60)"]
 
@@ -149,7 +149,7 @@ def test_a_death_the_monitor_thread_is_recording_still_counts_as_a_cluster_fault
     # the dead rank seen but not yet recorded it; the flow's own poll found nothing new and failed
     # the run instead of retrying on a fresh cluster.
     from flows.train import _cluster_fault
-    from txflow import monitor as monitor_module
+    from txflow.cluster import monitor as monitor_module
 
     cluster = make_cluster(tmp_path)
     cluster.processes = [ProcessRecord(role=role, rank=rank, pid=pid, pgid=pid, host="127.0.0.1", log="")
@@ -205,7 +205,7 @@ def test_task_retries_skip_cluster_faults_but_not_other_errors():
 
     from tasks.evaluate_restore import evaluate_restore
     from tasks.save_checkpoint import save_checkpoint
-    from txflow.monitor import Failure, retry_unless_cluster_fault
+    from txflow.cluster.monitor import Failure, retry_unless_cluster_fault
 
     died = RankDied(Failure(rank=1, role="worker", exit_code=-9, detected_at=0.0, message="rank 1 died"))
     assert retry_unless_cluster_fault(None, None, Failed(data=died)) is False
@@ -220,7 +220,7 @@ def test_provisioning_is_retried_unless_the_cluster_cannot_be_placed():
     from prefect.states import Failed
 
     from tasks.provision_coordinator import provision_coordinator
-    from txflow.cluster import PlacementFailed
+    from txflow.cluster.launcher import PlacementFailed
 
     retry = provision_coordinator.retry_condition_fn
     assert provision_coordinator.retries >= 1

@@ -15,8 +15,8 @@ from tests.helpers import run_txflow
 from txflow import cli, preflight
 from txflow.config import RunConfig
 from txflow.preflight import PreflightError
-from txflow.sft import SFTData
-from txflow.tiny_model import build_tiny_model
+from txflow.training.sft import SFTData
+from txflow.upstream.tiny_model import build_tiny_model
 
 GOOD_ROW = json.dumps({"prompt": "English: one\nFrench:", "completion": " un\n"})
 
@@ -161,8 +161,8 @@ def test_prepare_rl_loads_prompts_and_the_reward(cfg_for):
 
 @pytest.mark.parametrize("reward, message", [
     ("no_such_module_xyz:fn", "cannot import module"),
-    ("txflow.rewards:no_such_fn", "has no function"),
-    ("txflow.rewards", "must be 'module:function'"),
+    ("txflow.training.rewards:no_such_fn", "has no function"),
+    ("txflow.training.rewards", "must be 'module:function'"),
 ])
 def test_prepare_rl_with_an_unusable_reward_fails(cfg_for, reward, message):
     cfg = cfg_for(mode="rl", reward=reward)
@@ -385,7 +385,7 @@ def test_txflow_run_reusing_a_completed_run_id_exits_2_and_keeps_its_report(tmp_
 @pytest.mark.parametrize(("preset", "expected"), [(None, 120.0), ("", 120.0), ("45", 45.0)])
 def test_the_embedded_prefect_server_gets_120_s_to_start_unless_told(monkeypatch, preset, expected):
     # Prefect's 20 s default failed a run on a busy machine while the server migrated its new database.
-    from txflow import embedded_prefect
+    from txflow.cluster import embedded_prefect
 
     monkeypatch.delenv(embedded_prefect.STARTUP_TIMEOUT_ENV, raising=False)
     if preset is not None:
@@ -451,9 +451,9 @@ def test_an_unexpected_skyrl_tx_version_is_refused_at_preflight(cfg_for, monkeyp
 def test_the_fast_tokenizer_gives_the_ids_transformers_gives(cfg_for):
     from transformers import AutoTokenizer
 
-    from txflow.datasets import bundled_dataset, load_jsonl
-    from txflow.tiny_model import build_tiny_model
-    from txflow.tokenizer import Tokenizer, load_tokenizer
+    from txflow.training.datasets import bundled_dataset, load_jsonl
+    from txflow.upstream.tiny_model import build_tiny_model
+    from txflow.training.tokenizer import Tokenizer, load_tokenizer
 
     model = str(build_tiny_model())
     fast, reference = load_tokenizer(model), AutoTokenizer.from_pretrained(model)

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from txflow import processes
-from txflow.cluster import Cluster
-from txflow.launchers import stop_cluster
-from txflow.launchers.local import LocalLauncher
+from txflow.cluster.launchers import stop_cluster
+from txflow.cluster.launchers.local import LocalLauncher
+from txflow.cluster.records import Cluster
+from txflow.processes import groups, logs, ports, procfs
 
 SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
 # Leader and grandchild both ignore SIGTERM (an ignored disposition survives exec).
@@ -29,7 +29,7 @@ def spawned():
     started: list[subprocess.Popen] = []
 
     def spawn(cmd, log_path, **kwargs):
-        proc = processes.spawn(cmd, log_path, **kwargs)
+        proc = groups.spawn(cmd, log_path, **kwargs)
         started.append(proc)
         return proc
 
@@ -82,41 +82,41 @@ def test_stop_groups_kills_a_group_whose_leader_and_grandchild_ignore_sigterm(tm
     leader = spawned(["bash", "-c", TERM_IGNORING_TREE, str(pidfile)], tmp_path / "tree.log")
     wait_for(lambda: pidfile.exists() and pidfile.read_text().strip())
     grandchild = int(pidfile.read_text())
-    grandchild_started = processes.start_time(grandchild)
+    grandchild_started = procfs.start_time(grandchild)
     assert os.getpgid(grandchild) == leader.pid
     # The trap is in place before the pid file is written: SIGTERM alone must not stop it.
     os.killpg(leader.pid, signal.SIGTERM)
     time.sleep(0.3)
-    assert leader.poll() is None and processes.is_alive(grandchild, grandchild_started)
+    assert leader.poll() is None and procfs.is_alive(grandchild, grandchild_started)
 
     grace = 1.0
     began = time.monotonic()
-    processes.stop_groups([leader.pid], grace_s=grace)
+    groups.stop_groups([leader.pid], grace_s=grace)
     elapsed = time.monotonic() - began
 
     assert elapsed < grace + 3
-    assert not processes.group_alive(leader.pid)
+    assert not groups.group_alive(leader.pid)
     assert leader.wait(timeout=5) == -signal.SIGKILL
-    assert not processes.is_alive(grandchild, grandchild_started)
+    assert not procfs.is_alive(grandchild, grandchild_started)
 
 
 def test_stop_groups_returns_as_soon_as_groups_exit_on_sigterm(tmp_path, spawned):
     procs = [spawned(SLEEP, tmp_path / f"p{i}.log") for i in range(2)]
     grace = 10.0
     began = time.monotonic()
-    processes.stop_groups([p.pid for p in procs], grace_s=grace)
+    groups.stop_groups([p.pid for p in procs], grace_s=grace)
     elapsed = time.monotonic() - began
 
     assert elapsed < 3.0 < grace
     assert [p.wait(timeout=5) for p in procs] == [-signal.SIGTERM, -signal.SIGTERM]
-    assert not any(processes.group_alive(p.pid) for p in procs)
+    assert not any(groups.group_alive(p.pid) for p in procs)
 
 
 def test_stop_groups_ignores_groups_that_are_already_gone(tmp_path, spawned):
     proc = spawned([sys.executable, "-c", "pass"], tmp_path / "p.log")
     proc.wait(timeout=30)
     began = time.monotonic()
-    processes.stop_groups([proc.pid], grace_s=5.0)
+    groups.stop_groups([proc.pid], grace_s=5.0)
     assert time.monotonic() - began < 1.0
 
 
@@ -125,27 +125,27 @@ def test_stop_groups_ignores_groups_that_are_already_gone(tmp_path, spawned):
 
 def test_is_alive_tells_a_reused_pid_apart_by_its_start_time(tmp_path, spawned):
     proc = spawned(SLEEP, tmp_path / "p.log")
-    started = processes.start_time(proc.pid)
+    started = procfs.start_time(proc.pid)
     assert started is not None
-    assert processes.is_alive(proc.pid)
-    assert processes.is_alive(proc.pid, started)
-    assert not processes.is_alive(proc.pid, started + 1)
-    assert not processes.is_alive(proc.pid, started - 1)
+    assert procfs.is_alive(proc.pid)
+    assert procfs.is_alive(proc.pid, started)
+    assert not procfs.is_alive(proc.pid, started + 1)
+    assert not procfs.is_alive(proc.pid, started - 1)
 
 
 def test_a_zombie_is_not_alive(tmp_path, spawned):
     proc = spawned(SLEEP, tmp_path / "p.log")
-    started = processes.start_time(proc.pid)
+    started = procfs.start_time(proc.pid)
     os.kill(proc.pid, signal.SIGKILL)
-    wait_for(lambda: not processes.is_alive(proc.pid, started))  # exited, not reaped yet
-    assert not processes.group_alive(proc.pid)
+    wait_for(lambda: not procfs.is_alive(proc.pid, started))  # exited, not reaped yet
+    assert not groups.group_alive(proc.pid)
     assert proc.wait(timeout=5) == -signal.SIGKILL
 
 
 def test_a_pid_that_does_not_exist_is_not_alive():
-    assert processes.start_time(2**22 + 1) is None  # above the kernel's pid_max limit
-    assert not processes.is_alive(2**22 + 1)
-    assert not processes.group_alive(2**22 + 1)
+    assert procfs.start_time(2**22 + 1) is None  # above the kernel's pid_max limit
+    assert not procfs.is_alive(2**22 + 1)
+    assert not groups.group_alive(2**22 + 1)
 
 
 # --- tail, ports -----------------------------------------------------------------
@@ -155,27 +155,27 @@ def test_a_pid_that_does_not_exist_is_not_alive():
 def test_tail_returns_the_last_lines(tmp_path, lines):
     path = tmp_path / "x.log"
     path.write_text("".join(f"line {i}\n" for i in range(1, 101)))
-    assert processes.tail(path, lines) == "\n".join(f"line {i}" for i in range(101 - lines, 101))
+    assert logs.tail(path, lines) == "\n".join(f"line {i}" for i in range(101 - lines, 101))
 
 
 def test_tail_of_a_large_file_returns_its_last_lines(tmp_path):
     path = tmp_path / "big.log"
     path.write_text("".join(f"{i:08d} {'x' * 100}\n" for i in range(5000)))  # ~540 KB
-    assert processes.tail(path, 3).splitlines() == [f"{i:08d} {'x' * 100}" for i in (4997, 4998, 4999)]
+    assert logs.tail(path, 3).splitlines() == [f"{i:08d} {'x' * 100}" for i in (4997, 4998, 4999)]
 
 
 def test_tail_of_a_short_file_returns_all_of_it(tmp_path):
     path = tmp_path / "x.log"
     path.write_text("a\nb\n")
-    assert processes.tail(path, 30) == "a\nb"
+    assert logs.tail(path, 30) == "a\nb"
 
 
 def test_tail_of_a_missing_file_is_empty(tmp_path):
-    assert processes.tail(tmp_path / "missing.log") == ""
+    assert logs.tail(tmp_path / "missing.log") == ""
 
 
 def test_free_port_can_be_bound_on_loopback():
-    port = processes.free_port("127.0.0.1")
+    port = ports.free_port("127.0.0.1")
     assert 0 < port < 65536
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", port))
@@ -187,10 +187,10 @@ def test_port_open_while_a_socket_listens_and_not_after_it_closes():
         server.bind(("127.0.0.1", 0))
         server.listen()
         port = server.getsockname()[1]
-        assert processes.port_open("127.0.0.1", port)
+        assert ports.port_open("127.0.0.1", port)
     finally:
         server.close()
-    assert not processes.port_open("127.0.0.1", port)
+    assert not ports.port_open("127.0.0.1", port)
 
 
 # --- LocalLauncher and cluster.json ---------------------------------------------
@@ -233,7 +233,7 @@ def test_local_launcher_records_each_process_in_cluster_json_without_the_api_key
     ]
     for record in on_disk["processes"]:
         assert record["pgid"] == record["pid"] == os.getpgid(record["pid"])
-        assert record["start_time"] == processes.start_time(record["pid"])
+        assert record["start_time"] == procfs.start_time(record["pid"])
         assert Path(record["log"]) == Path(cluster.state_dir) / "logs" / f"rank{record['rank']}.log"
         assert Path(record["log"]).exists()
         assert record["exit_code"] is None
@@ -248,14 +248,14 @@ def test_stop_cluster_from_cluster_json_alone_stops_every_process(local_cluster)
     cluster, launcher = local_cluster
     records = [launcher.start(cluster, role, rank, SLEEP, dict(os.environ), {}, f"rank{rank}")
                for role, rank in (("coordinator", 0), ("worker", 1))]
-    assert all(processes.is_alive(r.pid, r.start_time) for r in records)
+    assert all(procfs.is_alive(r.pid, r.start_time) for r in records)
 
     stopped = stop_cluster(cluster.state_dir, LocalLauncher(), grace_s=2.0)
 
     assert sorted(r.pid for r in stopped) == sorted(r.pid for r in records)
     for record in records:
-        assert not processes.is_alive(record.pid, record.start_time)
-        assert not processes.group_alive(record.pgid)
+        assert not procfs.is_alive(record.pid, record.start_time)
+        assert not groups.group_alive(record.pgid)
     on_disk = json.loads(cluster.path.read_text())
     assert all(p["exit_code"] is not None and p["exit_code"] < 0 for p in on_disk["processes"])
     # The launcher that started them sees them gone too.
@@ -276,7 +276,7 @@ def test_stop_cluster_without_cluster_json_is_a_no_op(tmp_path):
 
 def test_private_disk_command_gives_the_process_an_empty_directory_of_its_own(tmp_path):
     from tests.helpers import private_mounts_work
-    from txflow.launchers.local import private_disk_command
+    from txflow.cluster.launchers.local import private_disk_command
 
     if not private_mounts_work():
         pytest.skip("unshare --mount is not permitted on this machine")

@@ -1,4 +1,4 @@
-"""The progress artifact's sender (txflow.progress): updates coalesce, at most one a second, and the
+"""The progress artifact's sender (txflow.reporting.progress): updates coalesce, at most one a second, and the
 last value always arrives when the bar closes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 import prefect.artifacts
 import prefect.context
 
-from txflow import progress
+from txflow.reporting import progress
 
 
 def test_updates_coalesce_and_the_last_one_arrives_at_close(monkeypatch):

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.ray_cluster import RayCluster, pids_in_namespace
-from txflow.processes import is_alive
+from txflow.processes.procfs import is_alive
 
 pytestmark = pytest.mark.e2e
 

@@ -23,7 +23,8 @@ import pytest
 
 from tests.helpers import API_KEY_MARKER, PASSWORD_MARKER, new_prefect_home
 from tests.ray_cluster import running_cluster
-from txflow.processes import free_port, is_alive
+from txflow.processes.ports import free_port
+from txflow.processes.procfs import is_alive
 
 pytestmark = pytest.mark.e2e
 
@@ -195,8 +196,8 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
 STATUS_DURING_A_LONG_CALL = textwrap.dedent("""
     import json, os, subprocess, sys, time
     import ray
-    from txflow.cluster import Cluster
-    from txflow.launchers.ray import RayLauncher
+    from txflow.cluster.records import Cluster
+    from txflow.cluster.launchers.ray import RayLauncher
 
     state = sys.argv[2]
     os.makedirs(state, exist_ok=True)
@@ -228,11 +229,11 @@ STATUS_DURING_A_LONG_CALL = textwrap.dedent("""
     # A second rank, then a hook in another process (another Ray driver) stops the cluster from cluster.json.
     second = launcher.start(cluster, "coordinator", 0, [sys.executable, "-c", "import time; time.sleep(120)"], {}, {},
                             "rank0-again")
-    hook = subprocess.run([sys.executable, "-c", "import sys; from txflow.launchers import stop_cluster; "
+    hook = subprocess.run([sys.executable, "-c", "import sys; from txflow.cluster.launchers import stop_cluster; "
                            "print([r.exit_code for r in stop_cluster(sys.argv[1], grace_s=2)])", state],
                           capture_output=True, text=True, timeout=120)
     from ray.util.placement_group import placement_group_table
-    from txflow.processes import is_alive
+    from txflow.processes.procfs import is_alive
     try:
         ray.get_actor(cluster.launcher_state["actors"][0], namespace="txflow")
         actor_gone = False

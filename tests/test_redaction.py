@@ -1,4 +1,4 @@
-"""No credential reaches a log line: skyrl_adapter.redact and the txflow.log helpers."""
+"""No credential reaches a log line: txflow.log.redact and the txflow.log helpers."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 
 from txflow import log
 from txflow.config import RunConfig
-from txflow.skyrl_adapter import redact
+from txflow.log import redact
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.e2e
 # final one: what a mix-up of checkpoints (or a save that kept an old file) would look like.
 WRONG_STATE = textwrap.dedent("""
     import json, sys
-    from txflow import embedded_prefect, storage
+    from txflow.cluster import embedded_prefect
+    from txflow.checkpoints import storage
     import tasks.save_checkpoint as step
 
     real = step.save_model_checkpoints

@@ -1,4 +1,4 @@
-"""Adapter point 11: the API's wait for a result (`skyrl_adapter.wait_for_result`) against upstream's
+"""Adapter point 11: the API's wait for a result (`result_wait.wait_for_result`) against upstream's
 own tables in a real SQLite database: the same answers as upstream's `retrieve_future`, and a schedule
 of looks that notices a result at most a tenth late."""
 
@@ -15,13 +15,13 @@ from sqlmodel.ext.asyncio.session import AsyncSession
 from tx.tinker import types
 from tx.tinker.db_models import FutureDB, RequestStatus
 
-from txflow import skyrl_adapter
+from txflow.upstream.skyrl_tx import result_wait
 
 
 def test_a_result_is_noticed_at_most_a_tenth_late_or_10_ms():
     looks = [0.0]
-    while looks[-1] < skyrl_adapter.RESULT_TIMEOUT_S:
-        looks.append(looks[-1] + skyrl_adapter.result_poll_s(looks[-1]))
+    while looks[-1] < result_wait.RESULT_TIMEOUT_S:
+        looks.append(looks[-1] + result_wait.result_poll_s(looks[-1]))
     for before, after in zip(looks, looks[1:]):
         # A result that lands just after a look is seen at the next one.
         assert after - before <= max(0.01, 0.1 * before) + 1e-9, (before, after)
@@ -52,7 +52,7 @@ async def _add(engine, **fields) -> int:
 def test_a_pending_result_is_returned_once_the_engine_completes_it(tmp_path):
     async def scenario(engine, req):
         request_id = await _add(engine)
-        waiting = asyncio.create_task(skyrl_adapter.wait_for_result(str(request_id), req))
+        waiting = asyncio.create_task(result_wait.wait_for_result(str(request_id), req))
         await asyncio.sleep(0.3)
         assert not waiting.done()
         async with AsyncSession(engine) as session:  # what the engine does when it is done
@@ -74,7 +74,7 @@ def test_failures_answer_as_upstream_does(tmp_path, fields, status, detail):
     async def scenario(engine, req):
         request_id = await _add(engine, **fields) if fields is not None else 12345
         with pytest.raises(HTTPException) as raised:
-            await skyrl_adapter.wait_for_result(str(request_id), req)
+            await result_wait.wait_for_result(str(request_id), req)
         return raised.value
 
     error = asyncio.run(_run(tmp_path, scenario))

@@ -8,8 +8,8 @@ import math
 import pytest
 import tinker
 
-from txflow import rl
-from txflow.evaluation import sign_flip_p
+from txflow.training import rl
+from txflow.training.evaluation import sign_flip_p
 
 
 def datum(old: list[float], advantage: float, prompt: int = 2):

@@ -21,11 +21,12 @@ import s3fs
 
 from tests.helpers import (API_KEY_MARKER, PASSWORD_MARKER, MotoServer, TcpProxy, alive_pids, descendants,
                            private_mounts_work, run_txflow, txflow_cmd)
-from txflow import storage
-from txflow.launchers.local import ISOLATE_WORKER_DISKS_ENV
-from txflow.skyrl_adapter import STATE_FILE
+from txflow.checkpoints import storage
+from txflow.checkpoints.discovery import discover
+from txflow.checkpoints.markers import COMMIT_SUFFIX
+from txflow.cluster.launchers.local import ISOLATE_WORKER_DISKS_ENV
 from txflow.config import RunConfig
-from txflow.discovery import COMMIT_SUFFIX, discover
+from txflow.upstream.skyrl_tx.layout import STATE_FILE
 
 pytestmark = pytest.mark.e2e
 
@@ -113,7 +114,7 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
         env, tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     # api, rank 0, rank 1, the embedded Prefect server (and its guard) were all seen running.
-    assert sum("txflow.skyrl_adapter" in c for c in command_lines.values()) >= 3, command_lines
+    assert sum("txflow.upstream.skyrl_tx" in c for c in command_lines.values()) >= 3, command_lines
     assert any("prefect.server.api.server:create_app" in c for c in command_lines.values()), command_lines
     report = json.loads(first.stdout)
     assert report["status"] == "passed" and report["restore"]["abs_diff"] <= 1e-6
@@ -235,7 +236,7 @@ def test_truncated_object_in_the_bucket_is_reported_incomplete(s3_env):
 def run_root_layout(fs, root: str) -> dict[str, str]:
     """What a real run leaves: periodic and final states (one state file each), sampler tarballs with
     their probe markers, commit markers, and the run's own files; committed as txflow commits."""
-    from txflow import storage
+    from txflow.checkpoints import storage
 
     staging = Path(tempfile.mkdtemp(prefix="txflow-staging-"))
     cfg = RunConfig(run_id="layout", checkpoints=root.rsplit("/", 1)[0], state_dir=str(staging)).resolved()

@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers import alive_pids, run_txflow
 from tests.sdk_envs import SDK_VERSIONS, sdk_env
-from txflow.processes import free_port
+from txflow.processes.ports import free_port
 
 pytestmark = pytest.mark.e2e
 

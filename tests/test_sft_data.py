@@ -1,4 +1,4 @@
-"""SFT examples (txflow.sft) on the real tiny tokenizer, and JSONL datasets (txflow.datasets)."""
+"""SFT examples (txflow.training.sft) on the real tiny tokenizer, and JSONL datasets (txflow.training.datasets)."""
 
 from __future__ import annotations
 
@@ -9,15 +9,15 @@ import uuid
 import fsspec
 import pytest
 
-from txflow import sft
-from txflow.datasets import REQUIRED_KEYS, DatasetError, bundled_dataset, load_jsonl
+from txflow.training import datasets, sft
+from txflow.training.datasets import REQUIRED_KEYS, DatasetError, bundled_dataset, load_jsonl
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from txflow.tiny_model import build_tiny_model
+    from txflow.upstream.tiny_model import build_tiny_model
 
     return AutoTokenizer.from_pretrained(build_tiny_model())
 
@@ -81,30 +81,30 @@ def test_prepare_names_the_line_of_a_row_that_is_too_long(tokenizer):
 
 
 def test_batch_indices_are_the_same_for_the_same_step_and_seed():
-    assert sft.batch_indices(37, 5, 4, seed=3) == sft.batch_indices(37, 5, 4, seed=3)
+    assert datasets.batch_indices(37, 5, 4, seed=3) == datasets.batch_indices(37, 5, 4, seed=3)
 
 
 @pytest.mark.parametrize(("num_examples", "batch_size"), [(10, 5), (10, 4), (7, 3), (36, 4), (3, 8)])
 def test_batch_indices_cover_each_example_once_per_epoch(num_examples, batch_size):
     epochs = 3
     steps = math.ceil(num_examples * epochs / batch_size)
-    flat = [i for step in range(steps) for i in sft.batch_indices(num_examples, step, batch_size, seed=1)]
-    assert all(len(sft.batch_indices(num_examples, s, batch_size, 1)) == batch_size for s in range(steps))
+    flat = [i for step in range(steps) for i in datasets.batch_indices(num_examples, step, batch_size, seed=1)]
+    assert all(len(datasets.batch_indices(num_examples, s, batch_size, 1)) == batch_size for s in range(steps))
     for epoch in range(epochs):
         assert sorted(flat[epoch * num_examples : (epoch + 1) * num_examples]) == list(range(num_examples))
 
 
 def test_batch_indices_differ_between_seeds():
     def order(seed):
-        return [i for step in range(10) for i in sft.batch_indices(40, step, 4, seed)]
+        return [i for step in range(10) for i in datasets.batch_indices(40, step, 4, seed)]
 
     assert order(0) != order(1)
     assert sorted(order(0)) == sorted(order(1)) == list(range(40))
 
 
 def test_batch_indices_reshuffle_each_epoch():
-    first = [i for step in range(10) for i in sft.batch_indices(40, step, 4, seed=0)]
-    second = [i for step in range(10, 20) for i in sft.batch_indices(40, step, 4, seed=0)]
+    first = [i for step in range(10) for i in datasets.batch_indices(40, step, 4, seed=0)]
+    second = [i for step in range(10, 20) for i in datasets.batch_indices(40, step, 4, seed=0)]
     assert first != second
 
 

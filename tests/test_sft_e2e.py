@@ -11,7 +11,7 @@ import sqlalchemy
 import pytest
 
 from tests.helpers import PASSWORD_MARKER, alive_pids, new_prefect_home, run_txflow
-from txflow.launchers import stop_cluster
+from txflow.cluster.launchers import stop_cluster
 
 pytestmark = pytest.mark.e2e
 

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from txflow import tinker_compat
+from txflow.upstream.skyrl_tx import tinker_compat
 
 # ForwardBackwardRequest(model_id="model_ab12", seq_id=3, loss_fn="ppo",
 #   loss_fn_config={"clip_low_threshold": 0.8}, forward_only=True,

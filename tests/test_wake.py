@@ -1,4 +1,4 @@
-"""Adapter point 12: the API and the engine wake each other (`txflow/wake.py`), on real sockets and,
+"""Adapter point 12: the API and the engine wake each other (`txflow/upstream/wake.py`), on real sockets and,
 for the API's side, upstream's own tables in a real SQLite database. The bounds here only tell a
 wake from a sleep that ran out (seconds against tens of seconds); speed is the benchmark's business."""
 
@@ -19,7 +19,9 @@ from tx.tinker import api, types
 from tx.tinker.db_models import FutureDB, RequestStatus
 
 from tests.test_result_wait import _add
-from txflow import skyrl_adapter, wake
+from txflow.upstream import wake
+from txflow.upstream.skyrl_tx import api as txflow_api
+from txflow.upstream.skyrl_tx import engine, launch, result_wait
 
 LONG_S = 30.0  # a sleep that a wake must cut short
 
@@ -100,7 +102,7 @@ def test_no_channel_without_the_name_or_when_the_name_is_taken(monkeypatch):
 
 
 def test_the_provisioned_environment_names_a_fresh_channel_per_cluster():
-    first, second = skyrl_adapter.wake_env(), skyrl_adapter.wake_env()
+    first, second = launch.wake_env(), launch.wake_env()
     assert set(first) == {wake.ENV} and first[wake.ENV] != second[wake.ENV]
 
 
@@ -123,7 +125,7 @@ def test_the_engine_sleeps_until_a_wake_and_wakes_the_api_once_results_are_commi
     monkeypatch.setenv(wake.ENV, name)
     api_end = wake.Channel(name, "api", "engine")
     module = FakeEngineModule()
-    skyrl_adapter._engine_wakes(module)
+    engine.wakes(module)
     try:
         assert module.time.time() == pytest.approx(time.time(), abs=5)  # the rest of `time` is untouched
         threading.Timer(0.2, api_end.send).start()
@@ -145,7 +147,7 @@ def test_without_a_channel_the_engine_is_upstreams(monkeypatch):
     monkeypatch.delenv(wake.ENV, raising=False)
     module = FakeEngineModule()
     upstream = module.TinkerEngine._complete_futures
-    skyrl_adapter._engine_wakes(module)
+    engine.wakes(module)
     assert module.time is time and module.TinkerEngine._complete_futures is upstream
 
 
@@ -167,7 +169,7 @@ def test_the_api_wakes_the_engine_once_a_new_request_is_committed_and_not_before
         wakes = wake.AsyncWakes(api_end, asyncio.get_running_loop())
         fake_api = SimpleNamespace(create_future=api.create_future,
                                    app=SimpleNamespace(state=SimpleNamespace(result_wakes=wakes)))
-        skyrl_adapter._wake_engine_on_new_requests(fake_api)
+        txflow_api._wake_engine_on_new_requests(fake_api)
         try:
             async with AsyncSession(db) as session:  # a commit that stores no request: no wake
                 session.add(FutureDB(request_type=types.RequestType.OPTIM_STEP, request_data={}))
@@ -190,8 +192,8 @@ def test_the_api_wakes_the_engine_once_a_new_request_is_committed_and_not_before
 
 def test_a_waiting_result_is_returned_at_the_engines_wake_not_at_the_next_look(tmp_path, monkeypatch, capfd):
     # Every look of either schedule made as long as the test: only the wake can end the wait in time.
-    monkeypatch.setattr(skyrl_adapter, "RESULT_POLL_MAX_S", LONG_S)
-    monkeypatch.setattr(skyrl_adapter, "RESULT_POLL_MIN_S", LONG_S)
+    monkeypatch.setattr(result_wait, "RESULT_POLL_MAX_S", LONG_S)
+    monkeypatch.setattr(result_wait, "RESULT_POLL_MIN_S", LONG_S)
 
     async def scenario():
         db = await _database(tmp_path)
@@ -200,7 +202,7 @@ def test_a_waiting_result_is_returned_at_the_engines_wake_not_at_the_next_look(t
         req = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(db_engine=db, result_wakes=wakes)))
         try:
             request_id = await _add(db)  # a pending request, as the API stores it
-            waiting = asyncio.create_task(skyrl_adapter.wait_for_result(str(request_id), req))
+            waiting = asyncio.create_task(result_wait.wait_for_result(str(request_id), req))
             await asyncio.sleep(0.3)
             assert not waiting.done()
             async with AsyncSession(db) as session:  # the engine completes it, then wakes the API
@@ -221,8 +223,8 @@ def test_a_waiting_result_is_returned_at_the_engines_wake_not_at_the_next_look(t
 def test_a_wake_that_comes_while_the_api_looks_is_not_missed(tmp_path, monkeypatch):
     """The engine completes the result just after the API's look read it as pending, and wakes the
     API before the API starts waiting: the wait must end at once, not at the next look."""
-    monkeypatch.setattr(skyrl_adapter, "RESULT_POLL_MAX_S", LONG_S)
-    monkeypatch.setattr(skyrl_adapter, "RESULT_POLL_MIN_S", LONG_S)
+    monkeypatch.setattr(result_wait, "RESULT_POLL_MAX_S", LONG_S)
+    monkeypatch.setattr(result_wait, "RESULT_POLL_MIN_S", LONG_S)
     upstream_exec = AsyncSession.exec
     raced = []
 
@@ -247,7 +249,7 @@ def test_a_wake_that_comes_while_the_api_looks_is_not_missed(tmp_path, monkeypat
 
         monkeypatch.setattr(AsyncSession, "exec", exec_then_engine_finishes)
         try:
-            result = await asyncio.wait_for(skyrl_adapter.wait_for_result(str(request_id), req), LONG_S / 3)
+            result = await asyncio.wait_for(result_wait.wait_for_result(str(request_id), req), LONG_S / 3)
             assert result == {"loss": 0.5} and raced
         finally:
             wakes.close()

@@ -6,7 +6,7 @@ its help, so the CLI, the deployments and the UI form cannot drift apart.
 
 `txflow run` checks everything before it starts anything (the same pre-flight
 the flow runs), then starts the embedded Prefect server itself, so that the
-server dies with this process (`txflow.lifeline`), while the flow's modules
+server dies with this process (`txflow.processes.lifeline`), while the flow's modules
 import.
 """
 
@@ -148,12 +148,12 @@ def run(args) -> int:
         return 2
     print(f"txflow: run {config.run_id}, state directory {config.state_dir}", file=sys.stderr)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    from txflow.progress import PROGRESS_ENV
+    from txflow.reporting.progress import PROGRESS_ENV
 
     if sys.stderr.isatty():
         os.environ.setdefault(PROGRESS_ENV, "1")
 
-    from txflow import embedded_prefect
+    from txflow.cluster import embedded_prefect
 
     with embedded_prefect.server(config.state_dir) as prefect_server:
         from flows.train import RunFailed, train_flow  # imports while the server starts
@@ -175,7 +175,7 @@ def run(args) -> int:
 
 
 def discover_cmd(args) -> int:
-    from txflow.discovery import discover
+    from txflow.checkpoints.discovery import discover
 
     try:
         artifacts = discover(args.url, _storage_options(args.storage_option), require_commit=args.require_commit)

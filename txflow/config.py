@@ -128,7 +128,7 @@ class RunConfig(BaseModel, extra="forbid"):
         description="rl: optimizer steps per rollout batch; the batch is split into this many minibatches, each "
         "one forward_backward + optim_step (the cookbook's num_substeps).")
     reward: str = Field(
-        default="txflow.rewards:low_token_ids",
+        default="txflow.training.rewards:low_token_ids",
         description="rl: reward `module:function(prompt, completion_text, completion_tokens, row) -> float`.",
     )
     max_tokens: int = Field(default=8, ge=1, description="rl: tokens sampled per completion.")

@@ -1,4 +1,4 @@
-"""Logging that never carries a credential.
+"""Logging that never carries a credential, and the redaction it applies.
 
 Tasks log through `get_logger()`: the Prefect run logger inside a run (so lines
 reach the Prefect UI), the `txflow` logger outside one. Every message passes
@@ -8,8 +8,27 @@ through `redact` with the run's secrets first.
 from __future__ import annotations
 
 import logging
+import re
 
-from txflow.skyrl_adapter import redact
+# Credentials in URLs (scheme://user:password@host) and in key=value / JSON pairs.
+_URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@\s]+)@")
+_SECRET_PAIR = re.compile(
+    r"(?P<key>\b[\w\-]*(?:secret|password|passwd|token|api[_\-]?key|credential)[\w\-]*\b"
+    r"[\"']?\s*[:=]\s*)(?P<value>\"[^\"]*\"|'[^']*'|[^\s,\"'}]+)",
+    re.IGNORECASE,
+)
+_BEARER = re.compile(r"(?P<key>\b(?:Bearer|Basic)\s+)(?P<value>[A-Za-z0-9._~+/=\-]+)", re.IGNORECASE)
+
+
+def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
+    """`text` with URL passwords, secret-looking key=value pairs and each of `secrets` masked."""
+    for secret in secrets:
+        if secret:
+            text = text.replace(secret, "***")
+    text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    text = _BEARER.sub(lambda m: f"{m['key']}***", text)
+    return _SECRET_PAIR.sub(lambda m: f"{m['key']}***", text)
+
 
 _secrets: set[str] = set()
 

@@ -11,13 +11,15 @@ from pathlib import Path
 
 import fsspec
 
-from txflow import custom, rl, sft, skyrl_adapter, storage
+from txflow.checkpoints import storage
 from txflow.config import TINY_MODEL, RunConfig
-from txflow.datasets import REQUIRED_KEYS, bundled_dataset, load_jsonl
 from txflow.log import get_logger
-from txflow.rewards import load_reward
-from txflow.tiny_model import resolve_base_model
-from txflow.tokenizer import load_tokenizer
+from txflow.training import custom, rl, sft
+from txflow.training.datasets import REQUIRED_KEYS, bundled_dataset, load_jsonl
+from txflow.training.rewards import load_reward
+from txflow.training.tokenizer import load_tokenizer
+from txflow.upstream import skyrl_tx
+from txflow.upstream.tiny_model import resolve_base_model
 
 # What `prepare` last returned for a config in this process: `txflow run` checks before it starts
 # Prefect, and the flow's own call right after (the one deployment runs rely on) costs nothing.
@@ -156,7 +158,7 @@ def prepare(cfg: RunConfig):
 
 def _prepare(cfg: RunConfig):
     try:
-        skyrl_adapter.check_upstream_version()
+        skyrl_tx.check_upstream_version()
     except ValueError as exc:
         raise PreflightError(str(exc)) from None
     if cfg.launcher == "ray":

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from txflow.discovery import Artifact
+from txflow.checkpoints.discovery import Artifact
 
 
 class Checkpoint(BaseModel):

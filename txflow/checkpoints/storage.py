@@ -1,0 +1,187 @@
+"""Durable checkpoints on any fsspec URL.
+
+SkyRL-tx writes checkpoints through cloudpathlib; on S3 the training state
+(an Orbax directory) stays in a process-local cache and never reaches the
+bucket, and with several processes the save hangs (see the upstream notes).
+So the engine always writes to a LOCAL staging directory, and txflow makes
+each checkpoint durable itself:
+
+- commit: upload staging/<relative> to <run_root>/<relative> with fsspec,
+  check that every file arrived with its size, then write the commit marker
+  last. A checkpoint without its marker is incomplete, whatever else exists.
+- import: download a committed checkpoint from the run root into staging
+  under a fresh model's id and register it with the engine, so restores and
+  resumes read the durable copy, on a fresh cluster as well.
+
+The same path serves local roots (a copy) and object stores, so every local
+end-to-end test exercises it. Staging is on the coordinator node only: the
+engine's checkpoint I/O runs on rank 0 (`txflow.upstream.skyrl_tx.checkpoint_io`, point 6), so no other
+rank's disk holds a checkpoint file and no filesystem is shared between ranks.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+import fsspec
+
+from txflow.checkpoints.discovery import Artifact, count_tar_members, discover
+from txflow.checkpoints.markers import COMMIT_SUFFIX, md5_of, read_commit, write_commit
+from txflow.config import RunConfig
+from txflow.upstream.skyrl_tx import layout
+
+STEP_NAME = re.compile(r"step-(\d+)")
+
+
+def engine_checkpoints_base(cfg: RunConfig) -> str:
+    """The engine's local staging directory; durable copies go to the run root."""
+    return str(Path(cfg.state_dir) / "checkpoints")
+
+
+def checkpoint_name(step: int) -> str:
+    """Checkpoint names carry their step, so a later save never overwrites an earlier one."""
+    return f"step-{step:06d}"
+
+
+def step_of(url_or_path: str) -> int | None:
+    match = STEP_NAME.search(url_or_path.rstrip("/").rsplit("/", 1)[-1])
+    return int(match.group(1)) if match else None
+
+
+def checkpoint_url(cfg: RunConfig, tinker_path: str) -> str:
+    """Durable URL of the checkpoint the engine saved as `tinker_path`."""
+    return f"{cfg.run_root}/{layout.relative_checkpoint_path(tinker_path)}"
+
+
+def tinker_path_of(cfg: RunConfig, url: str) -> str:
+    """The tinker:// path under which the engine saved the checkpoint now at `url` in this run's root."""
+    relative = url.removeprefix(cfg.run_root).strip("/")
+    path = layout.tinker_path_for(relative)
+    if path is None:
+        raise ValueError(f"{url} is not a checkpoint of run {cfg.run_id} under {cfg.run_root}")
+    return path
+
+
+# One PUT per file up to S3's single-part limit: the object's ETag is then its MD5, which is what
+# lets discovery verify a committed checkpoint from the listing alone.
+SINGLE_PART_BYTES = 5 * 2**30 - 1
+
+
+def commit(cfg: RunConfig, staging_base: str, tinker_path: str) -> str:
+    """Upload one checkpoint from staging to the run root, verify it, write its marker; returns its URL.
+
+    The marker records each file's size and MD5, taken from the staged copy; a sampler tarball is
+    read to its end here first, so a committed tarball never needs reading again.
+    """
+    relative = layout.relative_checkpoint_path(tinker_path)
+    local = Path(staging_base) / relative
+    if local.is_dir():
+        paths = {p.relative_to(local).as_posix(): p for p in sorted(local.rglob("*")) if p.is_file()}
+    elif local.is_file():
+        paths = {local.name: local}
+        _check_local_tarball(local, tinker_path)
+    else:
+        raise FileNotFoundError(f"The engine reported {tinker_path} but nothing is at {local}")
+    files = {}
+    for name, path in paths.items():
+        with open(path, "rb") as f:
+            files[name] = (path.stat().st_size, md5_of(f))
+    options = cfg.plain_storage_options()
+    url = f"{cfg.run_root}/{relative}"
+    fs, remote = fsspec.core.url_to_fs(url, **options)
+    targets = [f"{remote}/{n}" for n in files] if local.is_dir() else [remote]
+    for parent in sorted({t.rsplit("/", 1)[0] for t in targets}):
+        fs.makedirs(parent, exist_ok=True)  # local filesystems need parents; object stores ignore this
+    extra = {"chunksize": SINGLE_PART_BYTES} if "s3" in fs.protocol else {}
+    try:
+        fs.put([str(p) for p in paths.values()], targets, **extra)
+        write_commit(url, options, expected=files)
+    except Exception as exc:  # any storage error: say what it means for the checkpoint
+        raise OSError(f"Committing {tinker_path} to {url} failed; no commit marker was written, so the "
+                      f"checkpoint counts as incomplete ({type(exc).__name__}: {exc})") from exc
+    return url
+
+
+def _check_local_tarball(path: Path, tinker_path: str) -> None:
+    try:
+        count_tar_members(fsspec.filesystem("file"), str(path))
+    except Exception as exc:
+        raise OSError(f"The engine's {tinker_path} at {path} is not a complete tarball ({exc}); "
+                      f"nothing was committed") from exc
+
+
+def import_checkpoint(cfg: RunConfig, staging_base: str, url: str, kind: str, model_id: str, name: str) -> str:
+    """Copy the checkpoint at `url` into staging as `name` of `model_id`, verify every file against its
+    commit marker's MD5, and register it; returns its tinker path."""
+    tinker_path = (f"tinker://{model_id}/weights/{name}" if kind == "state"
+                   else f"tinker://{model_id}/{name}")
+    local = Path(staging_base) / layout.relative_checkpoint_path(tinker_path)
+    if local.exists():
+        shutil.rmtree(local) if local.is_dir() else local.unlink()
+    local.parent.mkdir(parents=True, exist_ok=True)
+    fs, remote = fsspec.core.url_to_fs(url, **cfg.plain_storage_options())
+    remote = remote.rstrip("/")
+    recorded = read_commit(fs.cat_file(remote + COMMIT_SUFFIX))
+    if kind == "state":
+        fs.get(remote + "/", str(local) + "/", recursive=True)
+        copies = {name: local / name for name in recorded}
+    else:
+        fs.get_file(remote, str(local))
+        copies = {name: local for name in recorded}
+    for file_name, (size, md5) in recorded.items():
+        with open(copies[file_name], "rb") as f:
+            found = md5_of(f)
+        if md5 is not None and found != md5:
+            raise ValueError(f"{url}: {file_name} downloaded with MD5 {found}, its commit marker recorded {md5}: "
+                             f"the stored checkpoint is not the committed one")
+    layout.register_checkpoint(cfg.resolved_database_url(), model_id, name, kind)
+    return tinker_path
+
+
+def latest_state(root: str, storage_options: dict | None = None) -> Artifact | None:
+    """The committed, complete state checkpoint with the highest step under `root`, if any."""
+    try:
+        artifacts = discover(root, storage_options)
+    except FileNotFoundError:
+        return None
+    states = [a for a in artifacts if a.kind == "state" and a.complete and a.committed and step_of(a.path) is not None]
+    return max(states, key=lambda a: step_of(a.path), default=None)
+
+
+def remove_ephemeral_samplers(checkpoints_base: str) -> list[str]:
+    """Delete the transient sampler weights SkyRL-tx wrote for sampling clients; returns what went."""
+    base = Path(checkpoints_base)
+    removed = []
+    for path in base.glob("*/sampler_weights/*"):
+        relative = path.relative_to(base).as_posix()
+        if layout.is_ephemeral_sampler(relative):
+            path.unlink(missing_ok=True)
+            removed.append(relative)
+    return removed
+
+
+def resolve_resume_from(cfg: RunConfig) -> tuple[str, int]:
+    """(URL, step) for `--resume-from`: a run root (its latest committed state), the URL of one state
+    checkpoint, or a tinker:// path of this run. Raises ValueError when it is not a usable state."""
+    source = cfg.resume_from
+    options = cfg.plain_storage_options()
+    url = checkpoint_url(cfg, source) if source.startswith("tinker://") else source.rstrip("/")
+    if url.endswith(".tar.gz"):
+        parent = url.rsplit("/", 1)[0]
+        try:
+            found = next((a for a in discover(parent, options) if a.url.rstrip("/") == url), None)
+        except FileNotFoundError:
+            found = None
+        if found is None or found.kind != "state":
+            raise ValueError(f"--resume-from {source}: no state checkpoint at {url}")
+        if not (found.complete and found.committed) or step_of(url) is None:
+            raise ValueError(f"--resume-from {source}: the checkpoint at {url} is incomplete "
+                             f"({found.reason or 'no step in its name'}); pass its run root to use the latest "
+                             f"complete one")
+        return url, step_of(url)
+    latest = latest_state(url, options)
+    if latest is None:
+        raise ValueError(f"--resume-from {source}: no complete, committed state checkpoint under {url}")
+    return latest.url, step_of(latest.path)

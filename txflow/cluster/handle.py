@@ -1,0 +1,109 @@
+"""One handle on a running cluster: its record, the launcher that placed it, the
+monitor that watches it, and the Tinker clients opened against it. Steps take
+this one object instead of a cluster and a launcher."""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from txflow.cluster.launcher import Launcher
+from txflow.cluster.monitor import ClusterFault, NoProgress, RankDied, RankMonitor
+from txflow.cluster.records import Cluster, ProcessRecord
+
+
+@dataclass(eq=False)
+class ClusterHandle:
+    cluster: Cluster
+    launcher: Launcher
+    monitor: RankMonitor
+    # ServiceClients opened against this cluster. Each heartbeats its session from a background
+    # thread until closed; nothing else closes it, so a long-lived process (a Prefect worker, the
+    # test suite) would heartbeat a dead cluster forever.
+    clients: list = field(default_factory=list)
+
+    @classmethod
+    def watch(cls, cluster: Cluster, launcher: Launcher) -> ClusterHandle:
+        """A handle whose monitor watches every process the cluster has or will get."""
+        return cls(cluster=cluster, launcher=launcher, monitor=RankMonitor(cluster, launcher).start())
+
+    def service_client(self):
+        """A Tinker ServiceClient for this cluster's API (never the hosted default); `close` closes it."""
+        import tinker
+
+        client = tinker.ServiceClient(base_url=self.cluster.base_url,
+                                      api_key=self.cluster.api_key.get_secret_value())
+        self.clients.append(client)
+        return client
+
+    def wait(self, future, what: str, timeout_s: float):
+        """`future.result()`, abandoned as soon as the monitor records a dead process, or after
+        `timeout_s` without a result.
+
+        A Tinker future would otherwise wait for JAX's heartbeat abort (~90 s) or forever. The
+        result is awaited in a thread and whichever comes first, result or death, wakes this one:
+        no polling interval is added to a request.
+        """
+        box: queue.SimpleQueue = queue.SimpleQueue()
+
+        def resolve() -> None:
+            try:
+                box.put(("result", future.result()))
+            except BaseException as exc:  # handed to the waiting thread, which raises it
+                box.put(("error", exc))
+
+        threading.Thread(target=resolve, name="txflow-wait", daemon=True).start()
+        unsubscribe = self.monitor.on_failure(lambda failure: box.put(("died", failure)))
+        try:
+            kind, value = box.get(timeout=timeout_s)
+        except queue.Empty:
+            raise NoProgress(f"{what} made no progress for {timeout_s:.0f} s") from None
+        finally:
+            unsubscribe()
+        if kind == "result":
+            return value
+        if kind == "error":
+            # A rank's death often reaches the client first, as a failed request: let the monitor look,
+            # so the error names the dead rank instead of the peer error it caused.
+            value = self.monitor.settle() or value
+        if isinstance(value, BaseException):
+            raise value
+        if value.abandoned_at is None:
+            value.abandoned_at = time.time()
+        raise RankDied(value)
+
+    @contextmanager
+    def deaths_first(self):
+        """Inside: an error raised while a process of the cluster is dead becomes that death (RankDied).
+
+        SDK calls that block on their own (creating a client, reading a training run) surface a dead
+        rank as a peer error; without this a task retry would run again on the dead cluster.
+        """
+        try:
+            yield
+        except ClusterFault:
+            raise
+        except Exception as exc:
+            failure = self.monitor.settle()
+            if failure is None:
+                raise
+            if failure.abandoned_at is None:
+                failure.abandoned_at = time.time()
+            raise RankDied(failure) from exc
+
+    def close_clients(self) -> int:
+        """Stop the session heartbeats of every client opened for this cluster."""
+        clients, self.clients = self.clients, []
+        for client in clients:
+            client.holder.close()
+        return len(clients)
+
+    def stop(self, grace_s: float = 5.0) -> list[ProcessRecord]:
+        """Teardown: clients first (their heartbeats would only fail once the API is gone), then
+        the monitor (a stopped process is no failure), then every process."""
+        self.close_clients()
+        self.monitor.stop()
+        return self.launcher.stop(self.cluster, grace_s)

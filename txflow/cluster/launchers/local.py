@@ -1,0 +1,80 @@
+"""The local launcher: every process a subprocess of this machine, each in its own
+process group, each dying with the process that started it (`txflow.processes.lifeline`)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+from txflow.cluster.launcher import Launcher
+from txflow.cluster.records import Cluster, ProcessRecord
+from txflow.processes import groups, lifeline, logs, ports, procfs
+
+ISOLATE_WORKER_DISKS_ENV = "TXFLOW_ISOLATE_WORKER_DISKS"
+
+
+class LocalLauncher(Launcher):
+    """Subprocesses of this machine, logs under `<state_dir>/logs`, ports picked on the configured interface.
+
+    With `TXFLOW_ISOLATE_WORKER_DISKS=1` (Linux, root), each worker rank runs in
+    its own mount namespace where the run's state directory, staging included,
+    is an empty private tmpfs: the ranks share no run files, as on separate
+    nodes. This is how the tests prove checkpoints need no shared filesystem.
+    """
+
+    name = "local"
+
+    def __init__(self) -> None:
+        self._popen: dict[int, subprocess.Popen] = {}
+        self.isolate_worker_disks = os.environ.get(ISOLATE_WORKER_DISKS_ENV) == "1"
+
+    def place(self, cluster: Cluster, host: str) -> None:
+        cluster.host = host
+        cluster.api_port = ports.free_port(host)
+        cluster.coordinator_port = ports.free_port(host) if cluster.num_processes > 1 else None
+        cluster.save()
+
+    def start(self, cluster, role, rank, cmd, env, ports, log_name):
+        log = Path(cluster.state_dir) / "logs" / f"{log_name}.log"
+        if role == "worker" and self.isolate_worker_disks:
+            cmd = private_disk_command(cluster.state_dir, cmd)
+        proc = groups.spawn(cmd, log, env=lifeline.child_env({**os.environ, **env}))
+        self._popen[proc.pid] = proc
+        record = ProcessRecord(
+            role=role, rank=rank, pid=proc.pid, pgid=proc.pid, start_time=procfs.start_time(proc.pid),
+            host=cluster.host, ports=ports, log=str(log),
+        )
+        cluster.processes.append(record)
+        cluster.save()
+        return record
+
+    def exit_code(self, record):
+        proc = self._popen.get(record.pid)
+        if proc is not None:
+            return proc.poll()
+        # Not started by this launcher instance (e.g. a cancellation hook): liveness only.
+        return None if procfs.is_alive(record.pid, record.start_time) else -1
+
+    def tail(self, record, lines=30):
+        return logs.tail(record.log, lines)
+
+    def stop(self, cluster, grace_s=5.0):
+        ours = [r for r in cluster.processes if r.pid in self._popen or procfs.is_alive(r.pid, r.start_time)]
+        groups.stop_groups([r.pgid for r in ours], grace_s)
+        for record in cluster.processes:
+            proc = self._popen.pop(record.pid, None)
+            if proc is not None:
+                record.exit_code = proc.wait(timeout=5)
+            elif record.exit_code is None and not procfs.is_alive(record.pid, record.start_time):
+                record.exit_code = -9
+        cluster.save()
+        return cluster.processes
+
+
+def private_disk_command(directory: str, cmd: list[str]) -> list[str]:
+    """`cmd` in a new mount namespace where `directory` is an empty tmpfs; `unshare` and `sh` exec, so
+    the pid stays the command's. The first log line says what the rank sees there."""
+    script = ('mount -t tmpfs txflow-node-disk "$0" || exit 97; '
+              'echo "txflow: private node disk: $0 holds $(ls -A "$0" | wc -l) entries"; exec "$@"')
+    return ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, directory, *cmd]

@@ -1,0 +1,7 @@
+"""The ground floor: processes of this machine.
+
+`lifeline` (a child dies with its parent), `groups` (start each process in its
+own process group, stop it as a group), `procfs` (liveness and start time from
+/proc), `ports` (free ports, open ports), `logs` (the tail of a process's log).
+Nothing here knows SkyRL-tx, a cluster or a run.
+"""

@@ -1,0 +1,61 @@
+"""JSONL datasets read through fsspec, checked before any process starts, and the order a run reads
+them in."""
+
+from __future__ import annotations
+
+import json
+import random
+from importlib import resources
+
+import fsspec
+
+BUNDLED = {"sft": "sft.jsonl", "rl": "rl_prompts.jsonl"}
+REQUIRED_KEYS = {"sft": ("prompt", "completion"), "rl": ("prompt",)}
+
+
+class DatasetError(ValueError):
+    """The dataset cannot be used; the message says where and why."""
+
+
+def bundled_dataset(mode: str) -> str:
+    """Path of the dataset shipped with txflow for `mode`."""
+    return str(resources.files("txflow.data").joinpath(BUNDLED[mode]))
+
+
+def load_jsonl(url: str, required: tuple[str, ...], storage_options: dict | None = None) -> list[dict]:
+    """Rows of a JSONL file; every row must be an object with string values for `required`."""
+    try:
+        with fsspec.open(url, "rt", encoding="utf-8", **(storage_options or {})) as f:
+            text = f.read()
+    except FileNotFoundError:
+        raise DatasetError(f"Dataset {url} does not exist; pass --dataset with a JSONL file or URL") from None
+    except (OSError, ValueError) as exc:
+        raise DatasetError(f"Dataset {url} cannot be read: {exc}") from None
+    rows = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise DatasetError(f"{url} line {number}: not valid JSON ({exc.msg})") from None
+        if not isinstance(row, dict):
+            raise DatasetError(f"{url} line {number}: expected a JSON object, got {type(row).__name__}")
+        for key in required:
+            if not isinstance(row.get(key), str) or not row[key]:
+                raise DatasetError(f"{url} line {number}: needs a non-empty string field {key!r}")
+        rows.append(row)
+    if not rows:
+        raise DatasetError(f"Dataset {url} has no rows")
+    return rows
+
+
+def batch_indices(num_examples: int, step: int, batch_size: int, seed: int) -> list[int]:
+    """The examples of `step` (0-based): a seeded shuffle per epoch, the same on every retry."""
+    out = []
+    for k in range(step * batch_size, (step + 1) * batch_size):
+        epoch, offset = divmod(k, num_examples)
+        order = list(range(num_examples))
+        random.Random(seed * 100_003 + epoch).shuffle(order)
+        out.append(order[offset])
+    return out

@@ -1,0 +1,68 @@
+"""Measurements shared by save-checkpoint (on the live model) and evaluate-restore
+(on the restored one), so both sides are computed the same way."""
+
+from __future__ import annotations
+
+import httpx
+
+from txflow.training import sft
+from txflow.cluster.handle import ClusterHandle
+
+GREEDY_TOKENS = 8
+
+
+def eval_loss(training_client, examples: list[sft.Example], handle: ClusterHandle, timeout_s: float) -> float:
+    """Mean NLL per completion token of `examples` under the client's weights (forward only)."""
+    future = training_client.forward([sft.to_datum(e) for e in examples], "cross_entropy")
+    output = handle.wait(future, "the evaluation forward pass", timeout_s)
+    return sft.mean_nll(output, examples)[0]
+
+
+def prompt_of(example: sft.Example) -> list[int]:
+    tokens, weights = example
+    return tokens[: weights.index(1.0)] if 1.0 in weights else tokens
+
+
+def rollout_examples(prompts: list[list[int]], completions: list[list[int]]) -> list[sft.Example]:
+    """Prompt + completion sequences with loss on the completion: a fixed batch to compare losses on."""
+    # An empty completion (EOS first) still compares the models on its prompt tokens.
+    return [(p + c, [0.0] * len(p) + [1.0] * len(c)) if c else (p, [0.0] + [1.0] * (len(p) - 1))
+            for p, c in zip(prompts, completions)]
+
+
+def greedy_tokens(sampling_client, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float,
+                  seed: int) -> list[list[int]]:
+    """Greedy continuations of every prompt; all requests in flight together."""
+    import tinker
+
+    params = tinker.types.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, seed=seed)
+    futures = [sampling_client.sample(prompt=tinker.types.ModelInput.from_ints(p), num_samples=1,
+                                      sampling_params=params) for p in prompts]
+    return [list(handle.wait(f, "a greedy sample", timeout_s).sequences[0].tokens) for f in futures]
+
+
+def sign_flip_p(differences: list[float], samples: int = 200_000) -> float:
+    """One-sided p-value that paired differences this far above zero come from chance: the share of the
+    2^n sign assignments whose sum is at least the observed sum (exact up to 20 non-zero differences,
+    a seeded sample of `samples` assignments beyond)."""
+    import itertools
+    import random
+
+    values = [abs(d) for d in differences if d != 0]
+    observed = sum(d for d in differences if d != 0)
+    if not values:
+        return 1.0
+    if len(values) <= 20:
+        signs = itertools.product((1, -1), repeat=len(values))
+        hits = sum(sum(s * v for s, v in zip(combo, values)) >= observed - 1e-12 for combo in signs)
+        return hits / 2 ** len(values)
+    rng = random.Random(0)
+    hits = sum(sum(v if rng.random() < 0.5 else -v for v in values) >= observed - 1e-12 for _ in range(samples))
+    return (hits + 1) / (samples + 1)
+
+
+def unload(handle: ClusterHandle, model_id: str) -> None:
+    """Free a LoRA adapter slot; SkyRL-tx keeps it until the session times out otherwise."""
+    cluster = handle.cluster
+    httpx.post(f"{cluster.base_url}/api/v1/unload_model", json={"model_id": model_id, "type": "unload_model"},
+               headers={"X-API-Key": cluster.api_key.get_secret_value()}, timeout=30).raise_for_status()

@@ -1,0 +1,50 @@
+"""Reward functions for `rl` mode.
+
+A reward is any importable `module:function` called as
+`fn(prompt, completion_text, completion_tokens, row) -> float`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import Callable
+
+RewardFn = Callable[[str, str, list[int], dict], float]
+
+# Token ids below this are single bytes of the tiny model's byte-level vocabulary.
+LOW_TOKEN_ID = 100
+
+
+def low_token_ids(prompt: str, completion_text: str, completion_tokens: list[int], row: dict) -> float:
+    """Share of sampled tokens whose id is below 100: dense, so a tiny model can climb it in a few steps."""
+    if not completion_tokens:
+        return 0.0
+    return sum(t < LOW_TOKEN_ID for t in completion_tokens) / len(completion_tokens)
+
+
+class RewardError(ValueError):
+    """The reward function cannot be used; the message says why."""
+
+
+def load_reward(spec: str) -> RewardFn:
+    """Import `module:function`, failing with a message that says what to fix."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise RewardError(f"reward {spec!r} must be 'module:function', e.g. txflow.training.rewards:low_token_ids")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardError(f"reward {spec!r}: cannot import module {module_name!r} ({exc})") from None
+    fn = getattr(module, attr, None)
+    if not callable(fn):
+        raise RewardError(f"reward {spec!r}: module {module_name!r} has no function {attr!r}")
+    return fn
+
+
+def score(fn: RewardFn, spec: str, prompt: str, text: str, tokens: list[int], row: dict, where: str) -> float:
+    """Call the reward; a non-number or a non-finite number is an error naming the row."""
+    value = fn(prompt, text, tokens, row)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise RewardError(f"reward {spec} returned {value!r} for {where}; it must return a finite number")
+    return float(value)

@@ -1,0 +1,60 @@
+"""Supervised fine-tuning: cross-entropy on completion tokens only."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# tinker is imported where a Datum is built: it imports torch (~4 s), and pre-flight must stay fast.
+
+Example = tuple[list[int], list[int]]  # tokens, per-token loss weights
+
+
+@dataclass
+class SFTData:
+    train: list[Example]
+    eval: list[Example]
+
+
+def encode(row: dict, tokenizer, max_len: int, where: str) -> Example:
+    """Prompt then completion (+ EOS); only completion tokens carry loss."""
+    prompt = tokenizer.encode(row["prompt"], add_special_tokens=False)
+    completion = tokenizer.encode(row["completion"], add_special_tokens=False) + [tokenizer.eos_token_id]
+    tokens = prompt + completion
+    if len(tokens) > max_len:
+        raise ValueError(f"{where}: {len(tokens)} tokens, longer than the model's context of {max_len}")
+    return tokens, [0.0] * len(prompt) + [1.0] * len(completion)
+
+
+def prepare(rows: list[dict], tokenizer, max_len: int, url: str) -> SFTData:
+    """Tokenize every row; the last tenth is held out for evaluation (`split`)."""
+    examples = [encode(row, tokenizer, max_len, f"{url} line {i + 1}") for i, row in enumerate(rows)]
+    train, held_out = split(examples)
+    return SFTData(train=train, eval=held_out or train[:1])
+
+
+def split(items: list) -> tuple[list, list]:
+    """(train, held out): the last tenth, at least one item, is held out; a single item is all train."""
+    held_out = max(1, len(items) // 10) if len(items) > 1 else 0
+    return items[: len(items) - held_out], items[len(items) - held_out :]
+
+
+def to_datum(example: Example):
+    """A cross-entropy Datum: predict each next token, weighted."""
+    import tinker
+
+    tokens, weights = example
+    return tinker.types.Datum(
+        model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]},
+    )
+
+
+def mean_nll(output, examples: list[Example]) -> tuple[float, int]:
+    """Mean negative log-likelihood per completion token, and that token count."""
+    total, tokens = 0.0, 0
+    for out, (_, weights) in zip(output.loss_fn_outputs, examples):
+        logprobs = out["logprobs"].tolist()
+        for logprob, weight in zip(logprobs, weights[1:]):
+            total -= logprob * weight
+            tokens += int(weight)
+    return total / max(tokens, 1), tokens

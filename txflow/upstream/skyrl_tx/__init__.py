@@ -1,0 +1,146 @@
+"""Everything specific to SkyRL-tx 0.3.0 (import name `tx`) lives in this package.
+
+Its modules follow the upstream process each patch changes: `api` (the Tinker
+API server: points 1, 2, 10, 11 and its end of 12, with `tinker_compat` for 10
+and `result_wait` for 11), `engine` (rank 0: 8, 9 and its end of 12), `worker`
+(ranks > 0: 8), `ranks` (what every rank gets: 6 installed, 7), `checkpoint_io`
+(6), `layout` (5) and `launch` (3, 4 and the command line of each process);
+`python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This
+module holds the names and numbers of the pinned version and its guard.
+
+Upstream behaviours this adapter works around, each with how to tell when the
+workaround can go:
+
+1. `python -m tx.tinker.api` starts the engine itself with `uv run --extra
+   tinker --extra jax -m tx.tinker.engine ...` in its FastAPI lifespan. We
+   install with pip, so `uv` and a uv project are absent and the engine never
+   starts. We serve the same FastAPI app with a lifespan that only prepares the
+   database, and start the engine ourselves with this interpreter (see
+   `api.serve_api`). Can go when upstream lets the API attach to an external engine.
+2. The upstream lifespan logs the whole engine command line, database URL
+   (password included) and all. Our lifespan logs nothing of it, the engine gets
+   the URL through `TX_DATABASE_URL` (not argv, which `ps` shows), and every
+   command line we log goes through `txflow.log.redact`.
+3. The default device mesh (fsdp=ep=tp=1) is wrong for more than one process
+   ("Array has no addressable shards"); `launch.backend_config` derives a mesh whose
+   product equals the device count, and a sampling batch that is a multiple of
+   fsdp (sampling `num_samples=1` otherwise fails with fsdp > 1).
+4. JAX's coordination service binds `[::]:<port>` (every interface) whatever
+   host the coordinator address names; SkyRL-tx offers no setting for it. Rank
+   0 gets `JAX_COORDINATOR_BIND_ADDRESS` (read by `jax.distributed.initialize`)
+   so that it binds only the configured interface (`launch.coordinator_env`).
+5. Checkpoints: `save_state` writes a DIRECTORY named `<name>.tar.gz`,
+   `save_weights_for_sampler` a real tarball under `sampler_weights/`; on S3 the
+   state never reaches the bucket. The engine therefore always writes to local
+   staging and txflow commits (see `txflow.checkpoints.storage`); the layout is named only
+   in `layout` (`relative_checkpoint_path`, `tinker_path_for`). A checkpoint copied back
+   from durable storage is registered in the engine's database
+   (`layout.register_checkpoint`), the only way 0.3.0 serves a checkpoint it did not
+   write itself.
+6. No filesystem is shared between ranks. Upstream saves the training state
+   with `flax...save_checkpoint_multiprocess` (Orbax): every rank writes its
+   shards into a directory rank 0 creates, so with node-local disks the other
+   ranks wait for a directory they never see (600 s, then "Timed out waiting
+   for array_metadatas base directory creation"), and a restore needs every
+   rank's shards on every node. Sampler weights are written by every rank, but
+   a sampler txflow imports from durable storage exists only where the import
+   ran. So the engine and the workers run through this module
+   (`engine`/`worker` entry points), which replaces three backend methods
+   (`checkpoint_io.install_checkpoint_io`): a state save gathers the LoRA weights and their
+   optimizer state to every host (a collective; LoRA state is megabytes, not
+   the model) and rank 0 alone writes ONE file, `txflow-state.msgpack`, into
+   the checkpoint directory; a state or sampler load reads the file on rank 0
+   and broadcasts its bytes. Every checkpoint file therefore lives on rank 0's
+   node, the coordinator node where txflow commits it (`txflow.checkpoints.storage`) with
+   fsspec. We gather and broadcast instead of teaching Orbax to write to S3
+   from every rank because the upstream path through cloudpathlib never
+   reaches the bucket (see the notes), and one file per checkpoint is what the
+   commit verifies cheaply. Can go when upstream saves without a shared disk.
+7. SIGTERM does not stop a rank of a multi-process cluster: `jax.distributed.
+   initialize` installs TSL's preemption notifier, which catches SIGTERM and
+   only logs "SIGTERM caught", so every teardown waited out its grace period
+   before SIGKILL. SkyRL-tx does nothing with preemption notices, so after
+   initialize the engine and the workers get the default SIGTERM action back
+   (`ranks.default_sigterm_after_distributed_init`). Can go when upstream handles
+   preemption or exits on it.
+8. Start-up order. A worker started before rank 0's JAX coordinator listens would
+   lean on JAX's connection retries, and the engine polls database tables that
+   only the API creates. Waiting for each in the orchestrator serialises ~8 s of
+   imports per rank; so every process starts at once and each entry point gates
+   itself after its imports: a worker waits until the coordinator accepts
+   connections (`worker.gate_on_coordinator`), the engine's request loop until the
+   tables exist (`engine.waits_for_tables`). Can go when upstream orders its
+   own start-up.
+9. Unloading a model frees its LoRA slot on rank 0 only: the distributed
+   backend (`JaxBackend`) broadcasts `create_model` to the workers but not
+   `delete_model`. After an unload, the next model gets one adapter index on
+   rank 0 and another on the workers, and the first batched request that uses
+   it fails ("passed to device_put is not the same on each process"; seen when
+   a restore check loads sampler weights into a fresh slot). The engine's
+   backend broadcasts `delete_model` too (`engine.broadcast_delete_model`). Can go
+   when upstream's `JaxBackend` broadcasts it.
+10. The API answers only what `tinker` 0.13 sends; newer SDKs (0.25, 0.38) call
+    endpoints it lacks and speak protobuf. `api.serve_api` installs the shims of
+    `tinker_compat`, which has its own numbered list.
+11. `retrieve_future` long-polls the database with sleeps of 0.1 s growing by
+    1.5x up to 1 s, so it looks at 0.1, 0.25, 0.475, 0.81, 1.32, ... s: a
+    result is noticed up to ~50% late. A 0.26 s training step came back at 0.3
+    or at 0.55 s, whichever side of a look it landed (the bimodal step times of
+    the benchmark), and a 5 s request can wait 1 s more. `result_wait.wait_for_result`
+    (served by tinker_compat's `retrieve_future`) is upstream's loop with sleeps
+    of a tenth of the time waited so far, between 10 ms and 0.25 s: a result is
+    noticed at most ~10% late, for ~20 more looks at the database per second
+    of waiting early on, fewer later. Can go when upstream's wait is tighter
+    or notified. With 12., the schedule is only the fallback: a result is
+    noticed when the engine's wake comes, with a look every 0.25 s besides.
+12. The API and the engine find each other's work only by polling the
+    database: besides 11., the engine sleeps 0.1 s after every pass over its
+    pending requests, so each request that arrives while it sleeps (every
+    training step's) waits up to 0.1 s before the engine sees it; that was a
+    third of a 0.3 s step. With `launch.wake_env` in both environments, each end
+    sends the other a wake after the commits that matter (`txflow.upstream.wake`):
+    the API after committing a new request (`create_future`'s session), the
+    engine after completing futures (`_complete_futures`). The engine's 0.1 s
+    sleep ends at a wake (after a 10 ms quiet spell, so that requests sent
+    together are still batched together), and `wait_for_result` looks at
+    once. The database stays the only source of truth; without wakes both
+    ends poll as in 11. Can go when upstream's engine is notified of work.
+
+Guarded: the adapter patches exactly the upstream version it was written
+against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the
+entry points, before anything is patched (`check_upstream_version`).
+
+Module names differ in the unified `skyrl` 0.4.0 package (`skyrl.tinker.api`,
+`skyrl.tinker.engine`, `skyrl.backends.jax`); they are only named here.
+"""
+
+from __future__ import annotations
+
+UPSTREAM_PACKAGE = "skyrl-tx"
+UPSTREAM_VERSION = "0.3.0"
+ENGINE_MODULE = "tx.tinker.engine"
+WORKER_MODULE = "tx.tinker.backends.jax"
+DATABASE_URL_ENV = "TX_DATABASE_URL"
+
+# SkyRL-tx 0.3.0's `ppo` loss clips the ratio at 1 +- 0.2, hard-coded (its loss_fn_config is ignored).
+PPO_CLIP_EPSILON = 0.2
+# The Tinker SDK's default LoRA rank; the cluster must accept at least it.
+TINKER_DEFAULT_RANK = 32
+# Adapter 0 is the base model; one for training, one per restore check, spare.
+LORA_SLOTS_MIN = 8
+
+
+def check_upstream_version() -> None:
+    """Refuse an installed SkyRL-tx other than the one this adapter patches."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version(UPSTREAM_PACKAGE)
+    except PackageNotFoundError:
+        installed = None
+    if installed != UPSTREAM_VERSION:
+        found = f"{UPSTREAM_PACKAGE} {installed} is installed" if installed else f"{UPSTREAM_PACKAGE} is not installed"
+        raise ValueError(f"{found}, but txflow's adapter (txflow/upstream/skyrl_tx/) works around the behaviour of "
+                         f"{UPSTREAM_PACKAGE} {UPSTREAM_VERSION} and patches it: install "
+                         f"{UPSTREAM_PACKAGE}=={UPSTREAM_VERSION} (see constraints.txt)")
+

@@ -1,0 +1,98 @@
+"""How each process of the cluster is started: its command line, its environment and the engine's
+config (points 3, 4 and 12 of the package docstring). Every process runs `python -m
+txflow.upstream.skyrl_tx`, which installs txflow's patches before upstream's code runs."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from txflow.config import RunConfig
+from txflow.upstream import wake
+from txflow.upstream.skyrl_tx import LORA_SLOTS_MIN, TINKER_DEFAULT_RANK
+
+ENTRY = "txflow.upstream.skyrl_tx"
+
+
+def backend_config(cfg: RunConfig, coordinator_address: str | None) -> dict[str, Any]:
+    """SkyRL-tx `JaxBackendConfig` for the cluster shape in `cfg`."""
+    config: dict[str, Any] = {
+        "fully_sharded_data_parallel_size": cfg.fsdp,
+        "tensor_parallel_size": cfg.mesh.tp,
+        "expert_parallel_size": cfg.mesh.ep,
+        "max_lora_rank": cfg.max_lora_rank or max(TINKER_DEFAULT_RANK, cfg.lora_rank),
+        "max_lora_adapters": LORA_SLOTS_MIN,
+        # Pad every sampling batch to a multiple of fsdp (a batch of one fails otherwise).
+        "sample_max_num_sequences": cfg.fsdp * max(1, 8 // cfg.fsdp),
+    }
+    if cfg.processes > 1:
+        config["coordinator_address"] = coordinator_address
+        config["num_processes"] = cfg.processes
+    return config
+
+
+def engine_args(
+    cfg: RunConfig, base_model_path: str, checkpoints_base: str, coordinator_address: str | None
+) -> list[str]:
+    """Engine config as command-line arguments, without the database URL (it goes by environment)."""
+    return [
+        "--base-model",
+        base_model_path,
+        "--backend",
+        "jax",
+        "--backend-config",
+        json.dumps(backend_config(cfg, coordinator_address)),
+        "--checkpoints-base",
+        checkpoints_base,
+        # The client of a txflow run heartbeats while it runs; a crashed client's
+        # adapters are freed after this long instead of leaking slots.
+        "--session-timeout-sec",
+        "120",
+    ]
+
+
+def wake_env() -> dict[str, str]:
+    """Environment for the API and rank 0 (the engine) of one cluster: the name of their wake channel (12.)."""
+    return {wake.ENV: wake.new_name()}
+
+
+def coordinator_env(coordinator_address: str | None) -> dict[str, str]:
+    """Environment for rank 0 so the JAX coordinator binds only the configured interface."""
+    return {"JAX_COORDINATOR_BIND_ADDRESS": coordinator_address} if coordinator_address else {}
+
+
+def engine_command(engine_argv: list[str]) -> list[str]:
+    """Rank 0: the engine, which hosts the JAX coordinator (with txflow's checkpoint I/O, see 6.)."""
+    return [sys.executable, "-m", ENTRY, "engine", *engine_argv]
+
+
+def api_command(engine_argv: list[str], host: str, port: int) -> list[str]:
+    """The Tinker API server, without the engine it would otherwise spawn through `uv`."""
+    return [sys.executable, "-m", ENTRY, "api", "--host", host, "--port", str(port), *engine_argv]
+
+
+def worker_command(coordinator_address: str, num_processes: int, rank: int, gate_timeout_s: float) -> list[str]:
+    """Rank > 0: a JAX worker that receives the model and config from rank 0 by broadcast. It joins
+    once rank 0's coordinator accepts connections, and gives up after `gate_timeout_s` (see 8.)."""
+    return [
+        sys.executable,
+        "-m",
+        ENTRY,
+        "worker",
+        "--gate-timeout",
+        str(gate_timeout_s),
+        "--coordinator-address",
+        coordinator_address,
+        "--num-processes",
+        str(num_processes),
+        "--process-id",
+        str(rank),
+    ]
+
+
+# rank that is missing when readiness times out.
+RANK_READY_MARKERS = {
+    "engine": "Starting background engine",
+    "worker": "entering command loop",
+}

@@ -1,0 +1,419 @@
+"""The Tinker API as the SDKs from 0.13 to 0.38 call it, served by SkyRL-tx 0.3.0.
+
+SkyRL-tx 0.3.0 answers what `tinker` 0.13.1 sends. Newer SDKs call more endpoints
+and speak protobuf on the hot paths. `install(app)` adds what they need to the
+upstream FastAPI app, in the API process (`python -m txflow.upstream.skyrl_tx api`):
+routes that wrap the upstream handlers or fill endpoints it lacks. No SDK is
+patched and no SkyRL-tx file is changed: the client is the user's.
+
+Upstream gaps filled here, the SDK versions that need each (found by running
+them and reading their request code: `tinker/lib/internal_client_holder.py`,
+`lib/api_future_impl.py`, `lib/public_interfaces/`, `resources/`, `proto/`):
+
+1. `POST /api/v1/client/config` (0.25, 0.38). Every client fetches its feature
+   flags before anything else. Without it: `ServiceClient` fails at its first
+   call with a 404. We answer with the SDK's defaults, except that each feature
+   this server lacks (JWT auth, zstd bodies, `retrieve_futures` polling,
+   server-side custom losses, `join_sampling_session`, model creation through
+   `load_weights`) is declared off, so a newer SDK whose default turns one on
+   still takes the path we serve. Can go when upstream serves the handshake
+   with the flags it supports (`skyrl` 0.4.0 serves a stub).
+2. Protobuf `forward_backward` bodies (0.25, 0.38). The SDK posts
+   `forward_backward` as `application/x-protobuf` and sends forward-only passes
+   (`TrainingClient.forward`) to the same endpoint with `forward_only` set,
+   never to `/api/v1/forward`. Without it: upstream cannot read the body as
+   JSON (a 500), the SDK retries for 5 minutes, then the first
+   `forward_backward` raises `InternalServerError`. We decode the body (text
+   chunks, dense tensors) into upstream's JSON request and call upstream's
+   `forward_backward` or `forward`. Can go when upstream reads protobuf bodies
+   (`skyrl` 0.4.0 does).
+3. Protobuf results (0.25, 0.38). `retrieve_future` with `Accept:
+   application/x-protobuf` must return `ForwardBackwardOutput` and
+   `SampleResponse` as protobuf: these SDKs reject JSON for those types
+   ("Server returned a JSON payload ... which this SDK version only supports
+   as proto"). We encode upstream's result. Can go with 2.
+4. `sample_sequence_ids` on `asample` futures (0.38). The SDK stamps each
+   sampled sequence with an id the server issued with the future. Without it:
+   every `sample` fails with "asample promises always carry
+   sample_sequence_ids" (also against `skyrl` 0.4.0). We issue
+   `<request_id>-<i>`, one per requested sample. Can go when upstream returns
+   them.
+5. `GET /api/v1/samplers/{sampler_id}` (0.38). A sampling client made from a
+   model path (`create_sampling_client(model_path=...)`) asks for its base
+   model first. Without it: 404 when that sampling client is created. Can go
+   when upstream serves it (`skyrl` 0.4.0 does).
+6. Session-addressed `load_weights` (0.38). `create_training_client_from_state`
+   no longer creates a model first: it sends `load_weights` with `session_id`
+   and `model_seq_id` and no `model_id`, and the client itself names the model
+   `<session_id>:train:<model_seq_id>`. Without it: 422, no restore. We create
+   that model with the checkpoint owner's base model and LoRA config, then
+   queue the load behind it. Can go when upstream creates models on load
+   (`skyrl` 0.4.0 does not).
+7. `POST /api/v1/sessions/{session_id}/finish` (0.38). `ServiceClient.close()`,
+   and leaving `with ServiceClient() as client:`, finish the session. Without
+   it: the client raises a 404 at its very end. We acknowledge it; the engine
+   frees the session's adapters when its heartbeats stop
+   (`--session-timeout-sec`), as for every client. Can go when upstream serves it.
+
+`TXFLOW_TINKER_COMPAT_SKIP=3,4` leaves the named shims out, to show what breaks
+without one.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import numpy as np
+from fastapi import HTTPException, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
+from pydantic import ValidationError
+
+PROTO = "application/x-protobuf"
+SKIP_ENV = "TXFLOW_TINKER_COMPAT_SKIP"
+
+# 1. Flags a client may read; every feature named here is one this server does not have.
+CLIENT_CONFIG = {
+    "pjwt_auth_enabled": False,
+    "proto_compress_fwdbwd": False,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+    "create_model_via_load_weights": False,
+}
+
+
+def install(app) -> None:
+    """Serve the shims on SkyRL-tx's FastAPI `app`, each in place of the upstream route it wraps."""
+    shims = {
+        1: ("POST", "/api/v1/client/config", client_config),
+        2: ("POST", "/api/v1/forward_backward", forward_backward),
+        3: ("POST", "/api/v1/retrieve_future", retrieve_future),
+        4: ("POST", "/api/v1/asample", asample),
+        5: ("GET", "/api/v1/samplers/{sampler_id}", get_sampler),
+        6: ("POST", "/api/v1/load_weights", load_weights),
+        7: ("POST", "/api/v1/sessions/{session_id}/finish", finish_session),
+    }
+    skip = {int(n) for n in os.environ.get(SKIP_ENV, "").replace(",", " ").split()}
+    for number, (method, path, endpoint) in shims.items():
+        if number in skip:
+            continue
+        app.router.routes[:] = [r for r in app.router.routes
+                                if not (isinstance(r, APIRoute) and r.path == path and method in r.methods)]
+        app.add_api_route(path, endpoint, methods=[method])
+
+
+def _db(req: Request):
+    from sqlmodel.ext.asyncio.session import AsyncSession
+
+    return AsyncSession(req.app.state.db_engine)
+
+
+# --- 1. the client_config handshake --------------------------------------------
+
+
+async def client_config():
+    return CLIENT_CONFIG
+
+
+# --- 2. protobuf forward_backward requests ---------------------------------------
+
+
+async def forward_backward(req: Request):
+    """Upstream's forward_backward, or forward when a protobuf body says `forward_only`."""
+    from tx.tinker import api
+
+    body = await req.body()
+    forward_only = False
+    try:
+        if req.headers.get("content-type", "").split(";")[0].strip().lower() == PROTO:
+            fields, forward_only = parse_forward_backward(body)
+            request = api.ForwardBackwardRequest.model_validate(fields)
+        else:
+            request = api.ForwardBackwardRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    except ValueError as exc:
+        raise HTTPException(status_code=400, detail=f"Unreadable protobuf forward_backward body: {exc}") from None
+    async with _db(req) as session:
+        if forward_only:
+            return await api.forward(
+                api.ForwardRequest(model_id=request.model_id, forward_input=request.forward_backward_input), session)
+        return await api.forward_backward(request, session)
+
+
+# --- 3. protobuf results -----------------------------------------------------------
+
+
+async def retrieve_future(request: dict, req: Request):
+    """Upstream's result, noticed sooner (adapter point 11); as protobuf for forward, forward_backward and
+    sample when the client asks."""
+    from tx.tinker import api, types
+
+    from txflow.upstream.skyrl_tx.result_wait import wait_for_future
+
+    try:
+        retrieve = api.RetrieveFutureRequest.model_validate(request)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    future = await wait_for_future(retrieve.request_id, req)
+    result, request_type = future.result_data, future.request_type
+    if PROTO not in req.headers.get("accept", ""):
+        return result
+    if request_type in (types.RequestType.FORWARD, types.RequestType.FORWARD_BACKWARD):
+        return Response(encode_forward_backward_output(result), media_type=PROTO)
+    if request_type == types.RequestType.SAMPLE:
+        return Response(encode_sample_output(result), media_type=PROTO)
+    return result
+
+
+# --- 4. sample_sequence_ids ----------------------------------------------------------
+
+
+async def asample(request: dict, req: Request):
+    """Upstream's asample future, carrying one sequence id per requested sample."""
+    from tx.tinker import api
+
+    try:
+        sample = api.SampleRequest.model_validate(request)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    async with _db(req) as session:
+        future = await api.asample(sample, req, session)
+    ids = [f"{future.request_id}-{i}" for i in range(sample.num_samples)]
+    return {**future.model_dump(), "sample_sequence_ids": ids}
+
+
+# --- 5. samplers ---------------------------------------------------------------------
+
+
+async def get_sampler(sampler_id: str, req: Request):
+    """A sampling session's base model (what the SDK loads a tokenizer for) and model path."""
+    from tx.tinker import api, types
+    from tx.tinker.db_models import SamplingSessionDB
+
+    async with _db(req) as session:
+        sampler = await session.get(SamplingSessionDB, sampler_id)
+        if sampler is None:
+            raise HTTPException(status_code=404, detail=f"Sampler {sampler_id} not found")
+        base_model = sampler.base_model
+        if base_model is None:
+            path = types.TinkerPath.parse(sampler.model_path or "")
+            if path is None:
+                raise HTTPException(status_code=500, detail=f"Sampler {sampler_id} has no usable model path")
+            base_model = (await api.get_model(session, path.primary_id)).base_model
+    return {"sampler_id": sampler_id, "base_model": base_model, "model_path": sampler.model_path}
+
+
+# --- 6. session-addressed load_weights --------------------------------------------------
+
+
+async def load_weights(request: dict, req: Request):
+    """Upstream's load_weights; without a `model_id`, first create the model the client named."""
+    from tx.tinker import api
+
+    model_id = request.get("model_id")
+    try:
+        if model_id is None:
+            model_id = await _create_model_to_load(request, req)
+        load = api.LoadWeightsRequest.model_validate({**request, "model_id": model_id})
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    async with _db(req) as session:
+        return await api.load_weights(load, req, session)
+
+
+async def _create_model_to_load(request: dict, req: Request) -> str:
+    """Create `<session_id>:train:<model_seq_id>` like the checkpoint's own model; returns its id."""
+    from tx.tinker import api, types
+    from tx.tinker.db_models import ModelDB, SessionDB
+
+    session_id, seq = request.get("session_id"), request.get("model_seq_id")
+    if not isinstance(session_id, str) or not isinstance(seq, int):
+        raise HTTPException(status_code=400, detail="load_weights needs a model_id, or a session_id and a model_seq_id")
+    path = types.TinkerPath.parse(str(request.get("path", "")))
+    if path is None or path.kind != "weights":
+        raise HTTPException(status_code=400, detail="path must be tinker://<model_id>/weights/<checkpoint_id>")
+    model_id = f"{session_id}:train:{seq}"
+    async with _db(req) as session:
+        if await session.get(ModelDB, model_id) is not None:  # a retry of this same request
+            return model_id
+        if await session.get(SessionDB, session_id) is None:
+            raise HTTPException(status_code=404, detail="Session not found")
+        source = await api.get_model(session, path.primary_id)
+        await api.validate_checkpoint(req, path.primary_id, path.secondary_id, types.CheckpointType.TRAINING, session)
+        lora_config = types.LoraConfig.model_validate(source.lora_config)
+        # The same rows upstream's create_model writes, under the id the client chose.
+        request_id = await api.create_future(session, types.RequestType.CREATE_MODEL, model_id,
+                                             types.CreateModelInput(lora_config=lora_config))
+        session.add(ModelDB(model_id=model_id, base_model=source.base_model, lora_config=lora_config.model_dump(),
+                            status="created", request_id=request_id, session_id=session_id))
+        await session.commit()
+    return model_id
+
+
+# --- 7. finishing a session -----------------------------------------------------------------
+
+
+async def finish_session(session_id: str, req: Request):
+    from tx.tinker.db_models import SessionDB
+
+    async with _db(req) as session:
+        if await session.get(SessionDB, session_id) is None:
+            raise HTTPException(status_code=404, detail="Session not found")
+    return {}
+
+
+# --- protobuf wire format: only the messages the shims read and write ----------------------
+# Field numbers are those of `tinker_public.proto` (tinker/proto/tinker_public_pb2.py, 0.25 and 0.38).
+
+_VARINT, _FIXED64, _BYTES, _FIXED32 = 0, 1, 2, 5
+_DTYPES = {1: "<f4", 2: "<i8"}  # DType enum: FLOAT32, INT64
+_DTYPE_ENUM = {"float32": 1, "int64": 2}
+_STOP_REASONS = {"stop": 0, "length": 1}
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return value, pos
+        shift += 7
+
+
+def _parse(buf: bytes) -> dict[int, list]:
+    """A message's fields: number -> values (int for varints, bytes otherwise), in wire order."""
+    fields: dict[int, list] = {}
+    pos = 0
+    while pos < len(buf):
+        key, pos = _read_varint(buf, pos)
+        wire = key & 7
+        if wire == _VARINT:
+            value, pos = _read_varint(buf, pos)
+        elif wire in (_FIXED64, _FIXED32):
+            size = 8 if wire == _FIXED64 else 4
+            value, pos = buf[pos:pos + size], pos + size
+        elif wire == _BYTES:
+            size, pos = _read_varint(buf, pos)
+            value, pos = buf[pos:pos + size], pos + size
+        else:
+            raise ValueError(f"unsupported wire type {wire}")
+        if pos > len(buf):
+            raise ValueError("truncated field")
+        fields.setdefault(key >> 3, []).append(value)
+    return fields
+
+
+def _one(fields: dict, number: int, default=None):
+    values = fields.get(number)
+    return values[-1] if values else default  # proto3: the last value of a singular field wins
+
+
+def _text(fields: dict, number: int) -> str:
+    return bytes(_one(fields, number, b"")).decode()
+
+
+def _tensor(buf: bytes) -> dict:
+    tensor = _parse(buf)
+    if 2 in tensor:
+        raise ValueError("sparse tensors are not supported")
+    dtype = _DTYPES.get(_one(tensor, 3, 0))
+    if dtype is None:
+        raise ValueError(f"unsupported tensor dtype {_one(tensor, 3, 0)}")
+    return {"data": np.frombuffer(_one(tensor, 1, b""), dtype=dtype).tolist()}
+
+
+def _datum(buf: bytes) -> dict:
+    datum = _parse(buf)
+    chunks = []
+    for chunk in map(_parse, datum.get(1, [])):
+        if 1 not in chunk:
+            raise ValueError("only text model inputs are supported (no image or audio chunks)")
+        chunks.append({"tokens": np.frombuffer(_one(_parse(_one(chunk, 1)), 1, b""), dtype="<i4").tolist()})
+    inputs = {}
+    for entry in map(_parse, datum.get(2, [])):
+        inputs[_text(entry, 1)] = _tensor(_one(entry, 2, b""))
+    return {"model_input": {"chunks": chunks}, "loss_fn_inputs": inputs}
+
+
+def parse_forward_backward(body: bytes) -> tuple[dict, bool]:
+    """A protobuf ForwardBackwardRequest as upstream's JSON request, and its `forward_only` flag."""
+    msg = _parse(body)
+    config: dict[str, float] = {}
+    for entry in map(_parse, msg.get(5, [])):
+        config[_text(entry, 1)] = struct.unpack("<d", _one(entry, 2, bytes(8)))[0]
+    for entry in map(_parse, msg.get(7, [])):  # v2 config: numbers, or text that this server has no use for
+        value = _parse(_one(entry, 2, b""))
+        if 2 in value:
+            raise ValueError(f"loss_fn_config {_text(entry, 1)!r} is text; this server takes numbers only")
+        config[_text(entry, 1)] = struct.unpack("<d", _one(value, 1, bytes(8)))[0]
+    request = {
+        "model_id": _text(msg, 1),
+        "forward_backward_input": {"data": [_datum(d) for d in msg.get(3, [])], "loss_fn": _text(msg, 4),
+                                   "loss_fn_config": config or None},
+    }
+    return request, bool(_one(msg, 6, 0))
+
+
+def _varint(value: int) -> bytes:
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | 0x80 if value else byte)
+        if not value:
+            return bytes(out)
+
+
+def _field(number: int, payload: bytes | str) -> bytes:
+    payload = payload.encode() if isinstance(payload, str) else payload
+    return _varint(number << 3 | _BYTES) + _varint(len(payload)) + payload
+
+
+def _int(number: int, value: int) -> bytes:
+    return _varint(number << 3 | _VARINT) + _varint(value) if value else b""
+
+
+def _double(number: int, value: float) -> bytes:
+    return _varint(number << 3 | _FIXED64) + struct.pack("<d", value)
+
+
+def encode_forward_backward_output(result: dict) -> bytes:
+    """Upstream's ForwardBackwardOutput as a protobuf ForwardBackwardOutput: per field, one batched
+    tensor holding every datum's values and their byte offsets."""
+    outputs = result.get("loss_fn_outputs") or []
+    out = _field(1, result.get("loss_fn_output_type", ""))
+    if outputs:
+        record = b""
+        for name in dict.fromkeys(name for output in outputs for name in output):
+            tensors = [output.get(name) or {"data": [], "dtype": "float32", "shape": [0]} for output in outputs]
+            dtype = tensors[0].get("dtype", "float32")
+            arrays = [np.asarray(t["data"], dtype=_DTYPES[_DTYPE_ENUM[dtype]]).ravel() for t in tensors]
+            offsets = np.concatenate([[0], np.cumsum([a.nbytes for a in arrays])]).astype("<i8")
+            trailing = b"".join(_varint(d) for d in (tensors[0].get("shape") or [0])[1:])
+            batched = (_field(1, b"".join(a.tobytes() for a in arrays)) + _field(2, offsets.tobytes())
+                       + _int(3, _DTYPE_ENUM[dtype]) + (_field(4, trailing) if trailing else b""))
+            record += _field(2, _field(1, name) + _field(2, batched))
+        out += _field(2, record + _int(3, len(outputs)))
+    for key, value in (result.get("metrics") or {}).items():
+        out += _field(3, _field(1, key) + _double(2, float("nan") if value is None else float(value)))
+    return out
+
+
+def encode_sample_output(result: dict) -> bytes:
+    """Upstream's SampleOutput as a protobuf SampleResponse (int32 tokens, float32 logprobs)."""
+    out = b""
+    for seq in result.get("sequences", []):
+        out += _field(1, _int(1, _STOP_REASONS[seq["stop_reason"]])
+                      + _field(2, np.asarray(seq["tokens"], dtype="<i4").tobytes())
+                      + _field(3, np.asarray(seq.get("logprobs") or [], dtype="<f4").tobytes()))
+    if result.get("prompt_logprobs") is not None:
+        logprobs = [float("nan") if lp is None else lp for lp in result["prompt_logprobs"]]
+        out += _field(2, np.asarray(logprobs, dtype="<f4").tobytes())
+    return out
