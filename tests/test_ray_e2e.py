@@ -209,7 +209,7 @@ STATUS_DURING_A_LONG_CALL = textwrap.dedent("""
     record = launcher.start(cluster, "coordinator", 0, [sys.executable, "-c",
                             "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                             "print('ignoring SIGTERM', flush=True); time.sleep(120)"], {}, {}, "rank0")
-    actor = launcher._actor(cluster, 0)
+    actor = launcher._actor(cluster.launcher_state["actors"][0])
     while "ignoring SIGTERM" not in ray.get(actor.tail.remote(record.log, 5), timeout=5):
         time.sleep(0.05)
     latencies = []
