@@ -49,13 +49,14 @@ def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
         launcher.place(cluster, cfg.host)
         handle = ClusterHandle.watch(cluster, launcher)
         engine_argv = launch.engine_args(cfg, cluster.base_model_path, cluster.checkpoints_base,
-                                                cluster.coordinator_address)
+                                         cluster.coordinator_address)
         env = child_env(cfg, db_url) | launch.wake_env()  # the API and the engine wake each other
         # The API first (it creates the database tables), then rank 0 without waiting for it: the
-        # engine waits for the tables itself after its imports (adapter point 8).
-        api = launcher.start(cluster, "api", None, launch.api_command(engine_argv, cluster.host,
-                                                                             cluster.api_port),
-                             env, {"http": cluster.api_port}, "api")
+        # engine waits for the tables itself after its imports (adapter point 8). The API alone gets
+        # the run's key, which it checks on every request (adapter point 15).
+        api_env = env | launch.api_key_env(cluster.api_key.get_secret_value())
+        api = launcher.start(cluster, "api", None, launch.api_command(engine_argv, cluster.host, cluster.api_port),
+                             api_env, {"http": cluster.api_port}, "api")
         log.info(f"Tinker API server pid {api.pid} on {cluster.base_url}, log {api.log}")
         ports = {"coordinator": cluster.coordinator_port} if cluster.coordinator_port else {}
         rank0_env = env | launch.coordinator_env(cluster.coordinator_address)

@@ -21,7 +21,10 @@ from txflow.reporting.progress import StepProgress
 from txflow.results import Checkpoint, Trained
 from txflow.training import custom, datasets, rl, sft
 from txflow.training.clients import training_client_at
-from txflow.upstream.skyrl_tx import PPO_CLIP_EPSILON
+from txflow.upstream.skyrl_tx.losses import DEFAULTS as LOSS_DEFAULTS
+
+# rl sends ppo no loss_fn_config: its ratio is clipped at the default thresholds.
+PPO_CLIP = (LOSS_DEFAULTS["ppo"]["clip_low_threshold"], LOSS_DEFAULTS["ppo"]["clip_high_threshold"])
 
 
 def resume_point(cfg: RunConfig) -> tuple[str, int] | None:
@@ -52,7 +55,7 @@ def sft_step(cfg: RunConfig, handle: ClusterHandle, data: sft.SFTData):
     def step_fn(training_client, step: int) -> dict:
         batch = [data.train[i] for i in datasets.batch_indices(len(data.train), step, cfg.batch_size, cfg.seed)]
         # Both requests in flight before either is awaited, as the Tinker cookbook does.
-        fwd_bwd = training_client.forward_backward([sft.to_datum(e) for e in batch], "cross_entropy")
+        fwd_bwd = training_client.forward_backward(sft.averaged([sft.to_datum(e) for e in batch]), "cross_entropy")
         optim = training_client.optim_step(adam)
         output = handle.wait(fwd_bwd, f"forward_backward of step {step + 1}", cfg.step_timeout_s)
         handle.wait(optim, f"optim_step of step {step + 1}", cfg.step_timeout_s)
@@ -74,14 +77,14 @@ def rl_step(cfg: RunConfig, handle: ClusterHandle, data: rl.RLData):
         groups = rl.sample_groups(policy, data, indices, cfg.group_size, cfg.max_tokens, cfg.temperature,
                                   cfg.seed * 100_003 + step, handle, cfg.step_timeout_s)
         # One optimizer step per minibatch, all in flight: the engine runs a model's requests in order.
-        batches = rl.minibatches(rl.to_datums(groups, data), cfg.substeps)
+        batches = [sft.averaged(batch) for batch in rl.minibatches(rl.to_datums(groups, data), cfg.substeps)]
         pending = [(batch, training_client.forward_backward(batch, cfg.loss), training_client.optim_step(adam))
                    for batch in batches]
         clipped = counted = 0
         for i, (batch, fwd_bwd, optim) in enumerate(pending):
             output = handle.wait(fwd_bwd, f"forward_backward {i + 1} of step {step + 1}", cfg.step_timeout_s)
             handle.wait(optim, f"optim_step {i + 1} of step {step + 1}", cfg.step_timeout_s)
-            found = rl.clip_fraction(batch, output.loss_fn_outputs, PPO_CLIP_EPSILON)
+            found = rl.clip_fraction(batch, output.loss_fn_outputs, *PPO_CLIP)
             clipped, counted = clipped + found[0], counted + found[1]
         rewards = rl.rewards_of(groups)
         row = {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),

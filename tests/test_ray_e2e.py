@@ -142,6 +142,11 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
     try:
         wait_until(lambda: steps() >= 4, proc, log, "step 4 on the first placement")
         first = cluster_json(states, "ray-sft")
+        api = next(p for p in first["processes"] if p["role"] == "api")
+        # From the driver, inside the namespace: the API on the node's address lets in the run's key only.
+        probe = cluster.python_run(AUTH_PROBE, f"http://{api['host']}:{api['ports']['http']}", API_KEY_MARKER,
+                                   timeout=60, check=True)
+        auth = json.loads(probe.stdout.strip().splitlines()[-1])
         listeners = cluster.listeners()
         # Every process of the namespace but `txflow` itself, whose command line is the user's own.
         command_lines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
@@ -157,6 +162,7 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
     report, text = output(log)
     assert code == 0 and report and report["status"] == "passed", text[-4000:]
     assert report["restore"]["passed"] and report["restore"]["abs_diff"] <= 1e-6
+    assert auth == {"no key": 401, "wrong key": 401, "the run's key": 200}, auth
     ranks = {r["rank"]: r for r in report["cluster"]["ranks"]}
     assert ranks[0]["node_id"] and ranks[1]["node_id"] and ranks[0]["node_id"] != ranks[1]["node_id"]
     assert ranks[None]["node_id"] == ranks[0]["node_id"]  # the API beside rank 0
@@ -191,6 +197,16 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
         assert found.returncode == 1 and found.stdout == "", found.stdout  # 1: grep found nothing
     assert [m for m in markers if m in text] == []
     assert_nothing_left(cluster, [p for c in (first, cluster_json(states, "ray-sft")) for p in c["processes"]])
+
+
+AUTH_PROBE = textwrap.dedent("""
+    import json, sys, httpx
+    base, key = sys.argv[1], sys.argv[2]
+    runs = f"{base}/api/v1/training_runs"
+    print(json.dumps({"no key": httpx.post(f"{base}/api/v1/create_session", json={}).status_code,
+                      "wrong key": httpx.get(runs, headers={"X-API-Key": "tml-wrong"}).status_code,
+                      "the run's key": httpx.get(runs, headers={"X-API-Key": key}).status_code}))
+""")
 
 
 STATUS_DURING_A_LONG_CALL = textwrap.dedent("""

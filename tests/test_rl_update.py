@@ -40,7 +40,7 @@ def test_the_clip_fraction_counts_tokens_past_the_clip_in_their_advantages_direc
     outputs = [output(new_up), output(new_down), output(new_up), output(new_up)]
     # positive advantage, ratios up: 2 clipped; negative, ratios down: 2; negative, ratios up: none;
     # zero advantage: not counted.
-    assert rl.clip_fraction(datums, outputs, 0.2) == (4, 12)
+    assert rl.clip_fraction(datums, outputs, 0.8, 1.2) == (4, 12)
 
 
 def test_the_sign_flip_p_value_is_exact_for_small_samples():

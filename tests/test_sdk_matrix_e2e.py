@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import math
 import re
+import tarfile
 from pathlib import Path
+
+import safetensors.numpy
 
 import pytest
 
@@ -36,7 +39,9 @@ COOKBOOK_STEPS = (
     ("aiohttp", "anyio", "blobfile", "chz", "cloudpickle", "datasets", "pillow", "pyrage", "termcolor",
      "tiktoken"),
     ("--no-deps", "tinker-cookbook==0.6.1"),
+    ("sympy", "pylatexenc", "math-verify"),  # its math-rl extra, which the RL recipe imports
 )
+COOKBOOK_ENV = "tinker-0.38.0-cookbook-0.6.1-math-rl"
 CONVERSATIONS = [("English: one\nFrench:", " un"), ("English: two\nFrench:", " deux"),
                  ("English: three\nFrench:", " trois"), ("English: four\nFrench:", " quatre")]
 
@@ -88,17 +93,62 @@ def test_a_client_of_each_sdk_runs_unchanged_in_its_own_environment(version, tmp
     saved_tokens = json.loads(re.search(r"saved sampler tokens (\[.*\])", log)[1])
     assert len(ephemeral) == 4 and ephemeral == saved_tokens  # same weights, greedy: same tokens
 
+    # Every loss of the SDK's LossFnType trained, with and without loss_fn_config; each result carried
+    # `loss:sum` and one logprob per target token.
+    trained = re.findall(r"loss (\S+) (.+?) loss:sum (\S+) logprobs \[(.*)\]", log)
+    assert [[name, json.loads(config)] for name, config, _, _ in trained] == LOSSES_OF[version]
+    assert all(math.isfinite(float(total)) and lengths == "6, 6" for _, _, total, lengths in trained)
+    # forward_backward_custom: the custom loss (sum of squared logprobs) falls over its 3 steps. 0.38 reports
+    # it as loss:sum; 0.13 and 0.25 keep the server's surrogate there, sum of -w * logprob with w = -2 * logprob:
+    # twice the custom loss, which holds only because the cluster sums the loss as Tinker does.
+    custom = [(float(a), float(b)) for a, b in re.findall(r"custom loss (\S+) loss:sum (\S+)", log)]
+    assert len(custom) == 3 and custom[-1][0] < custom[0][0], custom
+    factor = 1 if version == "0.38.0" else 2
+    assert all(total == pytest.approx(factor * loss, rel=1e-3) for loss, total in custom), custom
+
     saved = assert_every_saved_checkpoint_verified(report)
     assert [c["tinker_path"].rsplit("/", 1)[1] for c in saved["state"]] == ["sdk-state"]
-    assert [c["tinker_path"].rsplit("/", 1)[1] for c in saved["sampler"]] == ["sdk-sampler"]
+    samplers = {c["tinker_path"].rsplit("/", 1)[1]: c["url"] for c in saved["sampler"]}
+    # A client of any SDK that leaves the LoRA flags at their defaults trains every module, the
+    # unembedding included (the SDKs' default train_unembed=True reaches the engine).
+    assert adapter_modules(samplers["sdk-sampler"]) == ATTN | MLP | UNEMBED
+    if version == "0.38.0":
+        assert set(samplers) == {"sdk-sampler", "no-train_unembed", "no-train_mlp", "no-train_attn"}
+        for flag, family in (("train_unembed", UNEMBED), ("train_mlp", MLP), ("train_attn", ATTN)):
+            assert adapter_modules(samplers[f"no-{flag}"]) == (ATTN | MLP | UNEMBED) - family, flag
+        assert re.search(r"nothing to train: refused: .*train_attn, train_mlp and train_unembed are all False", log)
+        assert re.search(r"stable_reinforce: refused: .*takes loss_fn=importance_sampling", log)
+        # The run exported the client's last sampler checkpoint; its target_modules are what was trained.
+        assert report["export"]["sampler_url"] == samplers["no-train_attn"] and report["export"]["passed"]
+        assert set(report["export"]["target_modules"]) == MLP | UNEMBED
+    else:
+        assert list(samplers) == ["sdk-sampler"]
     assert alive_pids(state) == []
+
+
+ATTN, MLP, UNEMBED = {"q_proj", "k_proj", "v_proj", "o_proj"}, {"gate_proj", "up_proj", "down_proj"}, \
+    {"embed_tokens", "lm_head"}
+LOSSES_OF = {
+    version: [["importance_sampling", None], ["ppo", None],
+              ["ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}], ["cispo", None],
+              ["cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 2.0}], ["dro", {"beta": 0.05}]]
+              + ([["gspo", None], ["gspo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}]]
+                 if version == "0.38.0" else [])
+    for version in SDK_VERSIONS}
+
+
+def adapter_modules(sampler_url: str) -> set[str]:
+    """The modules a committed sampler tarball has LoRA weights for."""
+    with tarfile.open(sampler_url) as tar:
+        weights = tar.extractfile("adapter_model.safetensors").read()
+    return {key.split(".lora_")[0].rsplit(".", 1)[1] for key in safetensors.numpy.load(weights)}
 
 
 def test_the_tinker_cookbook_supervised_trainer_runs_as_a_client(tmp_path, txflow_env, reaper):
     """The cookbook's own supervised-learning CLI (`tinker_cookbook.recipes.chat_sl.train`) on a local
     JSONL of conversations and the local model, rendered with `role_colon` (the tiny tokenizer has no
     Qwen3 chat tokens)."""
-    python = sdk_env("0.38.0", COOKBOOK_STEPS, name="tinker-0.38.0-cookbook-0.6.1") / "bin" / "python"
+    python = sdk_env("0.38.0", COOKBOOK_STEPS, name=COOKBOOK_ENV) / "bin" / "python"
     data = tmp_path / "conversations.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
                                                      {"role": "assistant", "content": a}]}) + "\n"
@@ -127,4 +177,35 @@ def test_the_tinker_cookbook_supervised_trainer_runs_as_a_client(tmp_path, txflo
     assert [m["step"] for m in metrics] == [0, 1] and all(math.isfinite(m["train_mean_nll"]) for m in metrics)
     saved = assert_every_saved_checkpoint_verified(report)
     assert [c["tinker_path"].rsplit("/", 1)[1] for c in saved["state"] + saved["sampler"]] == ["final", "final"]
+    assert alive_pids(state) == []
+
+
+def test_the_tinker_cookbook_rl_recipe_runs_as_a_client_with_cispo(tmp_path, txflow_env, reaper):
+    """The cookbook's RL recipe (`tinker_cookbook.recipes.math_rl.train`, its synthetic arithmetic environment)
+    for 3 steps with loss_fn=cispo: sampling, the cookbook's RL datums and its loss through the cluster. Its
+    default loss, stable_reinforce, is refused with one line (see the 0.38 client above and the README)."""
+    python = sdk_env("0.38.0", COOKBOOK_STEPS, name=COOKBOOK_ENV) / "bin" / "python"
+    env = {**txflow_env, "HF_HUB_OFFLINE": "1", "https_proxy": f"http://127.0.0.1:{free_port()}",
+           "no_proxy": "127.0.0.1,localhost"}
+    state = reaper.watch(tmp_path / "state")
+    log_path = tmp_path / "cookbook-rl-log"
+    result = run_txflow(["run", "custom", "--run-id", "cookbook-rl", "--state-dir", str(state),
+                         "--checkpoints", str(tmp_path / "ckpt"), "--client", "tinker_cookbook.recipes.math_rl.train",
+                         "--client-python", str(python),
+                         "--client-arg=base_url={base_url}", "--client-arg=model_name={base_model}",
+                         "--client-arg=env=arithmetic", "--client-arg=renderer_name=role_colon",
+                         "--client-arg=loss_fn=cispo", "--client-arg=groups_per_batch=4", "--client-arg=group_size=4",
+                         "--client-arg=max_tokens=5", "--client-arg=max_steps=3", "--client-arg=lora_rank=8",
+                         "--client-arg=learning_rate=0.001", "--client-arg=eval_every=0",
+                         f"--client-arg=log_path={log_path}", "--json"], env, tmp_path)
+    log = "\n".join(client_lines(state)) if (state / "logs" / "client.log").exists() else ""
+    assert result.returncode == 0, result.stderr[-3000:] + "\n--- client.log ---\n" + log[-3000:]
+    report = json.loads(result.stdout)
+    assert report["status"] == "passed"
+    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "env/all/reward/total" in m]
+    assert len(steps) == 3 and all(math.isfinite(m["env/all/reward/total"]) for m in steps), metrics
+    saved = assert_every_saved_checkpoint_verified(report)
+    assert saved["state"] and saved["sampler"]
+    assert report["export"]["passed"]
     assert alive_pids(state) == []

@@ -115,7 +115,8 @@ def test_to_datum_predicts_each_next_token():
     datum = sft.to_datum(([11, 12, 13, 14], [0.0, 0.0, 1.0, 1.0]))
     assert datum.model_input.to_ints() == [11, 12, 13]
     assert datum.loss_fn_inputs["target_tokens"].tolist() == [12, 13, 14]
-    assert datum.loss_fn_inputs["weights"].tolist() == [0.0, 1.0, 1.0]
+    # Tinker sums the loss: each completion token weighs 1 / (completion tokens), a mean per sequence.
+    assert datum.loss_fn_inputs["weights"].tolist() == [0.0, 0.5, 0.5]
 
 
 class _Logprobs:

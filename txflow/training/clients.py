@@ -7,11 +7,21 @@ from txflow.cluster.handle import ClusterHandle
 from txflow.config import RunConfig
 
 
+# The adapter txflow's sft and rl modes train: attention and MLP (as SkyRL-tx always trained them), not the
+# unembedding the Tinker SDK asks for by default, so that the exported adapter serves on vLLM unmerged.
+# Every client that restores or samples such an adapter must ask for the same modules.
+LORA_MODULES = {"train_attn": True, "train_mlp": True, "train_unembed": False}
+
+
+def lora_client(service_client, base_model: str, rank: int, seed: int | None = None, modules: dict | None = None):
+    """A fresh LoRA training client of `rank` on `modules` (default: txflow's own, `LORA_MODULES`)."""
+    return service_client.create_lora_training_client(base_model=base_model, rank=rank, seed=seed,
+                                                      **(modules or LORA_MODULES))
+
+
 def training_client_at(cfg: RunConfig, handle: ClusterHandle, point: tuple[str, int] | None):
     """A fresh LoRA client on `handle`; given a (URL, step) it first loads that durable state, optimizer included."""
-    client = handle.service_client()
-    training_client = client.create_lora_training_client(base_model=handle.cluster.base_model_path,
-                                                         rank=cfg.lora_rank, seed=cfg.seed)
+    training_client = lora_client(handle.service_client(), handle.cluster.base_model_path, cfg.lora_rank, cfg.seed)
     if point is None:
         return training_client
     url, step = point

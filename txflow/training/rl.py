@@ -63,8 +63,13 @@ def sample_groups(sampling_client, data: RLData, indices: list[int], group_size:
             text = data.tokenizer.decode(tokens, skip_special_tokens=True)
             reward = score(data.reward, data.reward_spec, data.rows[i]["prompt"], text, tokens, data.rows[i],
                            f"{data.url} line {i + 1}")
-            group.append(Rollout(row=i, tokens=tokens, logprobs=list(seq.logprobs or [0.0] * len(tokens)),
-                                 reward=reward))
+            logprobs = list(seq.logprobs or [])
+            if len(logprobs) != len(tokens):
+                # Importance ratios need the sampler's own logprob of every sampled token; a stand-in
+                # would train on a wrong ratio without a word.
+                raise RuntimeError(f"the sampler returned {len(logprobs)} logprobs for {len(tokens)} sampled tokens "
+                                   f"({data.url} line {i + 1}); the importance ratio cannot be computed")
+            group.append(Rollout(row=i, tokens=tokens, logprobs=logprobs, reward=reward))
         groups.append(group)
     return groups
 
@@ -76,7 +81,8 @@ def request_seed(seed: int, row: int, group_size: int) -> int:
 
 
 def to_datums(groups: list[list[Rollout]], data: RLData) -> list:
-    """One datum per rollout; advantage = reward minus the mean reward of its group."""
+    """One datum per rollout; advantage = reward minus the mean reward of its group. The weights, 1 / (sampled
+    tokens), make each rollout count its mean loss per token (see `sft.averaged`)."""
     import tinker
 
     datums = []
@@ -92,7 +98,7 @@ def to_datums(groups: list[list[Rollout]], data: RLData) -> list:
                 model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
                 loss_fn_inputs={
                     "target_tokens": tokens[1:],
-                    "weights": [0.0] * n_prompt + [1.0] * len(r.tokens),
+                    "weights": [0.0] * n_prompt + [1.0 / len(r.tokens)] * len(r.tokens),
                     "logprobs": [0.0] * n_prompt + r.logprobs,
                     "advantages": [0.0] * n_prompt + [r.reward - mean] * len(r.tokens),
                 },
@@ -108,10 +114,10 @@ def minibatches(datums: list, substeps: int) -> list[list]:
     return [datums[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def clip_fraction(datums: list, outputs: list, epsilon: float) -> tuple[int, int]:
+def clip_fraction(datums: list, outputs: list, low: float, high: float) -> tuple[int, int]:
     """(clipped, counted) action tokens of a PPO update: the ratio r = exp(new - old logprob) is clipped
-    where it moved past 1 +- epsilon in the direction its advantage pushes (A > 0 and r > 1 + epsilon, or
-    A < 0 and r < 1 - epsilon). `outputs` are forward_backward's per-datum outputs (new logprobs)."""
+    where it moved past its thresholds in the direction its advantage pushes (A > 0 and r > high, or
+    A < 0 and r < low). `outputs` are forward_backward's per-datum outputs (new logprobs)."""
     clipped = counted = 0
     for datum, output in zip(datums, outputs):
         inputs = datum.loss_fn_inputs
@@ -122,7 +128,7 @@ def clip_fraction(datums: list, outputs: list, epsilon: float) -> tuple[int, int
                 continue
             counted += 1
             ratio = math.exp(now - old)
-            clipped += (advantage > 0 and ratio > 1 + epsilon) or (advantage < 0 and ratio < 1 - epsilon)
+            clipped += (advantage > 0 and ratio > high) or (advantage < 0 and ratio < low)
     return clipped, counted
 
 

@@ -39,14 +39,31 @@ def split(items: list) -> tuple[list, list]:
 
 
 def to_datum(example: Example):
-    """A cross-entropy Datum: predict each next token, weighted."""
+    """A cross-entropy Datum: predict each next token, weighted. Tinker sums a loss over tokens; weights of
+    1 / (completion tokens) make a sequence count its mean loss per token (see `averaged`)."""
     import tinker
 
     tokens, weights = example
+    completion = sum(weights[1:]) or 1.0
     return tinker.types.Datum(
         model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]},
+        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [w / completion for w in weights[1:]]},
     )
+
+
+def averaged(datums: list) -> list:
+    """The datums with their weights divided by their number. Tinker sums a loss over the sequences of a
+    request; with per-sequence weights that average over each sequence (`to_datum`, `rl.to_datums`) this
+    makes the loss the mean over sequences of each sequence's mean: the exact loss SkyRL-tx 0.3.0
+    computed itself, so runs train as before (Adam's epsilon makes even a constant factor show) and the
+    by-hand benchmark on upstream's engine trains the same job."""
+    import tinker
+
+    n = len(datums)
+    return [tinker.types.Datum(model_input=d.model_input,
+                               loss_fn_inputs={k: [w / n for w in v.tolist()] if k == "weights" else v
+                                               for k, v in d.loss_fn_inputs.items()})
+            for d in datums]
 
 
 def mean_nll(output, examples: list[Example]) -> tuple[float, int]:

@@ -27,10 +27,12 @@ ARCH = {
     "num_key_value_heads": 2,
     "head_dim": 16,
     "max_position_embeddings": 512,
-    "tie_word_embeddings": True,
+    # Untied, with the output head initialised as a copy of the embeddings (the same function as a tied
+    # model): SkyRL-tx can then train LoRA on both when a client asks, as the Tinker SDK does by default.
+    "tie_word_embeddings": False,
 }
 SPECIAL_TOKENS = ["<|endoftext|>", "<|pad|>"]
-BUILD_VERSION = 1
+BUILD_VERSION = 2
 
 
 def cache_dir() -> Path:
@@ -105,11 +107,15 @@ def _write_model(out: Path, seed: int) -> None:
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
+    with torch.no_grad():
+        model.lm_head.weight.copy_(model.model.embed_tokens.weight)
     model.save_pretrained(out, safe_serialization=True)
 
 
 def resolve_base_model(name: str, seed: int = 0) -> str:
-    """The path or hub id SkyRL-tx should load for `--base-model name`."""
+    """The path or hub id SkyRL-tx should load for `--base-model name`: a local directory as an absolute
+    path (processes may run elsewhere, and an export names it), a hub id as given."""
     if name == TINY_MODEL:
         return str(build_tiny_model(seed))
-    return name
+    path = Path(name).expanduser()
+    return str(path.absolute()) if path.is_dir() else name

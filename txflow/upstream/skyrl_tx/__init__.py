@@ -1,10 +1,11 @@
 """Everything specific to SkyRL-tx 0.3.0 (import name `tx`) lives in this package.
 
 Its modules follow the upstream process each patch changes: `api` (the Tinker
-API server: points 1, 2, 10, 11 and its end of 12, with `tinker_compat` for 10
-and `result_wait` for 11), `engine` (rank 0: 8, 9 and its end of 12), `worker`
-(ranks > 0: 8), `ranks` (what every rank gets: 6 installed, 7), `checkpoint_io`
-(6), `layout` (5) and `launch` (3, 4 and the command line of each process);
+API server: points 1, 2, 10, 11, 14 and its end of 12 and 13, with
+`tinker_compat` for 10, `result_wait` for 11 and `lora_config` for 14), `engine`
+(rank 0: 8, 9 and its end of 12), `worker` (ranks > 0: 8), `ranks` (what every
+rank gets: 6 and 13 installed, 7), `checkpoint_io` (6), `losses` (13, both
+ends), `layout` (5) and `launch` (3, 4 and the command line of each process);
 `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This
 module holds the names and numbers of the pinned version and its guard.
 
@@ -105,6 +106,18 @@ workaround can go:
     together are still batched together), and `wait_for_result` looks at
     once. The database stays the only source of truth; without wakes both
     ends poll as in 11. Can go when upstream's engine is notified of work.
+13. Losses (`losses`): upstream serves cross_entropy, importance_sampling and
+    ppo (its clip hard-coded, `loss_fn_config` ignored) as means over each
+    sequence's weights and over sequences; Tinker documents sums, configurable
+    thresholds and beta, and cispo, dro and gspo. The engine and the workers
+    compute Tinker's losses and sums, with `loss:sum` in every result; the API
+    refuses what cannot be served (stable_reinforce among them) with one line.
+    Can go when upstream serves Tinker's losses as sums.
+14. LoRA flags (`lora_config`): upstream's create_model drops the request's
+    train_attn, train_mlp and train_unembed, so every adapter trains attention
+    and MLP whatever the client asked. The API passes them on, and refuses what
+    the engine cannot train (nothing at all; the unembedding of a base model
+    that ties it to its embeddings). Can go when upstream passes them on.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the
@@ -122,8 +135,6 @@ ENGINE_MODULE = "tx.tinker.engine"
 WORKER_MODULE = "tx.tinker.backends.jax"
 DATABASE_URL_ENV = "TX_DATABASE_URL"
 
-# SkyRL-tx 0.3.0's `ppo` loss clips the ratio at 1 +- 0.2, hard-coded (its loss_fn_config is ignored).
-PPO_CLIP_EPSILON = 0.2
 # The Tinker SDK's default LoRA rank; the cluster must accept at least it.
 TINKER_DEFAULT_RANK = 32
 # Adapter 0 is the base model; one for training, one per restore check, spare.

@@ -1,9 +1,11 @@
-"""The Tinker API server (points 1, 2, 10, 11 and the API's end of 12): upstream's FastAPI app,
+"""The Tinker API server (points 1, 2, 10, 11, 14, 15 and the API's end of 12 and 13): upstream's FastAPI app,
 served without the engine spawn its lifespan would start through `uv`."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from contextlib import asynccontextmanager
 
 
@@ -21,13 +23,16 @@ def serve_api(argv: list[str]) -> None:
     from tx.utils.log import get_uvicorn_log_config
 
     from txflow.upstream import wake
-    from txflow.upstream.skyrl_tx import tinker_compat
+    from txflow.upstream.skyrl_tx import auth, lora_config, losses, tinker_compat
 
     parser = argparse.ArgumentParser(description="SkyRL-tx Tinker API without its engine spawn")
     add_model(parser, EngineConfig)
     parser.add_argument("--host", required=True)
     parser.add_argument("--port", type=int, required=True)
     args = parser.parse_args(argv)
+    key = os.environ.pop(auth.API_KEY_ENV, "")
+    if not key:
+        sys.exit(f"txflow: the Tinker API got no key to check ({auth.API_KEY_ENV}); it does not serve unprotected")
     engine_config = EngineConfig.model_validate({k: v for k, v in vars(args).items() if k in EngineConfig.model_fields})
 
     @asynccontextmanager
@@ -48,6 +53,9 @@ def serve_api(argv: list[str]) -> None:
     api.app.router.lifespan_context = lifespan
     _wake_engine_on_new_requests(api)
     tinker_compat.install(api.app)
+    losses.install_api(api.app)  # (13.)
+    lora_config.install_api(api.app)  # (14.)
+    auth.install(api.app, key)  # (15.) last added, so it runs first
     api.app.state.engine_config = engine_config
     uvicorn.run(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
 

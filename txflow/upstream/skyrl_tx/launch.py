@@ -1,5 +1,5 @@
 """How each process of the cluster is started: its command line, its environment and the engine's
-config (points 3, 4 and 12 of the package docstring). Every process runs `python -m
+config (points 3, 4, 12 and 15 of the package docstring). Every process runs `python -m
 txflow.upstream.skyrl_tx`, which installs txflow's patches before upstream's code runs."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 from txflow.config import RunConfig
 from txflow.upstream import wake
 from txflow.upstream.skyrl_tx import LORA_SLOTS_MIN, TINKER_DEFAULT_RANK
+from txflow.upstream.skyrl_tx.auth import API_KEY_ENV
 
 ENTRY = "txflow.upstream.skyrl_tx"
 
@@ -55,6 +56,11 @@ def engine_args(
 def wake_env() -> dict[str, str]:
     """Environment for the API and rank 0 (the engine) of one cluster: the name of their wake channel (12.)."""
     return {wake.ENV: wake.new_name()}
+
+
+def api_key_env(key: str) -> dict[str, str]:
+    """Environment for the API: the key it lets in (15.); never its command line."""
+    return {API_KEY_ENV: key}
 
 
 def coordinator_env(coordinator_address: str | None) -> dict[str, str]:

@@ -74,3 +74,19 @@ def register_checkpoint(database_url: str, model_id: str, checkpoint_id: str, ki
 
 
 # Lines each rank logs once it can take part in collectives; used to name the
+
+
+def model_lora(database_url: str, model_id: str) -> dict:
+    """The LoRA config of a model the engine's database knows: rank, alpha, seed and the modules it trains."""
+    from sqlmodel import Session, create_engine
+    from tx.tinker.db_models import ModelDB
+
+    engine = create_engine(database_url)
+    try:
+        with Session(engine) as session:
+            row = session.get(ModelDB, model_id)
+            if row is None:
+                raise KeyError(f"the engine knows no model {model_id}")
+            return dict(row.lora_config)
+    finally:
+        engine.dispose()

@@ -1,10 +1,11 @@
-"""What every rank process gets before upstream's entry point runs: txflow's checkpoint I/O (point 6)
-and the default SIGTERM action after `jax.distributed.initialize` (point 7)."""
+"""What every rank process gets before upstream's entry point runs: txflow's checkpoint I/O (point 6),
+the default SIGTERM action after `jax.distributed.initialize` (point 7) and Tinker's losses (point 13)."""
 
 from __future__ import annotations
 
 import sys
 
+from txflow.upstream.skyrl_tx import losses
 from txflow.upstream.skyrl_tx.checkpoint_io import install_checkpoint_io
 
 
@@ -34,6 +35,7 @@ def run(module: str, argv: list[str], patch=None) -> None:
     entry = importlib.import_module(module)  # the slow part (~8 s), before any gate
     install_checkpoint_io()
     default_sigterm_after_distributed_init()
+    losses.install_backend()
     if patch is not None:
         patch(entry)
     sys.argv = [module, *argv]

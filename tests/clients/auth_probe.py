@@ -1,0 +1,53 @@
+"""A custom client that probes the cluster's Tinker API as an outsider would and as the run's own client does.
+
+Without the key, with a wrong one, and with the run's key (TINKER_API_KEY, as txflow hands it to its
+client): one state-changing route (create_session, save_weights_for_sampler) and one reading route
+(training_runs), raw HTTP; then the Tinker SDK with a wrong key and with the right one, which saves a
+sampler checkpoint for the run to verify. Prints one JSON line of status codes and outcomes.
+
+Usage: python auth_probe.py BASE_MODEL
+"""
+
+import json
+import os
+import sys
+
+import httpx
+import tinker
+
+BASE, KEY = os.environ["TINKER_BASE_URL"], os.environ["TINKER_API_KEY"]
+KEYS = {"no key": {}, "wrong key": {"X-API-Key": "tml-wrong-key"}, "the run's key": {"X-API-Key": KEY},
+        "bearer": {"Authorization": f"Bearer {KEY}"}}
+
+
+def status(method: str, path: str, headers: dict, body: dict | None = None) -> int:
+    return httpx.request(method, BASE + path, headers=headers, json=body, timeout=60).status_code
+
+
+def main() -> None:
+    found = {"healthz": status("GET", "/api/v1/healthz", {})}
+    refused = httpx.post(BASE + "/api/v1/create_session", json={}, timeout=60)
+    found["refusal"] = refused.text
+    session = {"tags": [], "user_metadata": None, "sdk_version": tinker.__version__}
+    for name, headers in KEYS.items():
+        found[f"create_session, {name}"] = status("POST", "/api/v1/create_session", headers, session)
+        found[f"training_runs, {name}"] = status("GET", "/api/v1/training_runs", headers)
+    try:
+        tinker.ServiceClient(base_url=BASE, api_key="tml-wrong-key").create_lora_training_client(
+            base_model=sys.argv[1], rank=8)
+        found["sdk, wrong key"] = "accepted"
+    except Exception as exc:  # what the SDK raises when the cluster refuses it
+        found["sdk, wrong key"] = type(exc).__name__
+    training = tinker.ServiceClient(base_url=BASE).create_lora_training_client(base_model=sys.argv[1],
+                                                                               rank=8, train_unembed=False)
+    save = {"model_id": training.model_id, "path": "probe", "type": "save_weights_for_sampler"}
+    for name, headers in KEYS.items():
+        if name != "the run's key":
+            found[f"save_weights_for_sampler, {name}"] = status("POST", "/api/v1/save_weights_for_sampler",
+                                                                headers, save)
+    found["sdk, the run's key"] = training.save_weights_for_sampler("probe-sampler").result().path
+    print(json.dumps(found), flush=True)
+
+
+if __name__ == "__main__":
+    main()

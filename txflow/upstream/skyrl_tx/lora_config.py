@@ -1,0 +1,103 @@
+"""Point 14: the LoRA configuration a client asks for is the one trained.
+
+SkyRL-tx 0.3.0's `create_model` builds the adapter's LoraConfig from the request's rank and seed alone
+(`tx/tinker/api.py`): `train_attn`, `train_mlp` and `train_unembed` are dropped, so every adapter trains
+attention and MLP and never the unembedding, whatever the client asked (the Tinker SDK asks for all three
+by default). The engine honours the flags once they reach it (`filter_lora`, on every rank: the config
+travels with the create_model broadcast), so `install_api` serves create_model with them. What the
+engine cannot train is refused with one line instead: an adapter with no module, or `train_unembed` on
+a base model whose output head is its input embedding (`tie_word_embeddings`: SkyRL-tx has no LoRA for
+a tied head). Can go when upstream's create_model passes the flags on.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from uuid import uuid4
+
+from fastapi import Request
+from pydantic import BaseModel, Field, ValidationError
+
+
+class LoraRequest(BaseModel):
+    """A create_model request's LoRA config, as every Tinker SDK sends it (they send all three flags)."""
+
+    rank: int = Field(ge=1)
+    seed: int | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = False  # upstream's default, for a client that leaves it out
+
+
+class CreateModelRequest(BaseModel):
+    session_id: str
+    base_model: str
+    lora_config: LoraRequest
+
+
+def problem(lora: LoraRequest, base_model_path: str) -> str | None:
+    """Why the engine cannot train this adapter on this base model, in one line; None when it can."""
+    if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
+        return "train_attn, train_mlp and train_unembed are all False: the adapter would train nothing"
+    if lora.train_unembed and ties_embeddings(base_model_path):
+        return (f"train_unembed=True cannot be trained on {base_model_path}: it ties its output head to its input "
+                f"embedding (tie_word_embeddings), and SkyRL-tx has no LoRA for a tied head. Pass "
+                f"train_unembed=False to create_lora_training_client (the Tinker SDK's default is True)")
+    return None
+
+
+def ties_embeddings(base_model_path: str) -> bool:
+    """Whether the base model's config.json (a local directory, or the Hugging Face cache) ties them."""
+    config = Path(base_model_path) / "config.json"
+    if not config.is_file():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(base_model_path, "config.json")
+        config = Path(cached) if isinstance(cached, str) else None
+    if config is None:
+        return False  # unknown here: the engine's own check answers when the model is created
+    return bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
+
+
+def install_api(app) -> None:
+    """Serve create_model with the flags (in place of upstream's route)."""
+    from fastapi.routing import APIRoute
+
+    app.router.routes[:] = [r for r in app.router.routes
+                            if not (isinstance(r, APIRoute) and r.path == "/api/v1/create_model")]
+    app.add_api_route("/api/v1/create_model", create_model, methods=["POST"])
+
+
+async def create_model(request: dict, req: Request):
+    """Upstream's create_model (the same rows, the same answer), with the LoRA flags the client asked for."""
+    from fastapi import HTTPException
+    from fastapi.exceptions import RequestValidationError
+    from sqlmodel.ext.asyncio.session import AsyncSession
+    from tx.tinker import api, types
+    from tx.tinker.db_models import ModelDB, SessionDB
+
+    try:
+        parsed = CreateModelRequest.model_validate(request)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    lora = parsed.lora_config
+    reason = problem(lora, req.app.state.engine_config.base_model)
+    if reason:
+        raise HTTPException(status_code=400, detail=reason)
+    async with AsyncSession(req.app.state.db_engine) as session:
+        if await session.get(SessionDB, parsed.session_id) is None:
+            raise HTTPException(status_code=404, detail="Session not found")
+        model_id = f"model_{uuid4().hex[:8]}"
+        seed = lora.seed if lora.seed is not None else random.randint(0, 2**31 - 1)
+        # alpha 32, as upstream (the Tinker default it names); the flags are what upstream drops.
+        config = types.LoraConfig(rank=lora.rank, alpha=32.0, seed=seed, train_attn=lora.train_attn,
+                                  train_mlp=lora.train_mlp, train_unembed=lora.train_unembed)
+        request_id = await api.create_future(session=session, request_type=types.RequestType.CREATE_MODEL,
+                                             model_id=model_id, request_data=types.CreateModelInput(lora_config=config))
+        session.add(ModelDB(model_id=model_id, base_model=parsed.base_model, lora_config=config.model_dump(),
+                            status="created", request_id=request_id, session_id=parsed.session_id))
+        await session.commit()
+    return {"model_id": model_id, "base_model": parsed.base_model, "lora_config": lora.model_dump(),
+            "status": "created", "request_id": str(request_id)}
