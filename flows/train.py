@@ -1,6 +1,6 @@
 """The `train` flow: provision-coordinator -> launch-workers -> train ->
-save-checkpoint -> discover-artifacts -> evaluate-restore, and teardown of
-every process whatever happens.
+save-checkpoint -> discover-artifacts -> evaluate-restore, teardown of every
+process whatever happens, then export-adapter (which needs no cluster).
 
 A cluster fault (a rank that dies, a request without progress for
 `step_timeout_s`) tears the cluster down and continues on a freshly
@@ -22,6 +22,7 @@ from prefect.concurrency.sync import concurrency
 
 from tasks.discover_artifacts import discover_artifacts
 from tasks.evaluate_restore import evaluate_restore
+from tasks.export_adapter import export_adapter
 from tasks.launch_workers import launch_workers
 from tasks.provision_coordinator import provision_coordinator
 from tasks.save_checkpoint import save_checkpoint
@@ -35,16 +36,18 @@ from txflow.cluster.records import as_json
 from txflow.config import RunConfig
 from txflow.log import get_logger, register_run_secrets
 from txflow.preflight import prepare
+from txflow.processes.umask import private_files
 from txflow.reporting import report as run_report
 from txflow.reporting.metrics import metrics_path, read_metrics
-from txflow.results import Discovered, RestoreCheck, Saved, Trained
+from txflow.checkpoints.export import failure as export_failure
+from txflow.results import Discovered, Exported, RestoreCheck, Saved, Trained
 
 
 class RunFailed(RuntimeError):
     """The run finished but a step or the restore check failed; the report says which."""
 
     def __init__(self, report: dict):
-        super().__init__(f"run {report['run_id']} {report['status']}: {report['error'] or 'restore check failed'}")
+        super().__init__(f"run {report['run_id']} {report['status']}: {report['error']}")
         self.report = report
 
 
@@ -67,7 +70,7 @@ def _stop_cluster_hook(flow, flow_run, state) -> None:
     records = stop_cluster(cfg.state_dir)
     flow_run_logger(flow_run, flow).info(
         f"{state.name} hook: stopped the cluster in {cfg.state_dir}: "
-        + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_code}" for r in records) or "nothing recorded"))
+        + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_text}" for r in records) or "nothing recorded"))
 
 
 @contextmanager
@@ -100,6 +103,7 @@ class Progress:
     saved: Saved | None = None
     discovered: Discovered | None = None
     restore: RestoreCheck | None = None
+    exported: Exported | None = None
     step: str | None = None  # the step running now
     train_runs: int = 0
     failures: list[Failure] = field(default_factory=list)
@@ -128,6 +132,12 @@ def train_flow(config: RunConfig = RunConfig()) -> dict:
     from prefect.context import FlowRunContext
 
     cfg = _with_run_id(config, getattr(FlowRunContext.get(), "flow_run", None)).resolved()
+    with private_files():  # the run's files and every process it starts: owner only
+        return _train(cfg)
+
+
+def _train(cfg: RunConfig) -> dict:
+    """The body of `train_flow`, with the run config resolved."""
     log = get_logger()
     register_run_secrets(cfg)
     log.info(f"run {cfg.run_id}: mode {cfg.mode}, {cfg.processes} processes on the {cfg.launcher} launcher, "
@@ -168,12 +178,16 @@ def train_flow(config: RunConfig = RunConfig()) -> dict:
             if error is None:
                 break
             _note_resume_point(cfg, done)
+    if error is None and done.restore and not done.restore.passed:
+        error = "checks failed: " + "; ".join(done.restore.failed_checks)
+    if error is None and done.restore and done.restore.passed and cfg.export:
+        error = _export(cfg, done, timings)
     timings["total"] = round(time.monotonic() - began, 3)
 
     status = "passed" if error is None and done.restore and done.restore.passed else "failed"
     metrics = done.trained.metrics if done.trained else read_metrics(cfg.state_dir)
     report = run_report.build(cfg, status, error, dict(timings), metrics, done.trained, done.saved, done.discovered,
-                              done.restore, ranks, done.failures)
+                              done.restore, ranks, done.failures, done.exported.result if done.exported else None)
     path = metrics_path(cfg.state_dir)
     run_report.write(cfg, report, path.read_text() if path.exists() else "")
     run_report.publish_artifacts(report)
@@ -181,6 +195,18 @@ def train_flow(config: RunConfig = RunConfig()) -> dict:
     if status != "passed":
         raise RunFailed(report)
     return report
+
+
+def _export(cfg: RunConfig, done: Progress, timings: Timings) -> str | None:
+    """export-adapter, once the cluster is gone; the run's error when it fails (its check or itself)."""
+    try:
+        done.exported = done.run(timings, "export-adapter", export_adapter, cfg, done.restore)
+    except Exception as exc:
+        get_logger().error(f"run {cfg.run_id} failed in export-adapter: {exc}")
+        return "".join(traceback.format_exception_only(exc)).strip()
+    done.discovered = done.exported.discovered
+    problem = export_failure(done.exported.result)
+    return f"export check failed: {problem}" if problem else None
 
 
 def _note_resume_point(cfg: RunConfig, done: Progress) -> None:

@@ -101,7 +101,7 @@ def role_of(is_top: bool, cmdline: str) -> str | None:
     if is_top:
         return "driver (txflow / script)"
     for needle, role in (("engine", "rank 0 (engine)"), ("worker", "rank 1 (worker)"),
-                         ("backends.jax", "rank 1 (worker)"), ("tx.tinker.api", "api"), ("adapter api", "api"),
+                         ("backends.jax", "rank 1 (worker)"), ("tx.tinker.api", "api"), ("skyrl_tx api", "api"),
                          ("create_app", "prefect server"), ("txflow.processes.lifeline", "lifeline guard")):
         if needle in cmdline:
             return role
@@ -136,7 +136,8 @@ def by_hand(steps: int, env: dict, work: Path) -> dict:
 
 
 def flow(steps: int, env: dict, work: Path, run_id: str) -> dict:
-    cmd = [sys.executable, "-m", "txflow.cli", "run", "sft", "--steps", str(steps), "--save-every", "0",
+    # Without the export: the by-hand side does not export either (scripts/bench_export.py measures it).
+    cmd = [sys.executable, "-m", "txflow.cli", "run", "sft", "--steps", str(steps), "--save-every", "0", "--no-export",
            "--processes", str(JOB["processes"]), "--batch-size", str(JOB["batch_size"]),
            "--learning-rate", str(JOB["learning_rate"]), "--lora-rank", str(JOB["lora_rank"]),
            "--run-id", run_id, "--state-dir", str(work / run_id), "--checkpoints", str(work / "ckpt"), "--json"]

@@ -9,21 +9,23 @@ import statistics
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow.checkpoints import storage
+from txflow.checkpoints import export, storage
 from txflow.cluster.handle import ClusterHandle
 from txflow.cluster.monitor import retry_unless_cluster_fault
 from txflow.config import RunConfig
-from txflow.log import get_logger
+from txflow.log import get_logger, scrub
 from txflow.results import LiveReference, RestoreCheck, Saved
 from txflow.training import evaluation, rl
+from txflow.training.clients import LORA_MODULES, lora_client
+from txflow.upstream.skyrl_tx import layout
 
 LOSS_TOLERANCE = 1e-6
 EVAL_SEED_OFFSET = 7_777_777
 
 
-def restore(cfg: RunConfig, handle: ClusterHandle, client, state_url: str, rank: int):
+def restore(cfg: RunConfig, handle: ClusterHandle, client, state_url: str, rank: int, modules: dict | None = None):
     """A fresh training client holding the state copied back from its durable URL."""
-    restored = client.create_lora_training_client(base_model=handle.cluster.base_model_path, rank=rank)
+    restored = lora_client(client, handle.cluster.base_model_path, rank, modules=modules)
     load_state(cfg, handle, restored, state_url)
     return restored
 
@@ -35,11 +37,12 @@ def load_state(cfg: RunConfig, handle: ClusterHandle, training_client, state_url
     handle.wait(training_client.load_state(path), "loading the restored state", cfg.step_timeout_s)
 
 
-def restored_sampler(cfg: RunConfig, handle: ClusterHandle, client, sampler_url: str, rank: int):
+def restored_sampler(cfg: RunConfig, handle: ClusterHandle, client, sampler_url: str, rank: int,
+                     modules: dict | None = None):
     """A sampling client on the sampler weights copied back from their durable URL, in a fresh adapter
     slot of its own: were the tarball ignored, it would sample the untrained adapter, not the restored
     state. Returns it and the slot's training client (to unload)."""
-    slot = client.create_lora_training_client(base_model=handle.cluster.base_model_path, rank=rank)
+    slot = lora_client(client, handle.cluster.base_model_path, rank, modules=modules)
     path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, sampler_url, "sampler", slot.model_id,
                                      "restored")
     return client.create_sampling_client(model_path=path), slot
@@ -95,30 +98,53 @@ def rl_quality(cfg: RunConfig, handle: ClusterHandle, client, sampler, metrics: 
 QUALITY = {"sft": sft_quality, "rl": rl_quality}
 
 
+def failed_checks(mode: str, abs_diff: float, tokens_match: bool, moved: bool, quality: dict) -> list[str]:
+    """Each check the run missed, with the value found and the bound it had to meet."""
+    failed = []
+    if not abs_diff <= LOSS_TOLERANCE:
+        failed.append(f"restore: |loss after - loss before| {abs_diff:.2e} > {LOSS_TOLERANCE:g} allowed")
+    if not tokens_match:
+        failed.append("restore: the restored sampler's greedy tokens differ from the live model's")
+    if not moved:
+        failed.append("the trained model's greedy tokens are the base model's: training changed nothing they show")
+    if mode == "sft" and quality["eval_loss_gain"] < SFT_MIN_LOSS_GAIN:
+        failed.append(f"SFT held-out gain {quality['eval_loss_gain']:.3f} nats < {SFT_MIN_LOSS_GAIN} required")
+    if mode == "rl" and quality["reward_gain"] < RL_MIN_REWARD_GAIN:
+        failed.append(f"RL reward gain {quality['reward_gain']:.3f} < {RL_MIN_REWARD_GAIN} required")
+    if mode == "rl" and quality["sign_flip_p"] > RL_MAX_P:
+        failed.append(f"RL sign-flip p {quality['sign_flip_p']:.3g} > {RL_MAX_P} allowed")
+    return failed
+
+
 def verify_client_checkpoints(cfg: RunConfig, handle: ClusterHandle, saved: Saved, data) -> RestoreCheck:
     """custom mode: each state restores from its durable copy and runs a forward pass; each sampler
     loads from its durable copy and samples."""
     client = handle.service_client()
-    rest = client.create_rest_client()
     prompts = [evaluation.prompt_of(e) for e in data.probe]
-    checks = []
+    samplers = [c for c in saved.checkpoints if c.kind == "sampler"]
+    last_sampler = max(samplers, key=lambda c: c.saved_at or 0.0, default=None)
+    checks, reference = [], None
     for ckpt in saved.checkpoints:
         check = {"kind": ckpt.kind, "tinker_path": ckpt.tinker_path, "url": ckpt.url}
         model_id = ckpt.tinker_path.removeprefix("tinker://").split("/")[0]
         try:
-            # The client chose the LoRA rank; the engine's database still knows it for the client's model.
-            rank = rest.get_training_run(model_id).result().lora_rank
+            # The client chose the rank and the modules; the engine's database knows them for its model.
+            lora = layout.model_lora(cfg.resolved_database_url(), model_id)
+            rank, modules = lora["rank"], {k: lora[k] for k in LORA_MODULES}
             if ckpt.kind == "state":
-                restored = restore(cfg, handle, client, ckpt.url, rank)
+                restored = restore(cfg, handle, client, ckpt.url, rank, modules)
                 try:
                     check["loss"] = evaluation.eval_loss(restored, data.probe, handle, cfg.step_timeout_s)
                 finally:
                     evaluation.unload(handle, restored.model_id)
                 check["passed"] = math.isfinite(check["loss"])
             else:
-                sampler, slot = restored_sampler(cfg, handle, client, ckpt.url, rank)
+                sampler, slot = restored_sampler(cfg, handle, client, ckpt.url, rank, modules)
                 try:
-                    tokens = evaluation.greedy_tokens(sampler, prompts[:1], handle, cfg.step_timeout_s, cfg.seed)
+                    tokens = evaluation.greedy_tokens(sampler, prompts, handle, cfg.step_timeout_s, cfg.seed)
+                    if ckpt is last_sampler:  # the one the export step exports: what it must reproduce
+                        reference = record_reference(cfg, handle, sampler, ckpt.url, [e[0] for e in data.probe],
+                                                     prompts, tokens)
                 finally:
                     evaluation.unload(handle, slot.model_id)
                 check["tokens"] = tokens
@@ -126,9 +152,23 @@ def verify_client_checkpoints(cfg: RunConfig, handle: ClusterHandle, saved: Save
         except Exception as exc:  # a checkpoint that cannot be loaded fails its check, not the listing
             if handle.monitor.settle():  # ... unless the cluster itself broke: that is a fault to retry
                 handle.monitor.raise_if_failed()
-            check["passed"], check["error"] = False, f"{type(exc).__name__}: {exc}"
+            check["passed"], check["error"] = False, scrub(f"{type(exc).__name__}: {exc}")
         checks.append(check)
-    return RestoreCheck(passed=bool(checks) and all(c["passed"] for c in checks), checks=checks)
+    failed = [f"restore of {c['kind']} {c['tinker_path']}: {c.get('error') or 'failed'}" for c in checks
+              if not c["passed"]] or ([] if checks else ["the client saved no checkpoint to restore"])
+    return RestoreCheck(passed=not failed, checks=checks, reference=reference, failed_checks=failed)
+
+
+def record_reference(cfg: RunConfig, handle: ClusterHandle, sampler, sampler_url: str, sequences: list[list[int]],
+                     prompts: list[list[int]], tokens: list[list[int]]) -> export.ExportReference:
+    """What the restored sampler computes on fixed sequences and prompts, kept in the run root: the figures
+    the exported adapter must reproduce outside SkyRL (export-adapter, `txflow export`)."""
+    reference = export.ExportReference(
+        sampler_url=sampler_url, base_model=handle.cluster.base_model_path, sequences=sequences,
+        logprobs=evaluation.sequence_logprobs(sampler, sequences, handle, cfg.step_timeout_s), prompts=prompts,
+        greedy_tokens=tokens)
+    export.write_reference(cfg.run_root, cfg.plain_storage_options(), reference)
+    return reference
 
 
 @task(name="evaluate-restore", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless_cluster_fault,
@@ -155,7 +195,7 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
     live = saved.live
     state_url, sampler_url = (next(c.url for c in saved.checkpoints if c.kind == kind)
                               for kind in ("state", "sampler"))
-    restored = client.create_lora_training_client(base_model=handle.cluster.base_model_path, rank=cfg.lora_rank)
+    restored = lora_client(client, handle.cluster.base_model_path, cfg.lora_rank)
     try:
         # The fresh adapter is zero (LoRA's B starts at 0): this is the base model's loss, for free.
         base_loss = evaluation.eval_loss(restored, live.examples, handle, timeout)
@@ -166,6 +206,8 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
     sampler, slot = restored_sampler(cfg, handle, client, sampler_url, cfg.lora_rank)
     try:
         tokens = evaluation.greedy_tokens(sampler, live.prompts, handle, timeout, cfg.seed)
+        reference = record_reference(cfg, handle, sampler, sampler_url, [e[0] for e in live.examples], live.prompts,
+                                     tokens)
         quality = QUALITY[cfg.mode](cfg, handle, client, sampler, metrics, data, live, base_loss)
     finally:
         evaluation.unload(handle, slot.model_id)
@@ -173,10 +215,12 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
     abs_diff = abs(loss_after - live.eval_loss)
     tokens_match = tokens == live.greedy_tokens
     moved = live.greedy_tokens != live.base_tokens
-    passed = abs_diff <= LOSS_TOLERANCE and tokens_match and moved and bool(quality["quality_passed"])
-    result = RestoreCheck(passed=passed, loss_before=live.eval_loss, loss_after=loss_after, abs_diff=abs_diff,
+    failed = failed_checks(cfg.mode, abs_diff, tokens_match, moved, quality)
+    result = RestoreCheck(passed=not failed, loss_before=live.eval_loss, loss_after=loss_after, abs_diff=abs_diff,
                           sampler_tokens_match=tokens_match, tokens_differ_from_base=moved,
-                          live_tokens=live.greedy_tokens, restored_tokens=tokens, quality=quality)
+                          live_tokens=live.greedy_tokens, restored_tokens=tokens, quality=quality, reference=reference,
+                          failed_checks=failed)
+    passed = result.passed
     figures = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in quality.items())
     log.info(f"restore check: loss {live.eval_loss:.6f} -> {loss_after:.6f} (|diff| {abs_diff:.2e}), "
              f"greedy tokens match {tokens_match} (and differ from the base model's: {moved}), {figures}: "

@@ -40,11 +40,8 @@ def prove_ready(handle: ClusterHandle, timeout_s: float) -> float:
     client = handle.service_client()
     try:
         sampler = client.create_sampling_client(base_model=handle.cluster.base_model_path)
-        future = sampler.sample(
-            prompt=tinker.types.ModelInput.from_ints([1, 2, 3]),
-            num_samples=1,
-            sampling_params=tinker.types.SamplingParams(max_tokens=evaluation.GREEDY_TOKENS, temperature=0.0),
-        )
+        future = sampler.sample(prompt=tinker.types.ModelInput.from_ints([1, 2, 3]), num_samples=1,
+                                sampling_params=evaluation.greedy_params(), include_prompt_logprobs=True)
         handle.wait(future, "the readiness sample", timeout_s)
     except NoProgress as exc:
         missing = missing_ranks(handle)

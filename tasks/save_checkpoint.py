@@ -5,6 +5,8 @@ evaluate-restore must reproduce."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
@@ -34,8 +36,8 @@ def save_client_checkpoints(cfg: RunConfig, handle: ClusterHandle) -> Saved:
     for artifact in discover(base):
         path = layout.tinker_path_for(artifact.path)
         if artifact.kind in ("state", "sampler") and path and not layout.is_ephemeral_sampler(artifact.path):
-            checkpoints.append(Checkpoint(kind=artifact.kind, tinker_path=path,
-                                          url=storage.commit(cfg, base, path)))
+            checkpoints.append(Checkpoint(kind=artifact.kind, tinker_path=path, url=storage.commit(cfg, base, path),
+                                          saved_at=(Path(base) / artifact.path).stat().st_mtime))
     if not checkpoints:
         raise FileNotFoundError(f"The custom client saved no checkpoint (nothing under {base})")
     return Saved(checkpoints=checkpoints)

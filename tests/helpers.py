@@ -19,6 +19,22 @@ PREFECT = str(Path(sys.executable).parent / "prefect")
 PASSWORD_MARKER = "pw-MARKER-7f3c91"
 API_KEY_MARKER = "tml-key-MARKER-0c55e1"
 
+# A user's own process: transformers + peft load an exported adapter and continue each prompt greedily.
+# Arguments: base model, adapter directory, prompts as JSON, tokens per prompt. Prints the tokens as JSON.
+LOAD_PEFT_AND_GREEDY = """
+import json, sys, torch
+from transformers import AutoModelForCausalLM
+from peft import PeftModel
+model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(sys.argv[1]), sys.argv[2])
+n, out = int(sys.argv[4]), []
+for prompt in json.loads(sys.argv[3]):
+    ids = torch.tensor([prompt])
+    generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+    out.append(generated[0, len(prompt):].tolist())
+print(json.dumps(out))
+"""
+
 
 def cluster_pids(state_dir: Path) -> list[tuple[int, int | None]]:
     """(pid, start_time) of every process recorded in cluster.json."""
@@ -172,3 +188,16 @@ def fresh_root(kind: str, local: Path) -> Iterator[str]:
     fs = fsspec.filesystem("memory")
     if fs.exists(url):
         fs.rm(url, recursive=True)
+
+
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses on which something listens on TCP `port` (IPv4 as a.b.c.d, IPv6 as hex), from /proc."""
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.rsplit(":", 1)
+            if state == "0A" and int(hex_port, 16) == port:  # 0A: LISTEN
+                found.append(".".join(str(b) for b in reversed(bytes.fromhex(address))) if len(address) == 8
+                             else address)
+    return found

@@ -8,6 +8,7 @@ import io
 import json
 import os
 import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -19,8 +20,8 @@ import fsspec
 import pytest
 import s3fs
 
-from tests.helpers import (API_KEY_MARKER, PASSWORD_MARKER, MotoServer, TcpProxy, alive_pids, descendants,
-                           private_mounts_work, run_txflow, txflow_cmd)
+from tests.helpers import (API_KEY_MARKER, LOAD_PEFT_AND_GREEDY, PASSWORD_MARKER, MotoServer, TcpProxy, alive_pids,
+                           descendants, private_mounts_work, run_txflow, txflow_cmd)
 from txflow.checkpoints import storage
 from txflow.checkpoints.discovery import discover
 from txflow.checkpoints.markers import COMMIT_SUFFIX
@@ -134,6 +135,24 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
     assert {"runs/s3-first/report.json", "runs/s3-first/manifest.json", "runs/s3-first/metrics.jsonl"} <= set(keys)
     # Nothing of the run stayed only in a local cache: the state restores from the bucket alone.
     assert storage.latest_state(f"{root}/s3-first").url == state_url
+    # The run exported its adapter into the bucket, proven and committed.
+    assert report["export"]["passed"] and report["export"]["peft_url"] == f"{root}/s3-first/export/peft"
+    assert {"runs/s3-first/export/peft/adapter_config.json", "runs/s3-first/export/peft/adapter_model.safetensors",
+            "runs/s3-first/export/peft.txflow-commit"} <= set(keys)
+    # `txflow export` of that run root, from the bucket to the bucket; a separate process loads what it wrote.
+    exported = run_txflow(["export", f"{root}/s3-first", "--to", f"s3://{BUCKET}/exports/first", "--json"],
+                          s3_env, tmp_path)
+    assert exported.returncode == 0, exported.stderr[-3000:]
+    assert json.loads(exported.stdout)["passed"]
+    local = tmp_path / "downloaded"
+    fsspec.filesystem("s3").get(f"{BUCKET}/exports/first/peft/", str(local) + "/", recursive=True)
+    reference = json.loads(boto3.client("s3").get_object(
+        Bucket=BUCKET, Key="runs/s3-first/export-reference.json")["Body"].read())
+    loaded = subprocess.run([sys.executable, "-c", LOAD_PEFT_AND_GREEDY, reference["base_model"], str(local),
+                             json.dumps(reference["prompts"]), str(len(reference["greedy_tokens"][0]))],
+                            capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert json.loads(loaded.stdout) == reference["greedy_tokens"]
 
     # A second run on a fresh cluster and an empty state directory continues from the step-6 state.
     step6 = next(a["url"] for a in report["artifacts"] if a["path"].endswith("step-000006.tar.gz"))

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import sqlalchemy
 import pytest
 
-from tests.helpers import PASSWORD_MARKER, alive_pids, new_prefect_home, run_txflow
+from tests.helpers import LOAD_PEFT_AND_GREEDY, PASSWORD_MARKER, alive_pids, new_prefect_home, run_txflow
 from txflow.cluster.launchers import stop_cluster
 
 pytestmark = pytest.mark.e2e
@@ -61,6 +63,31 @@ def test_sft_run_passes_and_reports(sft_run):
     assert set(report["timings_s"]) >= {"provision-coordinator", "launch-workers", "train", "save-checkpoint",
                                          "discover-artifacts", "evaluate-restore", "teardown", "total"}
     assert {r["rank"] for r in report["cluster"]["ranks"]} == {None, 0, 1}
+
+
+def test_the_run_exports_a_peft_adapter_proven_against_skyrl_that_a_fresh_process_loads(sft_run):
+    report = json.loads(sft_run["result"].stdout)
+    block = report["export"]
+    assert block["passed"] and block["greedy_tokens_match"]
+    assert block["max_abs_logprob_diff"] <= block["logprob_bound"] == 1e-4
+    assert block["sampler_url"] == report["checkpoints"]["sampler"]["url"]
+    peft = sft_run["root"] / "export" / "peft"
+    assert block["peft_url"] == str(peft) and block["merged_url"] is None  # merged is opt-in
+    config = json.loads((peft / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj"]
+    assert (config["r"], config["lora_alpha"], config["task_type"]) == (32, 32, "CAUSAL_LM")
+    assert "timings_s" in report and "export-adapter" in report["timings_s"]
+    exports = [a for a in report["artifacts"] if a["kind"] == "export"]
+    assert [(a["url"], a["complete"], a["committed"]) for a in exports] == [(str(peft), True, True)]
+    # The run's reference figures are SkyRL's restored sampler on held-out sequences; a user's own process
+    # loading the adapter with peft continues the reference prompts with the same greedy tokens.
+    reference = json.loads((sft_run["root"] / "export-reference.json").read_text())
+    assert reference["greedy_tokens"] == report["restore"]["restored_tokens"]
+    loaded = subprocess.run([sys.executable, "-c", LOAD_PEFT_AND_GREEDY, reference["base_model"], str(peft),
+                             json.dumps(reference["prompts"]), str(len(reference["greedy_tokens"][0]))],
+                            capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr[-3000:]
+    assert json.loads(loaded.stdout) == reference["greedy_tokens"]
 
 
 def test_no_process_of_the_run_is_left(sft_run):

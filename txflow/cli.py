@@ -1,4 +1,4 @@
-"""`txflow run sft|rl|custom [options]` and `txflow discover URL`.
+"""`txflow run sft|rl|custom [options]`, `txflow export URL --to DIR` and `txflow discover URL`.
 
 The options of `txflow run` are generated from `RunConfig`: every field has a
 flag (nested models flattened, `--mesh-fsdp`), with the field's description as
@@ -19,12 +19,15 @@ import os
 import signal
 import sys
 import threading
+import traceback
 import types
 import typing
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
 from txflow.config import RunConfig
+from txflow.log import redact
+from txflow.processes import umask
 
 # Flags whose name is not the field's name with '-' for '_'.
 FLAG_NAMES = {
@@ -63,6 +66,8 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "") -> None:
         elif origin is dict:
             parser.add_argument(flag, dest=dest, action="append", metavar="KEY=VALUE",
                                 help=help_text + " (repeatable)")
+        elif inner is bool:
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
         elif typing.get_origin(inner) is typing.Literal:  # the model checks the choice, in one line
             parser.add_argument(flag, dest=dest, metavar="{" + ",".join(typing.get_args(inner)) + "}",
                                 help=help_text)
@@ -87,6 +92,14 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("mode", choices=list(typing.get_args(RunConfig.model_fields["mode"].annotation)))
     _run_options(RunConfig, run)
     run.add_argument("--json", action="store_true", default=False, help="print the run report as JSON on stdout")
+    export = sub.add_parser("export", help="export a run's trained adapter as Hugging Face PEFT (and merged), proven")
+    export.add_argument("url", help="a run root, or the sampler checkpoint of one that evaluate-restore checked")
+    export.add_argument("--to", required=True, metavar="DIR", help="destination, any fsspec URL: DIR/peft, DIR/merged")
+    export.add_argument("--merged", action="store_true", help="also export the base model with the adapter merged in")
+    export.add_argument("--force", action="store_true", help="replace what DIR holds")
+    export.add_argument("--base-model", metavar="M", help="the base model's directory or hub id (default: the run's)")
+    export.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    export.add_argument("--json", action="store_true", help="print the export's figures as JSON on stdout")
     discover = sub.add_parser("discover", help="list the artifacts under an fsspec URL")
     discover.add_argument("url")
     discover.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
@@ -132,19 +145,22 @@ def _on_sigterm(signum, frame):
 
 
 def run(args) -> int:
+    os.umask(umask.PRIVATE)  # before anything is created: the run's files, logs and processes are private
     try:
         config = RunConfig.model_validate(config_values(args)).resolved()
     except ValueError as exc:
         if isinstance(exc, ValidationError):
             exc = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-        print(f"txflow: invalid options: {exc}", file=sys.stderr)
+        print(f"txflow: invalid options: {redact(str(exc))}", file=sys.stderr)
         return 2
+    from txflow.log import register_run_secrets, scrub
     from txflow.preflight import PreflightError, prepare
 
+    register_run_secrets(config)  # before anything can print a URL or a backend's error
     try:
         prepare(config)  # bad input: one line and exit 2, before anything starts
     except PreflightError as exc:
-        print(f"txflow: {exc}", file=sys.stderr)
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
     print(f"txflow: run {config.run_id}, state directory {config.state_dir}", file=sys.stderr)
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -169,8 +185,9 @@ def run(args) -> int:
         json.dump(report, sys.stdout, indent=2)
         print()
     else:
-        print(f"txflow: run {report['run_id']} {report['status']}; report at {report['checkpoint_root']}/report.json",
-              file=sys.stderr)
+        why = f" ({report['error'].splitlines()[0]})" if report["error"] else ""
+        print(f"txflow: run {report['run_id']} {report['status']}{why}; report at "
+              f"{report['checkpoint_root']}/report.json", file=sys.stderr)
     return code
 
 
@@ -180,7 +197,7 @@ def discover_cmd(args) -> int:
     try:
         artifacts = discover(args.url, _storage_options(args.storage_option), require_commit=args.require_commit)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"txflow: {exc}", file=sys.stderr)
+        print(f"txflow: {redact(str(exc))}", file=sys.stderr)
         return 1
     if args.json:
         json.dump([a.model_dump() for a in artifacts], sys.stdout, indent=2)
@@ -193,6 +210,56 @@ def discover_cmd(args) -> int:
     return 0 if all(a.complete for a in artifacts) else 1
 
 
+def export_cmd(args) -> int:
+    """`txflow export URL --to DIR`: 0 when the export is written and proven, 1 when its proof fails (nothing
+    is written), 2 on bad input (nothing is started)."""
+    from txflow.checkpoints import export
+    from txflow.upstream.tiny_model import resolve_base_model
+
+    try:
+        options = _storage_options(args.storage_option)
+        run_root, reference = export.locate(args.url, options)
+        run = _run_of(run_root, options)
+        if args.base_model:
+            reference.base_model = export.available_base_model(args.base_model)
+        elif run.get("base_model") == "tiny":
+            reference.base_model = resolve_base_model("tiny")  # rebuilt here when this machine lacks it
+        else:
+            reference.base_model = export.available_base_model(reference.base_model)
+        result = export.export(reference, args.to, options, reference.base_model, run, merged=args.merged,
+                               force=args.force, log=lambda line: print(f"txflow: {line}", file=sys.stderr))
+    except (export.ExportError, ValueError) as exc:
+        print(f"txflow: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump(result.model_dump(), sys.stdout, indent=2)
+        print()
+    problem = export.failure(result)
+    if problem:
+        print(f"txflow: export check failed: {problem}; nothing was written to {args.to}", file=sys.stderr)
+        return 1
+    print(f"txflow: exported {result.peft_url}" + (f" and {result.merged_url}" if result.merged_url else "")
+          + f", proven: max |Δ logprob| {result.max_abs_logprob_diff:.2e}, greedy tokens match", file=sys.stderr)
+    return 0
+
+
+def _run_of(run_root: str, options: dict) -> dict:
+    """What a run's report.json says of it, for the model card ({} without a report)."""
+    import fsspec
+
+    fs, path = fsspec.core.url_to_fs(run_root, **options)
+    try:
+        report = json.loads(fs.cat_file(f"{path.rstrip('/')}/report.json"))
+    except (FileNotFoundError, ValueError):
+        return {}
+    restore = report.get("restore") or {}
+    quality = {k: v for k, v in restore.items() if k.endswith(("_gain", "eval_loss", "eval_reward", "_p"))}
+    return {"run_id": report.get("run_id"), "mode": report.get("mode"), "steps": len(report.get("metrics") or []),
+            "base_model": report.get("base_model"),
+            "dataset": report.get("dataset") or f"txflow's bundled {report.get('mode')} dataset", "quality": quality,
+            "base_model_source": "tiny" if report.get("base_model") == "tiny" else "user"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Logs go to stderr; stdout carries only the --json report.
@@ -202,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     # Prefect's embedded server otherwise sends telemetry heartbeats (no network here, and
     # they contend for its SQLite file under load: "database is locked").
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    return run(args) if args.command == "run" else discover_cmd(args)
+    return {"run": run, "export": export_cmd, "discover": discover_cmd}[args.command](args)
 
 
 def entry() -> None:
@@ -210,7 +277,13 @@ def entry() -> None:
     (torch's, Prefect's: ~2 s after the run is over, measured). When `main` returns, everything of the
     run is done and written: the flow's teardown, Prefect's log and event workers drained, the server
     stopped. An exception still takes the ordinary way out, with its traceback."""
-    code = main()
+    try:
+        code = main()
+    except Exception:  # what nothing caught still reaches the terminal, with every known secret masked
+        from txflow.log import scrub
+
+        sys.stderr.write(scrub(traceback.format_exc()))
+        code = 1
     for thread in threading.enumerate():  # none today; a non-daemon thread would still get to finish
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join(timeout=10)

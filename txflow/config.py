@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 TINY_MODEL = "tiny"
 # Defaults that differ by mode, filled in by RunConfig.resolved(). Measured on the
 # tiny model: SFT loss falls at 2e-2; RL needs 8x8 rollouts and 5e-2. RL samples at
-# temperature 0.25: the tiny model's tied, frozen output head keeps every logit within
+# temperature 0.25: the tiny model's output head (its embeddings, frozen) keeps every logit within
 # about +-1.7, so at temperature 1 no policy gets the bundled reward above ~0.37 (from a
 # base of ~0.33: learning hides in sampling noise); at 0.25 it climbs to ~0.6 in 16 steps.
 # Real models usually want temperature 1.0.
@@ -90,8 +90,8 @@ class RunConfig(BaseModel, extra="forbid"):
     )
     api_key: SecretStr | None = Field(
         default=None,
-        description="Tinker API key the run's clients use (SkyRL-tx does not check it). Default: a random "
-        "`tml-` key per run. Never logged.",
+        description="Tinker API key of the run: the cluster's API lets in only requests that carry it. Default: a "
+        "random `tml-` key per run. Never logged.",
     )
     concurrency_limit: str | None = Field(
         default="txflow-cluster-slots",
@@ -152,6 +152,15 @@ class RunConfig(BaseModel, extra="forbid"):
         description="Continue from a run root URL (its latest committed state), a state checkpoint URL, "
         "or a tinker:// path of this run.",
     )
+    export: bool = Field(
+        default=True,
+        description="Export the trained adapter as a Hugging Face PEFT adapter under `<checkpoints>/<run_id>/export/`, "
+        "proven to reproduce SkyRL's sampler in transformers + peft (which loads the base model on the CPU in "
+        "float32: 4 bytes per parameter of memory).")
+    export_merged: bool = Field(
+        default=False,
+        description="Also export the base model with the adapter merged in (`export/merged/`), loadable with "
+        "`from_pretrained` alone; as large as the base model.")
     startup_timeout_s: float = Field(default=300, gt=0, description="Deadline for the cluster to become ready.")
     step_timeout_s: float = Field(default=300, gt=0, description="Deadline for one training request.")
     train_retries: int = Field(
@@ -167,6 +176,16 @@ class RunConfig(BaseModel, extra="forbid"):
             raise ValueError(
                 f"run_id {value!r} must be 1-64 letters, digits, '-' or '_' (it becomes a directory name)"
             )
+        return value
+
+    @field_validator("dataset", "checkpoints", "resume_from")
+    @classmethod
+    def _no_credentials_inside(cls, value: str | None, info) -> str | None:
+        # A URL is stored and shown as it is (Prefect keeps flow parameters as given; logs and reports name
+        # it): a password inside one would travel everywhere the URL goes.
+        if value and re.match(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://[^/@\s]*:[^/@\s]*@", value):
+            raise ValueError(f"{info.field_name} must not hold credentials (user:password@): give them through the "
+                             f"environment (AWS_* for s3://) or a storage option")
         return value
 
     @field_validator("api_key")
@@ -199,6 +218,8 @@ class RunConfig(BaseModel, extra="forbid"):
             raise ValueError("custom mode needs --client PATH_OR_MODULE: the Tinker client program to run")
         if self.mode != "custom" and self.client_python:
             raise ValueError("client_python only applies to custom mode (the interpreter of --client)")
+        if self.export_merged and not self.export:
+            raise ValueError("export_merged needs export: the merged model is exported with the adapter")
         return self
 
     @model_validator(mode="after")

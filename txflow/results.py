@@ -1,7 +1,8 @@
 """What the pipeline steps hand each other, typed.
 
 train -> `Trained`; save-checkpoint -> `Saved`; discover-artifacts ->
-`Discovered`; evaluate-restore -> `RestoreCheck`. The report is built from them.
+`Discovered`; evaluate-restore -> `RestoreCheck`; export-adapter -> `ExportResult`
+(`txflow.checkpoints.export`). The report is built from them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from txflow.checkpoints.discovery import Artifact
+from txflow.checkpoints.export import ExportReference, ExportResult
 
 
 class Checkpoint(BaseModel):
@@ -20,6 +22,7 @@ class Checkpoint(BaseModel):
     kind: Literal["state", "sampler"]
     tinker_path: str
     url: str
+    saved_at: float | None = Field(default=None, description="When the engine wrote it (custom mode: which is last)")
 
 
 @dataclass(eq=False)
@@ -69,7 +72,17 @@ class RestoreCheck(BaseModel):
     restored_tokens: list[list[int]] | None = None
     quality: dict[str, float | bool] = Field(default_factory=dict, description="The mode's quality figures")
     checks: list[dict] | None = None  # custom mode: one per client checkpoint
+    reference: ExportReference | None = Field(default=None, description="What the export must reproduce")
+    failed_checks: list[str] = Field(default_factory=list,
+                                     description="Each check missed, with the value found and its bound")
 
     def as_report(self) -> dict:
         """The report's `restore` block: the quality figures flattened in, absent fields left out."""
-        return {**self.model_dump(exclude_none=True, exclude={"quality"}), **self.quality}
+        return {**self.model_dump(exclude_none=True, exclude={"quality", "reference"}), **self.quality}
+
+
+class Exported(BaseModel):
+    """export-adapter's outcome, and the run root listed again with the export in it."""
+
+    result: ExportResult
+    discovered: Discovered

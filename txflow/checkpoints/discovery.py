@@ -73,9 +73,10 @@ STEP_NAME = re.compile(r"(checkpoint_)?\d+(" + re.escape(ORBAX_TMP_SUFFIX) + r".
 
 
 class Artifact(BaseModel):
-    """One thing a run left under the root: an Orbax checkpoint, a sampler tarball or a plain file."""
+    """One thing a run left under the root: a training state, a sampler tarball, an exported model (a PEFT
+    adapter or a merged model, see `export`) or a plain file."""
 
-    kind: Literal["state", "sampler", "file"]
+    kind: Literal["state", "sampler", "export", "file"]
     format: Literal["directory", "tarball", "file"]
     url: str
     path: str
@@ -96,8 +97,9 @@ def discover(
     """List and classify every artifact under `root`, sorted by path.
 
     Orbax checkpoint directories come back as one `state` artifact each,
-    tarballs under a `sampler_weights/` dir as `sampler`, anything else as
-    `file`. `.probe` markers and commit sidecars are not reported. With
+    tarballs under a `sampler_weights/` dir as `sampler`, exported models
+    (a directory holding `adapter_config.json`, or `config.json` and safetensors
+    weights) as `export`, anything else as `file`. `.probe` markers and commit sidecars are not reported. With
     `require_commit`, a state or sampler artifact without a commit sidecar is
     incomplete. Raises FileNotFoundError when nothing is found under `root`.
     """
@@ -108,6 +110,8 @@ def discover(
 
     children = _children(files)
     artifact_dirs, steps = _orbax_layout(children)
+    exports = [d for d in _export_dirs(children) if _ancestor_in(d, set(artifact_dirs)) is None]
+    artifact_dirs = sorted(artifact_dirs + exports)
     # Each file's owning artifact dir in one pass over parents (not files x dirs: 10,000 x 200 is seconds).
     members: dict[str, dict[str, int]] = {d: {} for d in artifact_dirs}
     loose = []
@@ -117,7 +121,8 @@ def discover(
             loose.append(rel)
         else:
             members[owner][relpath(rel, owner)] = size
-    artifacts = [_state_artifact(root, d, steps[d], members[d], children) for d in artifact_dirs]
+    artifacts = [_export_artifact(root, d, members[d]) if d in exports
+                 else _state_artifact(root, d, steps[d], members[d], children) for d in artifact_dirs]
     for rel in loose:
         if _is_auxiliary(rel, files):
             continue
@@ -253,6 +258,25 @@ def _step_problem(step_dir: str, names: set[str]) -> str | None:
             f"({ORBAX_FINISHED} is Orbax's finished marker): the save did not finish; save the state again."
         )
     return None
+
+
+# --- exported models -------------------------------------------------------------
+
+PEFT_FILES = ("adapter_config.json", "adapter_model.safetensors")
+HF_CONFIG = "config.json"
+
+
+def _export_dirs(children: dict[str, set[str]]) -> list[str]:
+    """Directories holding a PEFT adapter (its config) or a Hugging Face model (config and safetensors)."""
+    return _outermost([d for d, names in children.items() if d and (
+        PEFT_FILES[0] in names or (HF_CONFIG in names and any(n.endswith(".safetensors") for n in names)))])
+
+
+def _export_artifact(root: str, adir: str, members: dict[str, int]) -> Artifact:
+    artifact = _artifact(root, adir, "export", "directory", sum(members.values()), len(members))
+    if PEFT_FILES[0] in members and PEFT_FILES[1] not in members:
+        _fail(artifact, f"{PEFT_FILES[1]!r} is missing: the export did not finish; export again.")
+    return artifact
 
 
 # --- tarballs ----------------------------------------------------------------

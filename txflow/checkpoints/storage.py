@@ -72,24 +72,29 @@ SINGLE_PART_BYTES = 5 * 2**30 - 1
 def commit(cfg: RunConfig, staging_base: str, tinker_path: str) -> str:
     """Upload one checkpoint from staging to the run root, verify it, write its marker; returns its URL.
 
-    The marker records each file's size and MD5, taken from the staged copy; a sampler tarball is
-    read to its end here first, so a committed tarball never needs reading again.
+    A sampler tarball is read to its end here first, so a committed tarball never needs reading again.
     """
     relative = layout.relative_checkpoint_path(tinker_path)
     local = Path(staging_base) / relative
+    if local.is_file():
+        _check_local_tarball(local, tinker_path)
+    elif not local.is_dir():
+        raise FileNotFoundError(f"The engine reported {tinker_path} but nothing is at {local}")
+    return upload(local, f"{cfg.run_root}/{relative}", cfg.plain_storage_options(), tinker_path)
+
+
+def upload(local: Path, url: str, options: dict, what: str) -> str:
+    """Upload a local file, or a directory with everything in it, to `url`, verify that every file arrived,
+    and write the commit marker last; returns `url`. The marker records each file's size and MD5, taken
+    from the local copy."""
     if local.is_dir():
         paths = {p.relative_to(local).as_posix(): p for p in sorted(local.rglob("*")) if p.is_file()}
-    elif local.is_file():
-        paths = {local.name: local}
-        _check_local_tarball(local, tinker_path)
     else:
-        raise FileNotFoundError(f"The engine reported {tinker_path} but nothing is at {local}")
+        paths = {url.rstrip("/").rsplit("/", 1)[-1]: local}  # a file is recorded under its stored name
     files = {}
     for name, path in paths.items():
         with open(path, "rb") as f:
             files[name] = (path.stat().st_size, md5_of(f))
-    options = cfg.plain_storage_options()
-    url = f"{cfg.run_root}/{relative}"
     fs, remote = fsspec.core.url_to_fs(url, **options)
     targets = [f"{remote}/{n}" for n in files] if local.is_dir() else [remote]
     for parent in sorted({t.rsplit("/", 1)[0] for t in targets}):
@@ -99,7 +104,7 @@ def commit(cfg: RunConfig, staging_base: str, tinker_path: str) -> str:
         fs.put([str(p) for p in paths.values()], targets, **extra)
         write_commit(url, options, expected=files)
     except Exception as exc:  # any storage error: say what it means for the checkpoint
-        raise OSError(f"Committing {tinker_path} to {url} failed; no commit marker was written, so the "
+        raise OSError(f"Committing {what} to {url} failed; no commit marker was written, so the "
                       f"checkpoint counts as incomplete ({type(exc).__name__}: {exc})") from exc
     return url
 
@@ -118,13 +123,21 @@ def import_checkpoint(cfg: RunConfig, staging_base: str, url: str, kind: str, mo
     tinker_path = (f"tinker://{model_id}/weights/{name}" if kind == "state"
                    else f"tinker://{model_id}/{name}")
     local = Path(staging_base) / layout.relative_checkpoint_path(tinker_path)
+    download(url, local, cfg.plain_storage_options(), directory=kind == "state")
+    layout.register_checkpoint(cfg.resolved_database_url(), model_id, name, kind)
+    return tinker_path
+
+
+def download(url: str, local: Path, options: dict, directory: bool) -> None:
+    """Copy the committed checkpoint at `url` (a directory or one file) to `local`, replacing what is
+    there, and check every file's MD5 against its commit marker."""
     if local.exists():
         shutil.rmtree(local) if local.is_dir() else local.unlink()
     local.parent.mkdir(parents=True, exist_ok=True)
-    fs, remote = fsspec.core.url_to_fs(url, **cfg.plain_storage_options())
+    fs, remote = fsspec.core.url_to_fs(url, **options)
     remote = remote.rstrip("/")
     recorded = read_commit(fs.cat_file(remote + COMMIT_SUFFIX))
-    if kind == "state":
+    if directory:
         fs.get(remote + "/", str(local) + "/", recursive=True)
         copies = {name: local / name for name in recorded}
     else:
@@ -136,8 +149,6 @@ def import_checkpoint(cfg: RunConfig, staging_base: str, url: str, kind: str, mo
         if md5 is not None and found != md5:
             raise ValueError(f"{url}: {file_name} downloaded with MD5 {found}, its commit marker recorded {md5}: "
                              f"the stored checkpoint is not the committed one")
-    layout.register_checkpoint(cfg.resolved_database_url(), model_id, name, kind)
-    return tinker_path
 
 
 def latest_state(root: str, storage_options: dict | None = None) -> Artifact | None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import time
 
 import fsspec
 
+from txflow.checkpoints.export import ExportResult, load_instructions
 from txflow.config import RunConfig
 from txflow.log import scrub
 from txflow.cluster.monitor import Failure
@@ -16,7 +18,8 @@ from txflow.results import Discovered, RestoreCheck, Saved, Trained
 
 def build(cfg: RunConfig, status: str, error: str | None, timings: dict, metrics: list[dict],
           trained: Trained | None, saved: Saved | None, discovered: Discovered | None,
-          restore: RestoreCheck | None, ranks: list[dict], failures: list[Failure]) -> dict:
+          restore: RestoreCheck | None, ranks: list[dict], failures: list[Failure],
+          exported: ExportResult | None = None) -> dict:
     """The report of one run; every key is always present (None when the step did not run)."""
     return {
         "run_id": cfg.run_id,
@@ -26,6 +29,7 @@ def build(cfg: RunConfig, status: str, error: str | None, timings: dict, metrics
         "num_processes": cfg.processes,
         "launcher": cfg.launcher,
         "base_model": cfg.base_model,
+        "dataset": cfg.dataset,
         "checkpoint_root": cfg.run_root,
         "state_dir": cfg.state_dir,
         "resumed_from_step": trained.resumed_from_step if trained else 0,
@@ -36,6 +40,7 @@ def build(cfg: RunConfig, status: str, error: str | None, timings: dict, metrics
         "artifacts": [a.model_dump() for a in discovered.artifacts] if discovered else [],
         "restore": restore.as_report() if restore else None,
         "live_reference_from_committed_state": saved.live.from_committed_state if saved and saved.live else None,
+        "export": exported.model_dump() if exported else None,
         "timings_s": timings,
         "cluster": {"ranks": ranks},
         "failures": [{**f.as_dict(), "message": scrub(f.message)} for f in failures],
@@ -57,9 +62,13 @@ def checkpoints_block(saved: Saved | None) -> dict | None:
 CURVES = {"nll": "loss (mean NLL per completion token)", "reward_mean": "mean reward"}
 
 
+def _curve_key(metrics: list[dict]) -> str | None:
+    return next((k for k in CURVES if metrics and k in metrics[0]), None)
+
+
 def curve_png(metrics: list[dict]) -> bytes | None:
     """The loss (sft) or reward (rl) curve as a PNG, or None when the metrics have neither."""
-    key = next((k for k in CURVES if metrics and k in metrics[0]), None)
+    key = _curve_key(metrics)
     if key is None:
         return None
     import matplotlib
@@ -132,6 +141,10 @@ def markdown(report: dict) -> str:
         lines.append(f"- manifest: `{report['manifest']}` ({len(report['artifacts'])} artifacts)")
     if report.get("plot"):
         lines.append(f"- curve: `{report['plot']}`")
+    png = curve_png(metrics)
+    if png is not None:  # inline: the Prefect UI shows a data URI, and cannot open a path in the run root
+        lines += ["", f"![{CURVES[_curve_key(metrics)]}](data:image/png;base64,{base64.b64encode(png).decode()})"]
+    lines += export_markdown(report.get("export"))
     if (report.get("client_runs") or 0) > 1:
         lines.append(f"- the custom client ran {report['client_runs']} times: a cluster fault re-ran it from the start")
     if report["failures"]:
@@ -147,6 +160,32 @@ def markdown(report: dict) -> str:
         lines += ["", "## Error", "", "```", report["error"][-3000:], "```"]
     lines += ["", "## Timings (s)", ""] + [f"- {k}: {v:.1f}" for k, v in report["timings_s"].items()]
     return "\n".join(lines)
+
+
+def export_markdown(block: dict | None) -> list[str]:
+    """The export's figures in the markdown report, and how to load what it wrote."""
+    if not block:
+        return []
+    verdict = "passed" if block["passed"] else "FAILED"
+    lines = ["", "## Exported adapter", "",
+             f"- proof: **{verdict}**: transformers + peft reproduce SkyRL's restored sampler with max |Δ logprob| "
+             f"{block['max_abs_logprob_diff']:.2e} (bound {block['logprob_bound']:g}), greedy tokens match: "
+             f"{block['greedy_tokens_match']}",
+             f"- source: `{block['sampler_url']}`; LoRA r {block['r']}, alpha {block['lora_alpha']:g} on "
+             f"{', '.join(block['target_modules'])}"]
+    if block.get("problem"):
+        lines.append(f"- problem: {block['problem']}")
+    if block.get("peft_url"):
+        lines.append(f"- PEFT adapter: `{block['peft_url']}`")
+    if block.get("merged_url"):
+        lines.append(f"- merged model: `{block['merged_url']}` (max |Δ logprob| "
+                     f"{block['merged_max_abs_logprob_diff']:.2e} against the PEFT model, greedy tokens match: "
+                     f"{block['merged_greedy_tokens_match']})")
+    lines += [f"- note: {note}" for note in block.get("notes") or []]
+    if block.get("peft_url"):
+        lines += ["", "Load the adapter (the directory copied locally):", "",
+                  load_instructions(block["base_model"], merged=False)]
+    return lines
 
 
 def publish_artifacts(report: dict) -> None:

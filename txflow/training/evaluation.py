@@ -30,15 +30,41 @@ def rollout_examples(prompts: list[list[int]], completions: list[list[int]]) -> 
             for p, c in zip(prompts, completions)]
 
 
+def greedy_params(seed: int = 0):
+    """The sampling of every evaluation: greedy, GREEDY_TOKENS tokens, with the prompt's logprobs. One shape,
+    so the engine compiles one program for them all (the readiness sample included)."""
+    import tinker
+
+    return tinker.types.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, seed=seed)
+
+
 def greedy_tokens(sampling_client, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float,
                   seed: int) -> list[list[int]]:
     """Greedy continuations of every prompt; all requests in flight together."""
+    return [list(r.sequences[0].tokens) for r in _greedy(sampling_client, prompts, handle, timeout_s, seed)]
+
+
+def sequence_logprobs(sampling_client, sequences: list[list[int]], handle: ClusterHandle,
+                      timeout_s: float) -> list[list[float]]:
+    """The sampler's logprob of every token after the first of each sequence (its prompt logprobs)."""
+    logprobs = []
+    for sequence, response in zip(sequences, _greedy(sampling_client, sequences, handle, timeout_s, 0)):
+        # One per token after the first; an SDK that pads the first position gives it as None.
+        found = list(response.prompt_logprobs or [])[len(response.prompt_logprobs or []) - (len(sequence) - 1):]
+        if len(found) != len(sequence) - 1 or any(lp is None for lp in found):
+            raise RuntimeError(f"the sampler gave {len(response.prompt_logprobs or [])} prompt logprobs for a "
+                               f"sequence of {len(sequence)} tokens")
+        logprobs.append([float(lp) for lp in found])
+    return logprobs
+
+
+def _greedy(sampling_client, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float, seed: int):
     import tinker
 
-    params = tinker.types.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, seed=seed)
     futures = [sampling_client.sample(prompt=tinker.types.ModelInput.from_ints(p), num_samples=1,
-                                      sampling_params=params) for p in prompts]
-    return [list(handle.wait(f, "a greedy sample", timeout_s).sequences[0].tokens) for f in futures]
+                                      sampling_params=greedy_params(seed), include_prompt_logprobs=True)
+               for p in prompts]
+    return [handle.wait(f, "a greedy sample", timeout_s) for f in futures]
 
 
 def sign_flip_p(differences: list[float], samples: int = 200_000) -> float:

@@ -1,0 +1,280 @@
+"""The PEFT export of a SkyRL-tx sampler checkpoint (txflow.checkpoints.export), against SkyRL-tx itself: the
+sampler tarball is written by SkyRL-tx's own save code, and the reference figures come from SkyRL-tx's own
+JAX forward, in this process (no cluster). A correct export reproduces them; upstream's adapter config, a
+wrong alpha and a dropped module must not. The flow's export on a real cluster runs in test_sft_e2e.py,
+on S3 in test_s3_e2e.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import LOAD_PEFT_AND_GREEDY
+from txflow.checkpoints import export, storage
+from txflow.checkpoints.discovery import discover
+from txflow.checkpoints.markers import COMMIT_SUFFIX
+from txflow.upstream.tiny_model import resolve_base_model
+
+RANK, ALPHA = 8, 32.0
+TXFLOW = [sys.executable, "-m", "txflow.cli"]
+
+
+def _skyrl_model(base: str):
+    """SkyRL-tx's JAX Qwen3 on the tiny model, built as its backend builds it, with adapter 1 of rank 8 on
+    every module (the unembedding too, as the Tinker SDK asks by default) given weights that look trained
+    (LoRA's B starts at zero, which would make every adapter the base model)."""
+    import jax
+    from flax import nnx
+    from transformers import PretrainedConfig
+    from tx.layers.lora import init_lora_adapter
+    from tx.models.configs import Qwen3Config
+    from tx.tinker.types import LoraConfig
+    from tx.utils.models import get_dtype, get_model_class, load_safetensors
+
+    config = Qwen3Config(PretrainedConfig.from_pretrained(base), max_lora_adapters=2, max_lora_rank=32,
+                         shard_attention_heads=True, loss_chunk_size=0, gradient_checkpointing=False)
+    mesh = jax.make_mesh((1, 1, 1), ("fsdp", "ep", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, seed=7, train_unembed=True)
+    with jax.set_mesh(mesh), nnx.use_eager_sharding(True):
+        model = get_model_class(config)(config, dtype=get_dtype(config.dtype), rngs=nnx.Rngs(0))
+        load_safetensors(base, config, model)
+        init_lora_adapter(model, adapter_index=0, lora_config=LoraConfig(rank=1, alpha=1.0, seed=0))
+        init_lora_adapter(model, adapter_index=1, lora_config=lora)
+        key = jax.random.PRNGKey(42)
+
+        def trained(path, value):
+            nonlocal key
+            if getattr(path[-2], "key", None) != "lora_B":
+                return value
+            key, sub = jax.random.split(key)
+            noise = (0.05 * jax.random.normal(sub, value[1].shape, value.dtype)).at[RANK:, :].set(0.0)
+            return value.at[1].set(noise)
+
+        nnx.update(model, jax.tree.map_with_path(trained, nnx.state(model)))
+    return model, mesh, lora
+
+
+def _skyrl_figures(model, mesh, sequences, prompts):
+    """Per-token logprobs and greedy tokens of adapter 1, from SkyRL-tx's forward (what its sampler runs).
+    Every input is padded on the right to one length, so one compiled program serves every call (causal
+    attention: the padding does not change the real positions)."""
+    import jax
+    import jax.numpy as jnp
+
+    length, adapter = 32, jnp.array([1], dtype=jnp.int32)
+
+    @jax.jit
+    def forward(tokens, mask):
+        states = model(tokens, attention_mask=mask, adapter_indices=adapter).last_hidden_state
+        targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+        return model.compute_logits(states, adapter), model.compute_logprobs(states, targets, adapter)
+
+    def run(ids):
+        tokens = jnp.asarray([list(ids) + [0] * (length - len(ids))], dtype=jnp.int32)
+        mask = jnp.asarray([[1] * len(ids) + [0] * (length - len(ids))], dtype=jnp.int32)
+        return forward(tokens, mask)
+
+    logprobs, greedy = [], []
+    with jax.set_mesh(mesh):
+        for sequence in sequences:
+            found = np.asarray(run(sequence)[1])[0, : len(sequence) - 1]
+            logprobs.append(found.astype(float).tolist())
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(8):
+                ids.append(int(jnp.argmax(run(ids)[0][0, len(ids) - 1])))
+            greedy.append(ids[len(prompt):])
+    return logprobs, greedy
+
+
+@pytest.fixture(scope="module")
+def skyrl_sampler(tmp_path_factory):
+    """A sampler tarball written by SkyRL-tx's `save_lora_checkpoint`, committed under a run root as a run
+    leaves it, with the reference figures SkyRL-tx's forward gives for it."""
+    from cloudpathlib import AnyPath
+    from tx.utils.models import save_lora_checkpoint
+
+    base = resolve_base_model("tiny")
+    model, mesh, lora = _skyrl_model(base)
+    work = tmp_path_factory.mktemp("skyrl-sampler")
+    tarball = work / "sampler.tar.gz"
+    save_lora_checkpoint(model, base, lora, 1, AnyPath(str(tarball)))
+    sequences = [[5, 17, 33, 80, 120, 7, 9, 200, 45], [3, 44, 61, 2, 250, 19]]
+    prompts = [[5, 17, 33], [3, 44, 61, 2]]
+    logprobs, greedy = _skyrl_figures(model, mesh, sequences, prompts)
+    run_root = work / "runs" / "r1"
+    sampler_url = storage.upload(tarball, f"{run_root}/model-1/sampler_weights/step-000003.tar.gz", {},
+                                 "the sampler")
+    reference = export.ExportReference(sampler_url=sampler_url, base_model=base, sequences=sequences,
+                                       logprobs=logprobs, prompts=prompts, greedy_tokens=greedy)
+    export.write_reference(str(run_root), {}, reference)
+    (run_root / "report.json").write_text(json.dumps({"run_id": "r1", "mode": "sft", "base_model": "tiny",
+                                                      "metrics": [{"step": 1}], "restore": {}}))
+    return {"base": base, "tarball": tarball, "reference": reference, "run_root": run_root, "work": work}
+
+
+def _peft_dir(skyrl_sampler, tmp_path) -> tuple[Path, dict]:
+    sampler = export.extract_sampler(skyrl_sampler["tarball"], tmp_path / "sampler")
+    out = tmp_path / "peft"
+    return out, export.peft_adapter(sampler, out, skyrl_sampler["base"])
+
+
+def _check(skyrl_sampler, peft_dir: Path) -> tuple[float, bool, list[str]]:
+    found, _ = export.prove(skyrl_sampler["base"], peft_dir, skyrl_sampler["reference"])
+    reference = skyrl_sampler["reference"]
+    return (export.max_abs_diff(found.logprobs, reference.logprobs), found.greedy_tokens == reference.greedy_tokens,
+            found.unapplied)
+
+
+def test_the_adapter_skyrl_trained_differs_from_the_base_model(skyrl_sampler):
+    # Else matching figures would prove nothing: the reference is not the base model's.
+    from txflow.checkpoints.export import figures, load_base
+
+    base = figures(load_base(skyrl_sampler["base"]), skyrl_sampler["reference"])
+    assert export.max_abs_diff(base.logprobs, skyrl_sampler["reference"].logprobs) > 0.1
+
+
+def test_the_peft_export_reproduces_skyrl(skyrl_sampler, tmp_path):
+    peft_dir, config = _peft_dir(skyrl_sampler, tmp_path)
+    # Every module with weights, the embedding LoRA renamed and transposed to PEFT's layout.
+    assert config["target_modules"] == ["down_proj", "embed_tokens", "gate_proj", "k_proj", "lm_head", "o_proj",
+                                        "q_proj", "up_proj", "v_proj"]
+    assert (config["r"], config["lora_alpha"], config["task_type"]) == (RANK, 32, "CAUSAL_LM")
+    assert config["base_model_name_or_path"] == skyrl_sampler["base"]
+    diff, tokens_match, unapplied = _check(skyrl_sampler, peft_dir)
+    assert diff <= export.LOGPROB_BOUND and tokens_match and unapplied == []
+    print(f"PEFT export against SkyRL-tx: max |Δ logprob| {diff:.2e}")
+
+
+def test_upstreams_adapter_config_fails_the_check(skyrl_sampler, tmp_path):
+    # Today's silent bug, now caught: the tarball as SkyRL-tx writes it (target_modules null).
+    upstream = export.extract_sampler(skyrl_sampler["tarball"], tmp_path / "sampler")
+    assert json.loads((upstream / "adapter_config.json").read_text())["target_modules"] is None
+    diff, tokens_match, unapplied = _check(skyrl_sampler, upstream)
+    # All but q_proj and v_proj dropped: k, o, gate, up and down of 2 layers, the embedding and lm_head, A and B.
+    assert diff > export.LOGPROB_BOUND and len(unapplied) == 24
+    print(f"upstream's adapter config: max |Δ logprob| {diff:.3f}, greedy tokens match {tokens_match}")
+
+
+def test_an_alpha_wrong_by_2x_fails_the_check(skyrl_sampler, tmp_path):
+    peft_dir, config = _peft_dir(skyrl_sampler, tmp_path)
+    (peft_dir / "adapter_config.json").write_text(json.dumps({**config, "lora_alpha": 2 * config["lora_alpha"]}))
+    diff, _, unapplied = _check(skyrl_sampler, peft_dir)
+    assert diff > export.LOGPROB_BOUND and unapplied == []
+    print(f"alpha x2: max |Δ logprob| {diff:.3f}")
+
+
+def test_a_dropped_module_fails_the_check(skyrl_sampler, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    peft_dir, config = _peft_dir(skyrl_sampler, tmp_path)
+    weights = load_file(str(peft_dir / "adapter_model.safetensors"))
+    save_file({k: v for k, v in weights.items() if ".down_proj." not in k}, str(peft_dir / "adapter_model.safetensors"))
+    (peft_dir / "adapter_config.json").write_text(json.dumps(
+        {**config, "target_modules": [m for m in config["target_modules"] if m != "down_proj"]}))
+    diff, _, _ = _check(skyrl_sampler, peft_dir)
+    assert diff > export.LOGPROB_BOUND
+    print(f"down_proj dropped: max |Δ logprob| {diff:.3f}")
+
+
+def test_export_commits_a_proven_peft_adapter_and_merged_model_that_discovery_lists(skyrl_sampler, tmp_path):
+    dest = str(tmp_path / "out")
+    result = export.export(skyrl_sampler["reference"], dest, {}, skyrl_sampler["base"], {"run_id": "r1"}, merged=True)
+    assert result.passed and export.failure(result) is None
+    assert result.merged_max_abs_logprob_diff <= export.LOGPROB_BOUND and result.merged_greedy_tokens_match
+    assert result.peft_url == f"{dest}/peft" and result.merged_url == f"{dest}/merged"
+    assert [n.split(":")[0] for n in result.notes] == ["LoRA on embed_tokens and lm_head",
+                                                       f"the base model is a local path only ({skyrl_sampler['base']})"]
+    found = {a.url: a for a in discover(dest, require_commit=True)}
+    assert {(found[u].kind, found[u].complete, found[u].committed) for u in (result.peft_url, result.merged_url)} \
+        == {("export", True, True)}
+    assert (Path(dest) / f"peft{COMMIT_SUFFIX}").is_file() and (Path(dest) / f"merged{COMMIT_SUFFIX}").is_file()
+    card = (Path(dest) / "peft" / "README.md").read_text()
+    assert "PeftModel.from_pretrained" in card and "--lora-modules" in card and "r1" in card
+
+    # A byte changed after the commit: discovery says so.
+    weights = Path(dest) / "peft" / "adapter_model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    changed = {a.url: a for a in discover(dest, require_commit=True)}[result.peft_url]
+    assert not changed.complete and "MD5" in changed.reason
+
+
+def test_a_failed_proof_writes_nothing(skyrl_sampler, tmp_path):
+    wrong = skyrl_sampler["reference"].model_copy(update={"greedy_tokens": [[0] * 8, [0] * 8]})
+    result = export.export(wrong, str(tmp_path / "out"), {}, skyrl_sampler["base"], {})
+    assert not result.passed and export.failure(result) == "PEFT adapter: greedy tokens differ from SkyRL's"
+    assert result.peft_url is None and not (tmp_path / "out").exists()
+
+
+def test_serving_notes_say_what_servers_would_refuse():
+    config = {"target_modules": ["lm_head", "q_proj"], "r": 24}
+    notes = export.serving_notes(config, "/srv/models/base", "/srv/models/base")
+    assert any("lm_head" in n and "merged" in n for n in notes)
+    assert any("rank 24" in n and "--max-lora-rank 32" in n for n in notes)
+    assert any("local path" in n for n in notes)
+    assert export.serving_notes({"target_modules": ["q_proj"], "r": 1024}, "Qwen/Qwen3-8B", "/cache/x")[0] \
+        .startswith("rank 1024 is above")
+    assert export.serving_notes({"target_modules": ["q_proj"], "r": 32}, "Qwen/Qwen3-8B", "/cache/x") == []
+
+
+# --- `txflow export` -------------------------------------------------------------------------------------
+
+
+def _txflow_export(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*TXFLOW, "export", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_txflow_export_writes_an_adapter_a_fresh_process_loads(skyrl_sampler, tmp_path):
+    out = tmp_path / "exported"
+    result = _txflow_export(str(skyrl_sampler["run_root"]), "--to", str(out), "--json")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert json.loads(result.stdout)["passed"] is True
+    reference = skyrl_sampler["reference"]
+    check = subprocess.run([sys.executable, "-c", LOAD_PEFT_AND_GREEDY, skyrl_sampler["base"], str(out / "peft"),
+                            json.dumps(reference.prompts), str(len(reference.greedy_tokens[0]))],
+                           capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert json.loads(check.stdout) == skyrl_sampler["reference"].greedy_tokens
+
+
+
+
+@pytest.mark.parametrize("case", ["not a run", "not committed", "digest fails", "destination not empty",
+                                  "base model not available"])
+def test_txflow_export_bad_input_exits_2_with_one_line(skyrl_sampler, tmp_path, case):
+    root = tmp_path / "run"
+    shutil.copytree(skyrl_sampler["run_root"], root)
+    sampler = next(root.rglob("*.tar.gz"))
+    reference = skyrl_sampler["reference"].model_copy(update={"sampler_url": str(sampler)})
+    export.write_reference(str(root), {}, reference)
+    dest, extra, expected = tmp_path / "out", [], ""
+    if case == "not a run":
+        root, expected = tmp_path / "nothing-here", "is not a txflow run root"
+    elif case == "not committed":
+        Path(str(sampler) + COMMIT_SUFFIX).unlink()
+        expected = "no commit marker"
+    elif case == "digest fails":
+        data = bytearray(sampler.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        sampler.write_bytes(bytes(data))
+        expected = "MD5"
+    elif case == "destination not empty":
+        dest.mkdir()
+        (dest / "keep.txt").write_text("mine")
+        expected = "exists and is not empty"
+    else:
+        extra, expected = ["--merged", "--base-model", "Some/Model-Not-Here"], "is not available on this machine"
+    result = _txflow_export(str(root), "--to", str(dest), *extra)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("txflow: ") and expected in lines[0], result.stderr
+    if case == "destination not empty":
+        assert (dest / "keep.txt").read_text() == "mine"
