@@ -55,7 +55,7 @@ def _stop_subflow_clusters(flow, flow_run, state) -> None:
         if state_dir:
             records = stop_cluster(state_dir)
             log.info(f"{state.name}: stopped the cluster of subflow run {child.name} in {state_dir}: "
-                     + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_code}" for r in records) or "nothing recorded"))
+                     + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_text}" for r in records) or "nothing recorded"))
 
 
 def figures_of_run(mode: str, report: dict) -> dict[str, float]:
@@ -116,7 +116,7 @@ def nightly_validation(
             report = train_flow.with_options(flow_run_name=cfg.run_id)(config=cfg)
             result.update(status=report["status"], report=report)
         except RunFailed as failed:
-            result.update(error=failed.report["error"] or "its checks failed", report=failed.report)
+            result.update(error=failed.report["error"], report=failed.report)
         except Exception as exc:  # preflight or any other failure of the subflow
             result["error"] = "".join(traceback.format_exception_only(exc)).strip()
         log.info(f"nightly {name} run {cfg.run_id}: {result['status']}"

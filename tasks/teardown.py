@@ -17,6 +17,6 @@ def teardown(handle: ClusterHandle | None, state_dir: str) -> list[dict]:
     exit code and node of each process."""
     records = handle.stop() if handle is not None else stop_cluster(state_dir)
     get_logger().info(
-        "teardown: " + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_code}" for r in records) or "nothing to stop")
+        "teardown: " + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_text}" for r in records) or "nothing to stop")
     )
     return as_json(records)

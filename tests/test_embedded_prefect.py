@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import new_prefect_home
+from tests.helpers import listening_addresses, new_prefect_home
 from txflow.cluster import embedded_prefect
 from txflow.processes.procfs import is_alive
 
@@ -134,9 +134,11 @@ def test_automations_are_off_in_the_embedded_server_unless_asked_for(tmp_path, o
     try:
         server.wait_ready()
         settings = httpx.get(f"{server.api_url}/admin/settings", timeout=10).json()  # the server's own view
+        listening = listening_addresses(server.port)
     finally:
         server.stop()
     assert settings["server"]["services"]["triggers"]["enabled"] is enabled
+    assert listening == ["127.0.0.1"]  # loopback only (README, "Security")
     assert not is_alive(server.proc.pid)
 
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from txflow.cluster import handle as handle_module
 from txflow.cluster.handle import ClusterHandle
 from txflow.cluster.launchers.local import LocalLauncher
 from txflow.cluster.monitor import NoProgress, RankDied, RankMonitor
@@ -117,6 +118,38 @@ def test_a_request_without_progress_is_a_no_progress_fault(two_ranks):
             handle.wait(concurrent.futures.Future(), "a save", timeout_s=1)
     finally:
         handle.monitor.stop()
+
+
+class Opaque:
+    """A future with only `result()`, like the SDK's combined future of chunked requests."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def result(self):
+        self.done.wait()
+        return "late"
+
+
+def test_a_thousand_abandoned_waits_leave_no_thread_per_request(two_ranks):
+    # A long-lived worker abandons waits (a death, a deadline) whose futures never resolve: no thread may
+    # stay blocked per request, whatever kind of future it was.
+    cluster, launcher = two_ranks
+    handle = ClusterHandle.watch(cluster, launcher)
+    before = threading.active_count()
+    opaque = [Opaque() for _ in range(500)]
+    try:
+        for future in [concurrent.futures.Future() for _ in range(500)] + opaque:
+            with pytest.raises(NoProgress):
+                handle.wait(future, "a request", timeout_s=0.001)
+        assert threading.active_count() - before <= handle_module.WAIT_THREADS
+        late = concurrent.futures.Future()
+        threading.Timer(0.2, lambda: late.set_result("on time")).start()
+        assert handle.wait(late, "a request", timeout_s=10) == "on time"  # waits still work
+    finally:
+        for future in opaque:
+            future.done.set()
+        handle.stop(grace_s=1.0)
 
 
 def test_a_failed_request_is_blamed_on_the_rank_that_died_not_on_the_peer_error(two_ranks):

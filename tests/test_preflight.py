@@ -113,6 +113,20 @@ def test_run_root_that_already_holds_a_report_says_the_run_completed(cfg_for):
     assert sorted(p.name for p in report.parent.iterdir()) == ["report.json"]
 
 
+def test_a_failed_run_says_it_failed_and_how_to_continue_it(cfg_for):
+    cfg = cfg_for(run_id="broken")
+    report = Path(cfg.run_root) / "report.json"
+    report.parent.mkdir(parents=True)
+    report.write_text(json.dumps({"status": "failed", "error": "RuntimeError: export check failed: greedy tokens\n"
+                                                               "differ"}))
+    with pytest.raises(PreflightError) as info:
+        preflight.check_run_root(cfg)
+    message = str(info.value)
+    assert message.startswith(f"Run broken failed under {cfg.run_root} (RuntimeError: export check failed: greedy "
+                               f"tokens); its checkpoints are kept.")
+    assert f"--resume-from {cfg.run_root}" in message and "already completed" not in message
+
+
 def test_checkpoints_under_a_regular_file_names_the_checkpoints_path(cfg_for, tmp_path):
     blocker = tmp_path / "not-a-dir"
     blocker.write_text("a file")
@@ -129,7 +143,7 @@ def test_run_root_on_another_fsspec_filesystem_is_checked_there(cfg_for):
     try:
         cfg = cfg_for(checkpoints=base, run_id="again")
         preflight.check_run_root(cfg)
-        fs.pipe_file(f"{cfg.run_root}/report.json", b"{}")
+        fs.pipe_file(f"{cfg.run_root}/report.json", b'{"status": "passed"}')
         with pytest.raises(PreflightError, match="already completed"):
             preflight.check_run_root(cfg)
     finally:

@@ -256,8 +256,10 @@ def test_stop_cluster_from_cluster_json_alone_stops_every_process(local_cluster)
     for record in records:
         assert not procfs.is_alive(record.pid, record.start_time)
         assert not groups.group_alive(record.pgid)
+    # The hook did not start them, so it cannot learn their exit codes: it says so instead of inventing one.
     on_disk = json.loads(cluster.path.read_text())
-    assert all(p["exit_code"] is not None and p["exit_code"] < 0 for p in on_disk["processes"])
+    assert all(p["exit_code"] is None and p["exit_unknown"] for p in on_disk["processes"])
+    assert {r.exit_text for r in stopped} == {"unknown"}
     # The launcher that started them sees them gone too.
     assert all(launcher.exit_code(r) is not None for r in records)
 

@@ -54,6 +54,7 @@ def test_each_explicit_secret_is_masked_wherever_it_appears():
     [
         "step 3/20 nll 1.2345 tokens 120 0.50s",
         "cluster ready: all 2 ranks served a one-token sample (3.1 s)",
+        "custom client: python -m recipe max_tokens=5 env=arithmetic",
         "http://127.0.0.1:8000/api/v1/healthz",
         'backend config {"fully_sharded_data_parallel_size": 2, "max_lora_rank": 32}',
         "",

@@ -13,7 +13,8 @@ import re
 # Credentials in URLs (scheme://user:password@host) and in key=value / JSON pairs.
 _URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<user>[^:/@\s]*):(?P<pw>[^@\s]+)@")
 _SECRET_PAIR = re.compile(
-    r"(?P<key>\b[\w\-]*(?:secret|password|passwd|token|api[_\-]?key|credential)[\w\-]*\b"
+    # `token` but not `tokens`: max_tokens=5 (a sampling option) is no secret.
+    r"(?P<key>\b[\w\-]*(?:secret|password|passwd|token(?!s)|api[_\-]?key|credential)[\w\-]*\b"
     r"[\"']?\s*[:=]\s*)(?P<value>\"[^\"]*\"|'[^']*'|[^\s,\"'}]+)",
     re.IGNORECASE,
 )
@@ -61,7 +62,11 @@ def get_logger() -> logging.LoggerAdapter:
 
 
 def register_run_secrets(cfg) -> None:
-    """Mask the run's storage options and database password in every later log line."""
+    """Mask the run's storage options, its API key and every password inside a URL it was given (database,
+    dataset, checkpoints, resume point) in every later log line and message of this process, Prefect's
+    own records (task-failure tracebacks included) as much as txflow's."""
+    from urllib.parse import urlsplit
+
     from sqlalchemy.engine import make_url
 
     for value in cfg.plain_storage_options().values():
@@ -70,3 +75,32 @@ def register_run_secrets(cfg) -> None:
         register_secret(cfg.api_key.get_secret_value())
     if cfg.database_url is not None:
         register_secret(make_url(cfg.database_url.get_secret_value()).password)
+    for url in (cfg.dataset, cfg.checkpoints, cfg.resume_from):
+        try:
+            register_secret(urlsplit(url or "").password)
+        except ValueError:
+            pass  # not a URL: nothing inside it to hide
+    _scrub_every_record()
+
+
+def _scrub_every_record() -> None:
+    """Every log record this process creates from now on carries its message and traceback scrubbed, whoever
+    logs it (Prefect logs a failed task's traceback itself, to stderr and to its API)."""
+    global _factory_installed
+    if _factory_installed:
+        return
+    _factory_installed = True
+    upstream = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = upstream(*args, **kwargs)
+        record.msg, record.args = scrub(record.getMessage()), ()
+        if record.exc_info:  # formatted now, scrubbed; no handler gets the raw traceback to render its own way
+            record.exc_text = scrub(logging.Formatter().formatException(record.exc_info))
+            record.exc_info = None
+        return record
+
+    logging.setLogRecordFactory(factory)
+
+
+_factory_installed = False

@@ -13,7 +13,7 @@ import fsspec
 
 from txflow.checkpoints import storage
 from txflow.config import TINY_MODEL, RunConfig
-from txflow.log import get_logger
+from txflow.log import get_logger, redact, register_run_secrets, scrub
 from txflow.training import custom, rl, sft
 from txflow.training.datasets import REQUIRED_KEYS, bundled_dataset, load_jsonl
 from txflow.training.rewards import load_reward
@@ -74,10 +74,7 @@ def check_run_root(cfg: RunConfig) -> None:
         raise PreflightError(f"--checkpoints {cfg.checkpoints}: not a usable fsspec URL ({exc})") from None
     try:
         if fs.exists(f"{root}/report.json") and not cfg.resume_from:
-            raise PreflightError(
-                f"Run {cfg.run_id} already completed under {cfg.run_root}; its checkpoints are kept. "
-                f"Use another --run-id, or --resume-from {cfg.run_root} to continue it"
-            )
+            raise PreflightError(_earlier_run(cfg, json.loads(fs.cat_file(f"{root}/report.json"))))
         fs.makedirs(root, exist_ok=True)
         probe = f"{root}/.txflow-write-probe"
         fs.pipe_file(probe, b"ok")
@@ -87,6 +84,25 @@ def check_run_root(cfg: RunConfig) -> None:
     except Exception as exc:  # any backend error means the root cannot be used
         raise PreflightError(f"--checkpoints {cfg.checkpoints}: cannot write under {cfg.run_root} "
                              f"({type(exc).__name__}: {exc})") from None
+
+
+def _earlier_status(cfg: RunConfig) -> str | None:
+    """The status in the report.json of an earlier run with this run id, or None."""
+    fs, root = fsspec.core.url_to_fs(cfg.run_root, **cfg.plain_storage_options())
+    try:
+        return json.loads(fs.cat_file(f"{root}/report.json")).get("status")
+    except FileNotFoundError:
+        return None
+
+
+def _earlier_run(cfg: RunConfig, report: dict) -> str:
+    """What is true of the run that used this run id before: it passed, or it failed (and how to go on)."""
+    if report.get("status") == "passed":
+        return (f"Run {cfg.run_id} already completed under {cfg.run_root} (it passed); its checkpoints are kept. "
+                f"Use another --run-id, or --resume-from {cfg.run_root} with more --steps to continue it")
+    error = (report.get("error") or "its checks failed").splitlines()[0]
+    return (f"Run {cfg.run_id} failed under {cfg.run_root} ({error}); its checkpoints are kept. Continue it from its "
+            f"last committed state with --resume-from {cfg.run_root}, or use another --run-id")
 
 
 # Run by the client's interpreter: its Python and Tinker SDK versions, and whether it finds a module client.
@@ -152,8 +168,41 @@ def prepare(cfg: RunConfig):
     key = cfg.model_dump_json()
     if key in _prepared:  # checked a moment ago by `txflow run`: used once, then checked afresh
         return _prepared.pop(key)
-    _prepared[key] = data = _prepare(cfg)
+    register_run_secrets(cfg)  # a message may quote a URL or a backend's error: no credential may show
+    try:
+        _prepared[key] = data = _prepare(cfg)
+    except PreflightError as exc:
+        raise PreflightError(scrub(str(exc))) from None
     return data
+
+
+def check_database(cfg: RunConfig) -> None:
+    """A configured database answers and takes the credentials (SQLite in the state directory needs no
+    check): a bad URL, host or password fails here, not after the cluster started."""
+    if cfg.database_url is None:
+        return
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    given = cfg.database_url.get_secret_value()
+    try:
+        url = make_url(given)
+        engine = create_engine(url, connect_args={"connect_timeout": 10} if url.get_backend_name() == "postgresql"
+                               else {})
+    except Exception as exc:  # unparseable, or a driver that is not installed
+        raise PreflightError(f"--database-url {redact(given)}: not a usable database URL ({_first_line(exc)})") from None
+    try:
+        with engine.connect() as connection:
+            connection.execute(text("SELECT 1"))
+    except Exception as exc:  # refused, unreachable, wrong password: the driver says which
+        raise PreflightError(f"--database-url {redact(given)}: cannot connect ({_first_line(exc)})") from None
+    finally:
+        engine.dispose()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split("\n")[0].split())
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _prepare(cfg: RunConfig):
@@ -163,6 +212,7 @@ def _prepare(cfg: RunConfig):
         raise PreflightError(str(exc)) from None
     if cfg.launcher == "ray":
         check_ray(cfg)
+    check_database(cfg)
     model_path = check_base_model(cfg)
     tokenizer = load_tokenizer(model_path)
     max_len = context_length(model_path)
@@ -180,7 +230,10 @@ def _prepare(cfg: RunConfig):
                 data = rl.prepare(rows, tokenizer, max_len, cfg.max_tokens, url, load_reward(cfg.reward), cfg.reward)
         if cfg.resume_from:
             _, step = storage.resolve_resume_from(cfg)
-            if step >= cfg.steps and cfg.mode != "custom":
+            # A failed run continued from its own root at its last step redoes what failed after training;
+            # any other checkpoint at or past --steps would train nothing.
+            redo = cfg.resume_from.rstrip("/") == cfg.run_root.rstrip("/") and _earlier_status(cfg) == "failed"
+            if step >= cfg.steps and cfg.mode != "custom" and not (redo and step == cfg.steps):
                 raise ValueError(f"--resume-from {cfg.resume_from} is at step {step}; --steps {cfg.steps} leaves "
                                  f"nothing to train: pass --steps above {step}")
     except ValueError as exc:

@@ -5,13 +5,25 @@ this one object instead of a cluster and a launcher."""
 from __future__ import annotations
 
 import queue
-import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from txflow.cluster.launcher import Launcher
 from txflow.cluster.monitor import ClusterFault, NoProgress, RankDied, RankMonitor
+
+WAIT_THREADS = 4
+
+
+def _concurrent_future(future) -> Future | None:
+    """The `concurrent.futures.Future` a Tinker future resolves through, or None. Sampling returns one; the
+    SDK's APIFuture and AwaitableConcurrentFuture keep one as `_future` (tinker 0.13.1, the SDK txflow's own
+    clients use); a combined future of chunked requests has none."""
+    if isinstance(future, Future):
+        return future
+    inner = getattr(future, "_future", None)
+    return inner if isinstance(inner, Future) else None
 from txflow.cluster.records import Cluster, ProcessRecord
 
 
@@ -24,6 +36,7 @@ class ClusterHandle:
     # thread until closed; nothing else closes it, so a long-lived process (a Prefect worker, the
     # test suite) would heartbeat a dead cluster forever.
     clients: list = field(default_factory=list)
+    waiters: ThreadPoolExecutor | None = None  # for futures without a done callback (see `wait`)
 
     @classmethod
     def watch(cls, cluster: Cluster, launcher: Launcher) -> ClusterHandle:
@@ -43,19 +56,25 @@ class ClusterHandle:
         """`future.result()`, abandoned as soon as the monitor records a dead process, or after
         `timeout_s` without a result.
 
-        A Tinker future would otherwise wait for JAX's heartbeat abort (~90 s) or forever. The
-        result is awaited in a thread and whichever comes first, result or death, wakes this one:
-        no polling interval is added to a request.
+        A Tinker future would otherwise wait for JAX's heartbeat abort (~90 s) or forever. Whichever
+        comes first, result or death, wakes this thread: no polling interval is added to a request. The
+        result arrives through a callback on the future (no thread per request, so waits abandoned
+        after a death leave nothing blocked behind them); a future that offers none is awaited in a small
+        pool of threads shared by the handle.
         """
         box: queue.SimpleQueue = queue.SimpleQueue()
 
-        def resolve() -> None:
+        def deliver(done) -> None:
             try:
-                box.put(("result", future.result()))
+                box.put(("result", done.result()))
             except BaseException as exc:  # handed to the waiting thread, which raises it
                 box.put(("error", exc))
 
-        threading.Thread(target=resolve, name="txflow-wait", daemon=True).start()
+        inner = _concurrent_future(future)
+        if inner is not None:
+            inner.add_done_callback(deliver)
+        else:
+            self._waiters().submit(lambda: future.result()).add_done_callback(deliver)
         unsubscribe = self.monitor.on_failure(lambda failure: box.put(("died", failure)))
         try:
             kind, value = box.get(timeout=timeout_s)
@@ -74,6 +93,11 @@ class ClusterHandle:
         if value.abandoned_at is None:
             value.abandoned_at = time.time()
         raise RankDied(value)
+
+    def _waiters(self) -> ThreadPoolExecutor:
+        if self.waiters is None:
+            self.waiters = ThreadPoolExecutor(max_workers=WAIT_THREADS, thread_name_prefix="txflow-wait")
+        return self.waiters
 
     @contextmanager
     def deaths_first(self):
@@ -106,4 +130,6 @@ class ClusterHandle:
         the monitor (a stopped process is no failure), then every process."""
         self.close_clients()
         self.monitor.stop()
+        if self.waiters is not None:
+            self.waiters.shutdown(wait=False, cancel_futures=True)
         return self.launcher.stop(self.cluster, grace_s)

@@ -33,6 +33,15 @@ class ProcessRecord(BaseModel):
     node_id: str | None = Field(default=None, description="The node the launcher placed it on, where it has one")
     actor: str | None = Field(default=None, description="Name of the Ray actor that runs it (ray launcher)")
     exit_code: int | None = None
+    exit_unknown: bool = Field(default=False, description="Gone, but its exit code could not be learned (another "
+                               "process started it, or its node or actor was lost)")
+
+    @property
+    def exit_text(self) -> str:
+        """Its exit code as a log line says it: a number, `unknown`, or `running`."""
+        if self.exit_unknown:
+            return "unknown"
+        return "running" if self.exit_code is None else str(self.exit_code)
 
     @property
     def name(self) -> str:
@@ -95,5 +104,6 @@ def describe_exit(record: ProcessRecord, code: int | None, log_tail: str, cause:
 
 def as_json(records: list[ProcessRecord]) -> list[dict]:
     """What the report says of each process: rank, role, pid, exit code and its node."""
-    return [{"rank": r.rank, "role": r.role, "pid": r.pid, "exit_code": r.exit_code, "node_id": r.node_id,
+    return [{"rank": r.rank, "role": r.role, "pid": r.pid, "exit_code": r.exit_code,
+             "exit_unknown": r.exit_unknown, "node_id": r.node_id,
              "node_ip": r.host} for r in records]

@@ -29,8 +29,9 @@ def load_jsonl(url: str, required: tuple[str, ...], storage_options: dict | None
             text = f.read()
     except FileNotFoundError:
         raise DatasetError(f"Dataset {url} does not exist; pass --dataset with a JSONL file or URL") from None
-    except (OSError, ValueError) as exc:
-        raise DatasetError(f"Dataset {url} cannot be read: {exc}") from None
+    except Exception as exc:  # any backend's error (botocore's are not OSErrors): the URL cannot be used
+        first = (str(exc).splitlines() or [""])[0]
+        raise DatasetError(f"Dataset {url} cannot be read ({type(exc).__name__}: {first})") from None
     rows = []
     for number, line in enumerate(text.splitlines(), start=1):
         if not line.strip():

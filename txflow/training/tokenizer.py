@@ -31,12 +31,13 @@ def _local_dir(model: str) -> Path | None:
     path = Path(model).expanduser()
     if path.is_dir():
         return path
-    try:  # a hub id already in the local Hugging Face cache (nothing is downloaded)
-        from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HFValidationError, LocalEntryNotFoundError
 
+    try:  # a hub id already in the local Hugging Face cache (nothing is downloaded)
         return Path(snapshot_download(model, local_files_only=True, allow_patterns=["tokenizer*", "*.json"]))
-    except Exception:
-        return None
+    except (LocalEntryNotFoundError, HFValidationError):
+        return None  # not cached, or not a hub id: transformers says which below
 
 
 def load_tokenizer(model: str):

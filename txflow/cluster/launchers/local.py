@@ -7,7 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from txflow.cluster.launcher import Launcher
+from txflow.cluster.launcher import Launcher, LostProcess
 from txflow.cluster.records import Cluster, ProcessRecord
 from txflow.processes import groups, lifeline, logs, ports, procfs
 
@@ -53,8 +53,10 @@ class LocalLauncher(Launcher):
         proc = self._popen.get(record.pid)
         if proc is not None:
             return proc.poll()
-        # Not started by this launcher instance (e.g. a cancellation hook): liveness only.
-        return None if procfs.is_alive(record.pid, record.start_time) else -1
+        # Not started by this launcher instance (e.g. a cancellation hook): liveness only, no exit code.
+        if procfs.is_alive(record.pid, record.start_time):
+            return None
+        raise LostProcess(f"{record.name} is gone; its exit code is unknown here (another process started it)")
 
     def tail(self, record, lines=30):
         return logs.tail(record.log, lines)
@@ -67,7 +69,7 @@ class LocalLauncher(Launcher):
             if proc is not None:
                 record.exit_code = proc.wait(timeout=5)
             elif record.exit_code is None and not procfs.is_alive(record.pid, record.start_time):
-                record.exit_code = -9
+                record.exit_unknown = True  # only its parent could have learned it
         cluster.save()
         return cluster.processes
 

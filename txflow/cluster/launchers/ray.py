@@ -36,7 +36,6 @@ Ray quirks this works around, each with how to tell when it can go:
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -87,8 +86,7 @@ class RankHost:
 
     @ray.method(concurrency_group="control")
     def status(self, pid: int) -> int | None:
-        proc = self.procs.get(pid)
-        return proc.poll() if proc is not None else -1
+        return self.procs[pid].poll()  # a pid this actor did not start: KeyError, not an invented code
 
     @ray.method(concurrency_group="control")
     def tail(self, log: str, lines: int) -> str:
@@ -224,6 +222,8 @@ class RayLauncher(Launcher):
         except (ray.exceptions.RayActorError, ValueError) as exc:
             raise LostProcess(f"its Ray actor {record.actor} on node {record.host} ({(record.node_id or '')[:8]}) is "
                               f"gone: the node was lost or the actor died ({type(exc).__name__})") from None
+        except ray.exceptions.RayTaskError:
+            raise LostProcess(f"its Ray actor {record.actor} does not know pid {record.pid}") from None
         except ray.exceptions.GetTimeoutError:
             return None
 
@@ -258,9 +258,10 @@ class RayLauncher(Launcher):
         except ValueError:  # never created, or already removed
             pass
         for record in cluster.processes:
-            if record.exit_code is None:
+            if record.exit_code is None and not record.exit_unknown:
                 code = codes.get((record.actor, record.pid))
-                record.exit_code = code if code is not None else -signal.SIGKILL
+                record.exit_code = code
+                record.exit_unknown = code is None  # its actor was lost, or its stop call failed
         self._actors.clear()
         self._exits.clear()
         cluster.save()
