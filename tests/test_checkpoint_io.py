@@ -1,5 +1,6 @@
-"""txflow's state checkpoint I/O in the SkyRL-tx backend (txflow.upstream.skyrl_tx.checkpoint_io, point 6), in one process on the
-tiny model: exact round trip, one file, checkpoints of upstream's Orbax format still load, clear errors.
+"""txflow's state checkpoint I/O in the SkyRL-tx backend (txflow.upstream.skyrl_tx.checkpoint_io, point 6), in
+one process on the tiny model: exact round trip, one file, checkpoints of upstream's Orbax format still load,
+clear errors.
 The multi-process, no-shared-disk path runs end to end in tests/test_s3_e2e.py."""
 
 from __future__ import annotations

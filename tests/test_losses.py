@@ -51,7 +51,8 @@ def reference(name: str, config: dict, tlp, w, slp, adv):
 
 def reference_figures(name, config, target=TARGET):
     tlp = torch.tensor(target, dtype=torch.float64, requires_grad=True)
-    loss = reference(name, config, tlp, *(torch.tensor(x, dtype=torch.float64) for x in (WEIGHTS, SAMPLING, ADVANTAGES)))
+    inputs = (torch.tensor(x, dtype=torch.float64) for x in (WEIGHTS, SAMPLING, ADVANTAGES))
+    loss = reference(name, config, tlp, *inputs)
     loss.backward()
     return float(loss), tlp.grad.numpy()
 

@@ -144,68 +144,59 @@ def adapter_modules(sampler_url: str) -> set[str]:
     return {key.split(".lora_")[0].rsplit(".", 1)[1] for key in safetensors.numpy.load(weights)}
 
 
+def run_cookbook(tmp_path, txflow_env, reaper, run_id: str, module: str, *options: str) -> tuple[dict, str, Path]:
+    """`txflow run custom` with a cookbook recipe (its module, `key=value` options) in the cookbook's environment:
+    the report, the client's log and its log_path. Offline: Hugging Face reads only the local model; the
+    cookbook's price lookup (https) goes to a closed port on loopback and fails as it does without a network."""
+    python = sdk_env("0.38.0", COOKBOOK_STEPS, name=COOKBOOK_ENV) / "bin" / "python"
+    env = {**txflow_env, "HF_HUB_OFFLINE": "1", "https_proxy": f"http://127.0.0.1:{free_port()}",
+           "no_proxy": "127.0.0.1,localhost"}
+    state = reaper.watch(tmp_path / "state")
+    log_path = tmp_path / f"{run_id}-log"
+    result = run_txflow(["run", "custom", "--run-id", run_id, "--state-dir", str(state),
+                         "--checkpoints", str(tmp_path / "ckpt"), "--client", module, "--client-python", str(python),
+                         "--client-arg=base_url={base_url}", "--client-arg=model_name={base_model}",
+                         "--client-arg=renderer_name=role_colon", f"--client-arg=log_path={log_path}",
+                         *[f"--client-arg={option}" for option in options], "--json"], env, tmp_path)
+    log = "\n".join(client_lines(state)) if (state / "logs" / "client.log").exists() else ""
+    assert result.returncode == 0, result.stderr[-3000:] + "\n--- client.log ---\n" + log[-3000:]
+    assert "tinker 0.38.0)" in result.stderr
+    assert alive_pids(state) == []
+    return json.loads(result.stdout), log, log_path
+
+
 def test_the_tinker_cookbook_supervised_trainer_runs_as_a_client(tmp_path, txflow_env, reaper):
     """The cookbook's own supervised-learning CLI (`tinker_cookbook.recipes.chat_sl.train`) on a local
     JSONL of conversations and the local model, rendered with `role_colon` (the tiny tokenizer has no
     Qwen3 chat tokens)."""
-    python = sdk_env("0.38.0", COOKBOOK_STEPS, name=COOKBOOK_ENV) / "bin" / "python"
     data = tmp_path / "conversations.jsonl"
     data.write_text("".join(json.dumps({"messages": [{"role": "user", "content": q},
                                                      {"role": "assistant", "content": a}]}) + "\n"
                             for q, a in CONVERSATIONS))
-    # Offline: Hugging Face reads only the local model; the cookbook's price lookup (https) goes to a
-    # closed port on loopback instead of the internet, and fails as it does without a network.
-    env = {**txflow_env, "HF_HUB_OFFLINE": "1", "https_proxy": f"http://127.0.0.1:{free_port()}",
-           "no_proxy": "127.0.0.1,localhost"}
-    state = reaper.watch(tmp_path / "state")
-    log_path = tmp_path / "cookbook-log"
-    result = run_txflow(["run", "custom", "--run-id", "cookbook-sl", "--state-dir", str(state),
-                         "--checkpoints", str(tmp_path / "ckpt"), "--client", "tinker_cookbook.recipes.chat_sl.train",
-                         "--client-python", str(python),
-                         "--client-arg=base_url={base_url}", "--client-arg=model_name={base_model}",
-                         f"--client-arg=dataset={data}", "--client-arg=renderer_name=role_colon",
-                         "--client-arg=batch_size=2", "--client-arg=max_length=128", "--client-arg=lora_rank=8",
-                         "--client-arg=learning_rate=0.01", f"--client-arg=log_path={log_path}", "--json"],
-                        env, tmp_path)
-    log = "\n".join(client_lines(state)) if (state / "logs" / "client.log").exists() else ""
-    assert result.returncode == 0, result.stderr[-3000:] + "\n--- client.log ---\n" + log[-3000:]
-    report = json.loads(result.stdout)
-    assert report["status"] == "passed"
-    assert "tinker 0.38.0)" in result.stderr and "Training completed successfully" in log
+    report, log, log_path = run_cookbook(tmp_path, txflow_env, reaper, "cookbook-sl",
+                                         "tinker_cookbook.recipes.chat_sl.train", f"dataset={data}", "batch_size=2",
+                                         "max_length=128", "lora_rank=8", "learning_rate=0.01")
+    assert report["status"] == "passed" and "Training completed successfully" in log
     metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
     # 4 conversations in batches of 2: two optimizer steps, each with a finite training loss.
     assert [m["step"] for m in metrics] == [0, 1] and all(math.isfinite(m["train_mean_nll"]) for m in metrics)
     saved = assert_every_saved_checkpoint_verified(report)
     assert [c["tinker_path"].rsplit("/", 1)[1] for c in saved["state"] + saved["sampler"]] == ["final", "final"]
-    assert alive_pids(state) == []
 
 
 def test_the_tinker_cookbook_rl_recipe_runs_as_a_client_with_cispo(tmp_path, txflow_env, reaper):
     """The cookbook's RL recipe (`tinker_cookbook.recipes.math_rl.train`, its synthetic arithmetic environment)
     for 3 steps with loss_fn=cispo: sampling, the cookbook's RL datums and its loss through the cluster. Its
     default loss, stable_reinforce, is refused with one line (see the 0.38 client above and the README)."""
-    python = sdk_env("0.38.0", COOKBOOK_STEPS, name=COOKBOOK_ENV) / "bin" / "python"
-    env = {**txflow_env, "HF_HUB_OFFLINE": "1", "https_proxy": f"http://127.0.0.1:{free_port()}",
-           "no_proxy": "127.0.0.1,localhost"}
-    state = reaper.watch(tmp_path / "state")
-    log_path = tmp_path / "cookbook-rl-log"
-    result = run_txflow(["run", "custom", "--run-id", "cookbook-rl", "--state-dir", str(state),
-                         "--checkpoints", str(tmp_path / "ckpt"), "--client", "tinker_cookbook.recipes.math_rl.train",
-                         "--client-python", str(python),
-                         "--client-arg=base_url={base_url}", "--client-arg=model_name={base_model}",
-                         "--client-arg=env=arithmetic", "--client-arg=renderer_name=role_colon",
-                         "--client-arg=loss_fn=cispo", "--client-arg=groups_per_batch=4", "--client-arg=group_size=4",
-                         "--client-arg=max_tokens=5", "--client-arg=max_steps=3", "--client-arg=lora_rank=8",
-                         "--client-arg=learning_rate=0.001", "--client-arg=eval_every=0",
-                         f"--client-arg=log_path={log_path}", "--json"], env, tmp_path)
-    log = "\n".join(client_lines(state)) if (state / "logs" / "client.log").exists() else ""
-    assert result.returncode == 0, result.stderr[-3000:] + "\n--- client.log ---\n" + log[-3000:]
-    report = json.loads(result.stdout)
+    report, _, log_path = run_cookbook(tmp_path, txflow_env, reaper, "cookbook-rl",
+                                       "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", "loss_fn=cispo",
+                                       "groups_per_batch=4", "group_size=4", "max_tokens=5", "max_steps=3",
+                                       "lora_rank=8", "learning_rate=0.001", "eval_every=0")
     assert report["status"] == "passed"
     metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
     steps = [m for m in metrics if "env/all/reward/total" in m]
     assert len(steps) == 3 and all(math.isfinite(m["env/all/reward/total"]) for m in steps), metrics
     saved = assert_every_saved_checkpoint_verified(report)
     assert saved["state"] and saved["sampler"]
-    assert report["export"]["passed"]
-    assert alive_pids(state) == []
+    # The recipe leaves the LoRA flags at the SDK's defaults: the unembedding trained too, and exported.
+    assert report["export"]["passed"] and {"embed_tokens", "lm_head"} <= set(report["export"]["target_modules"])

@@ -12,68 +12,15 @@ The API key comes from TINKER_API_KEY, as the SDK expects.
 """
 
 import argparse
-import json
 
 import tinker
+from client_common import BATCH, datum, greedy, mean_nll, train_custom, train_with_each_loss
 from tinker import types
 
-BATCH = [[5, 17, 42, 99, 7, 12, 0], [3, 14, 15, 92, 65, 35, 0]]
-PROMPT = [5, 17, 42]
 # The losses of these SDKs' LossFnType, with and without loss_fn_config.
-LOSSES = [("importance_sampling", None), ("ppo", None), ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+LOSSES = [("importance_sampling", None), ("ppo", None),
+          ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
           ("cispo", None), ("cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 2.0}), ("dro", {"beta": 0.05})]
-
-
-def datum(tokens):
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
-    )
-
-
-def mean_nll(output):
-    """Mean negative log-likelihood per target token (every weight is 1 here)."""
-    logprobs = [lp for out in output.loss_fn_outputs for lp in out["logprobs"].tolist()]
-    return -sum(logprobs) / len(logprobs)
-
-
-def rl_datum(tokens, sampling_logprobs, advantage):
-    """An RL datum as the cookbook builds one: a 2-token prompt (logprob 0.0, no advantage), then sampled tokens."""
-    n = len(tokens) - 1
-    return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
-                       loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": [0.0] * 2 + sampling_logprobs[2:],
-                                       "advantages": [0.0] * 2 + [advantage] * (n - 2)})
-
-
-def train_with_each_loss(training, batch, losses):
-    """One forward_backward + optim_step per (loss, loss_fn_config); prints what came back."""
-    live = [out["logprobs"].tolist() for out in training.forward(batch, "cross_entropy").result().loss_fn_outputs]
-    data = [rl_datum(BATCH[i], [lp - 0.3 for lp in live[i]], 1.0 if i == 0 else -1.0) for i in range(len(BATCH))]
-    for loss_fn, config in losses:
-        out = training.forward_backward(data, loss_fn, config).result()
-        training.optim_step(types.AdamParams(learning_rate=1e-3)).result()
-        lengths = [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs]
-        print(f"loss {loss_fn} {json.dumps(config)} loss:sum {out.metrics['loss:sum']} logprobs {lengths}", flush=True)
-
-
-def squared_logprobs(data, logprobs_list):
-    """A custom loss: the sum of squared logprobs (it falls as the model grows surer of the targets)."""
-    loss = sum((logprobs ** 2).sum() for logprobs in logprobs_list)
-    return loss, {"squared:sum": float(loss)}
-
-
-def train_custom(training, batch, steps=3):
-    for _ in range(steps):
-        out = training.forward_backward_custom(batch, squared_logprobs).result()
-        training.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-        print(f"custom loss {out.metrics['squared:sum']} loss:sum {out.metrics['loss:sum']}", flush=True)
-
-
-def greedy(sampling_client):
-    params = types.SamplingParams(max_tokens=4, temperature=0.0, seed=0)
-    response = sampling_client.sample(prompt=types.ModelInput.from_ints(PROMPT), num_samples=1,
-                                      sampling_params=params).result()
-    return list(response.sequences[0].tokens)
 
 
 def main():
