@@ -21,12 +21,12 @@ from prefect import flow
 from deployments.defaults import NIGHTLY_RL, NIGHTLY_SFT
 from flows.train import RunFailed, train_flow
 from txflow.cluster.launchers import stop_cluster
-from txflow.config import RunConfig, new_run_id
+from txflow.config import NIGHTLY_HISTORY_DIR, RunConfig, new_run_id
 from txflow.log import get_logger
 from txflow.reporting import history
 
 ARTIFACT_KEY = "nightly-validation"
-HISTORY_DIR = "nightly-history"
+HISTORY_DIR = NIGHTLY_HISTORY_DIR
 
 
 class NightlyValidationFailed(RuntimeError):

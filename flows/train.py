@@ -1,6 +1,8 @@
 """The `train` flow: provision-coordinator -> launch-workers -> train ->
 save-checkpoint -> discover-artifacts -> evaluate-restore, teardown of every
-process whatever happens, then export-adapter (which needs no cluster).
+process whatever happens, then, with no cluster left: export-adapter,
+prune-checkpoints (keep_last), the approval (approve) and promote
+(promote_as), each only when everything before it passed.
 
 A cluster fault (a rank that dies, a request without progress for
 `step_timeout_s`) tears the cluster down and continues on a freshly
@@ -20,27 +22,32 @@ from dataclasses import dataclass, field
 from prefect import flow
 from prefect.concurrency.sync import concurrency
 
+from tasks.approve import wait_for_approval
 from tasks.discover_artifacts import discover_artifacts
 from tasks.evaluate_restore import evaluate_restore
 from tasks.export_adapter import export_adapter
 from tasks.launch_workers import launch_workers
+from tasks.promote import promote
 from tasks.provision_coordinator import provision_coordinator
+from tasks.prune_checkpoints import prune_checkpoints
 from tasks.save_checkpoint import save_checkpoint
 from tasks.teardown import teardown
 from tasks.train import train
-from txflow.checkpoints import storage
+from txflow.checkpoints import lease, storage
+from txflow.checkpoints.export import failure as export_failure
+from txflow.checkpoints.promotion import Promotion
+from txflow.cluster import embedded_prefect
 from txflow.cluster.handle import ClusterHandle
 from txflow.cluster.launchers import get_launcher, stop_cluster
 from txflow.cluster.monitor import Failure, NoProgress
 from txflow.cluster.records import as_json
 from txflow.config import RunConfig
 from txflow.log import get_logger, register_run_secrets
-from txflow.preflight import prepare
+from txflow.preflight import PreflightError, prepare
 from txflow.processes.umask import private_files
 from txflow.reporting import report as run_report
 from txflow.reporting.metrics import metrics_path, read_metrics
-from txflow.checkpoints.export import failure as export_failure
-from txflow.results import Discovered, Exported, RestoreCheck, Saved, Trained
+from txflow.results import Discovered, Exported, Pruned, RestoreCheck, Saved, Trained
 
 
 class RunFailed(RuntimeError):
@@ -75,13 +82,49 @@ def _stop_cluster_hook(flow, flow_run, state) -> None:
 
 @contextmanager
 def cluster_slots(cfg: RunConfig):
-    """Hold `processes` slots of the Prefect global concurrency limit while the run has a cluster."""
-    if not cfg.concurrency_limit:
+    """Hold `processes` slots of the Prefect global concurrency limit while the run has a cluster.
+
+    On the embedded server of `txflow run` (it lives for this run) there is nothing to share: no guard, no
+    word. On a real server the limit must exist: the default one, missing, gets one warning with the
+    command that creates it and no guard; a limit named on purpose, missing (misspelled, say), stops the
+    run before anything starts, since it would otherwise silently guard nothing."""
+    name = cfg.concurrency_limit
+    if not name or embedded_prefect.is_embedded():
         yield
         return
-    # strict=False: without the limit on the server (the embedded API) there is nothing to wait for.
-    with concurrency(cfg.concurrency_limit, occupy=cfg.processes, strict=False):
+    if not _limit_exists(name):
+        create = f"prefect gcl create {name} --limit N (N: the ranks your machines can hold at once)"
+        if name != RunConfig.model_fields["concurrency_limit"].default:
+            raise PreflightError(f"--concurrency-limit {name}: the Prefect server has no global concurrency limit of "
+                                 f"that name, so it would guard nothing. Create it: {create}; or pass an empty value "
+                                 f"for no guard")
+        _warn_once(f"runs are not kept apart: the Prefect server has no global concurrency limit {name!r}. "
+                   f"Create it: {create}; or set concurrency_limit to empty to say you want none")
         yield
+        return
+    with concurrency(name, occupy=cfg.processes, strict=True):
+        yield
+
+
+def _limit_exists(name: str) -> bool:
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+            return True
+        except ObjectNotFound:
+            return False
+
+
+_warned: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _warned:
+        _warned.add(message)
+        get_logger().warning(message)
 
 
 class Timings(dict):
@@ -104,6 +147,8 @@ class Progress:
     discovered: Discovered | None = None
     restore: RestoreCheck | None = None
     exported: Exported | None = None
+    pruned: Pruned | None = None
+    promoted: Promotion | None = None
     step: str | None = None  # the step running now
     train_runs: int = 0
     failures: list[Failure] = field(default_factory=list)
@@ -145,6 +190,14 @@ def _train(cfg: RunConfig) -> dict:
     timings = Timings()
     began = time.monotonic()
     data = timings.run("preflight", prepare, cfg)
+    # The run root says the run is running (for `txflow prune`, maybe elsewhere) until it ends.
+    with lease.held(cfg.run_root, cfg.run_id, cfg.plain_storage_options()):
+        return _run(cfg, data, timings, began)
+
+
+def _run(cfg: RunConfig, data, timings: Timings, began: float) -> dict:
+    """The steps after pre-flight, the report, and the run's verdict."""
+    log = get_logger()
     launcher = get_launcher(cfg)
     done = Progress()
     error = None
@@ -182,12 +235,15 @@ def _train(cfg: RunConfig) -> dict:
         error = "checks failed: " + "; ".join(done.restore.failed_checks)
     if error is None and done.restore and done.restore.passed and cfg.export:
         error = _export(cfg, done, timings)
+    metrics = done.trained.metrics if done.trained else read_metrics(cfg.state_dir)
+    if error is None and done.restore and done.restore.passed:
+        error = _lifecycle(cfg, done, timings, metrics)
     timings["total"] = round(time.monotonic() - began, 3)
 
     status = "passed" if error is None and done.restore and done.restore.passed else "failed"
-    metrics = done.trained.metrics if done.trained else read_metrics(cfg.state_dir)
     report = run_report.build(cfg, status, error, dict(timings), metrics, done.trained, done.saved, done.discovered,
-                              done.restore, ranks, done.failures, done.exported.result if done.exported else None)
+                              done.restore, ranks, done.failures, done.exported.result if done.exported else None,
+                              done.pruned, done.promoted)
     path = metrics_path(cfg.state_dir)
     run_report.write(cfg, report, path.read_text() if path.exists() else "")
     run_report.publish_artifacts(report)
@@ -207,6 +263,35 @@ def _export(cfg: RunConfig, done: Progress, timings: Timings) -> str | None:
     done.discovered = done.exported.discovered
     problem = export_failure(done.exported.result)
     return f"export check failed: {problem}" if problem else None
+
+
+def _lifecycle(cfg: RunConfig, done: Progress, timings: Timings, metrics: list[dict]) -> str | None:
+    """A passed run: prune-checkpoints (keep_last), then approval (approve) and promote (promote_as). The
+    run's error when a step fails; a rejection or an approval that never came is no error."""
+    step = "prune-checkpoints"
+    try:
+        if cfg.keep_last:
+            done.pruned = done.run(timings, step, prune_checkpoints, cfg, done.discovered)
+            done.discovered = done.pruned.discovered
+        if not cfg.promote_as:
+            return None
+        verdict, comment = "approved", None
+        if cfg.approve:
+            step = "approval"
+            summary = run_report.approval_markdown(cfg, metrics, done.restore, done.exported.result)
+            verdict, comment = timings.run("approval", wait_for_approval, cfg, summary)
+        if verdict != "approved":
+            done.promoted = Promotion(name=cfg.promote_as, status=verdict, comment=comment)
+            return None
+        step = "promote"
+        done.promoted = done.run(timings, step, promote, cfg, done.saved, done.restore, done.exported.result,
+                                 metrics, comment)
+    except Exception as exc:
+        get_logger().error(f"run {cfg.run_id} failed in {step}: {exc}")
+        if step == "promote":
+            done.promoted = Promotion(name=cfg.promote_as, status="failed")
+        return "".join(traceback.format_exception_only(exc)).strip()
+    return None
 
 
 def _note_resume_point(cfg: RunConfig, done: Progress) -> None:

@@ -98,13 +98,17 @@ def rl_quality(cfg: RunConfig, handle: ClusterHandle, client, sampler, metrics: 
 QUALITY = {"sft": sft_quality, "rl": rl_quality}
 
 
-def failed_checks(mode: str, abs_diff: float, tokens_match: bool, moved: bool, quality: dict) -> list[str]:
+def failed_checks(mode: str, abs_diff: float, tokens_match: bool, moved: bool, quality: dict,
+                  logprob_diff: float | None = None) -> list[str]:
     """Each check the run missed, with the value found and the bound it had to meet."""
     failed = []
     if not abs_diff <= LOSS_TOLERANCE:
         failed.append(f"restore: |loss after - loss before| {abs_diff:.2e} > {LOSS_TOLERANCE:g} allowed")
     if not tokens_match:
         failed.append("restore: the restored sampler's greedy tokens differ from the live model's")
+    if logprob_diff is not None and not logprob_diff <= export.LOGPROB_BOUND:
+        failed.append(f"restore: the restored sampler's logprobs differ from the live model's by {logprob_diff:.2e} "
+                      f"> {export.LOGPROB_BOUND:g} allowed")
     if not moved:
         failed.append("the trained model's greedy tokens are the base model's: training changed nothing they show")
     if mode == "sft" and quality["eval_loss_gain"] < SFT_MIN_LOSS_GAIN:
@@ -215,11 +219,13 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
     abs_diff = abs(loss_after - live.eval_loss)
     tokens_match = tokens == live.greedy_tokens
     moved = live.greedy_tokens != live.base_tokens
-    failed = failed_checks(cfg.mode, abs_diff, tokens_match, moved, quality)
+    # The restored sampler against the live model's own sampler, token by token (None: no live record).
+    logprob_diff = export.max_abs_diff(reference.logprobs, live.logprobs) if live.logprobs else None
+    failed = failed_checks(cfg.mode, abs_diff, tokens_match, moved, quality, logprob_diff)
     result = RestoreCheck(passed=not failed, loss_before=live.eval_loss, loss_after=loss_after, abs_diff=abs_diff,
                           sampler_tokens_match=tokens_match, tokens_differ_from_base=moved,
-                          live_tokens=live.greedy_tokens, restored_tokens=tokens, quality=quality, reference=reference,
-                          failed_checks=failed)
+                          sampler_logprob_diff=logprob_diff, live_tokens=live.greedy_tokens, restored_tokens=tokens,
+                          quality=quality, reference=reference, failed_checks=failed)
     passed = result.passed
     figures = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in quality.items())
     log.info(f"restore check: loss {live.eval_loss:.6f} -> {loss_after:.6f} (|diff| {abs_diff:.2e}), "

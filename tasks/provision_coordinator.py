@@ -8,7 +8,7 @@ from pathlib import Path
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow.checkpoints.storage import engine_checkpoints_base
+from txflow.checkpoints.storage import fresh_staging
 from txflow.cluster.handle import ClusterHandle
 from txflow.cluster.launcher import Launcher, PlacementFailed
 from txflow.cluster.monitor import retry_unless
@@ -40,7 +40,7 @@ def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
         coordinator_port=None,
         num_processes=cfg.processes,
         base_model_path=resolve_base_model(cfg.base_model),
-        checkpoints_base=engine_checkpoints_base(cfg),
+        checkpoints_base=fresh_staging(cfg),
         **({"api_key": cfg.api_key} if cfg.api_key is not None else {}),
     )
     register_secret(cluster.api_key.get_secret_value())

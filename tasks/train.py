@@ -9,17 +9,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import fsspec
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from txflow.checkpoints import storage
+from txflow.checkpoints.names import checkpoint_name
 from txflow.cluster.handle import ClusterHandle
 from txflow.config import RunConfig
 from txflow.log import get_logger
 from txflow.reporting.metrics import append_metric, read_metrics, write_metrics
 from txflow.reporting.progress import StepProgress
-from txflow.results import Checkpoint, Trained
-from txflow.training import custom, datasets, rl, sft
+from txflow.results import Checkpoint, LiveReference, Trained
+from txflow.training import custom, datasets, evaluation, rl, sft
 from txflow.training.clients import training_client_at
 from txflow.upstream.skyrl_tx.losses import DEFAULTS as LOSS_DEFAULTS
 
@@ -39,7 +41,7 @@ def resume_point(cfg: RunConfig) -> tuple[str, int] | None:
 
 def save_progress(cfg: RunConfig, handle: ClusterHandle, training_client, step: int) -> Checkpoint:
     """save_state at `step` and commit it to the run root, so that a retry resumes there."""
-    future = training_client.save_state(storage.checkpoint_name(step))
+    future = training_client.save_state(checkpoint_name(step))
     saved = handle.wait(future, f"save_state at step {step}", cfg.step_timeout_s)
     url = storage.commit(cfg, handle.cluster.checkpoints_base, saved.path)
     get_logger().info(f"saved state at step {step}: {url}")
@@ -99,9 +101,9 @@ def rl_step(cfg: RunConfig, handle: ClusterHandle, data: rl.RLData):
 STEPS = {"sft": sft_step, "rl": rl_step}
 
 
-def train_loop(cfg: RunConfig, handle: ClusterHandle, step_fn) -> Trained:
+def train_loop(cfg: RunConfig, handle: ClusterHandle, step_fn, data) -> Trained:
     """Steps from the resume point to `cfg.steps`: metrics per step, a durable save every `save_every`
-    and at the last step."""
+    and at the last step, and the live model's figures (`LiveReference`) just before that last save."""
     log = get_logger()
     point = resume_point(cfg)
     start = point[1] if point else 0
@@ -110,9 +112,15 @@ def train_loop(cfg: RunConfig, handle: ClusterHandle, step_fn) -> Trained:
         log.info(f"resumed from step {start}: {point[0]}")
     metrics = read_metrics(cfg.state_dir, up_to_step=start)
     write_metrics(cfg.state_dir, metrics)
-    final = None
+    final = live = None
     if point and start >= cfg.steps:  # the last step was already committed (a fault after it)
         final = Checkpoint(kind="state", tinker_path=storage.tinker_path_of(cfg, point[0]), url=point[0])
+        live = read_live_reference(cfg)
+        if live is None:  # the run that trained left no record (an older txflow): take the committed state's
+            log.warning("no record of the live model's figures in the run root: the restore check compares the "
+                        "committed final state with its own copies")
+            live = evaluation.live_reference(cfg.mode, handle, training_client, data, cfg.step_timeout_s, cfg.seed)
+            live.from_committed_state = True
     bar = StepProgress(cfg.steps, start, cfg.run_id)
     try:
         for step in range(start, cfg.steps):
@@ -127,13 +135,35 @@ def train_loop(cfg: RunConfig, handle: ClusterHandle, step_fn) -> Trained:
             headline = next(k for k in row if k != "step")
             bar.update(step + 1, **{headline: f"{row[headline]:.3f}"})
             if step + 1 == cfg.steps:
+                # The live model's figures first, kept with the run: every later attempt (a fault after
+                # this) compares the committed copies with them, never the committed state with itself.
+                live = evaluation.live_reference(cfg.mode, handle, training_client, data, cfg.step_timeout_s,
+                                                 cfg.seed)
+                write_live_reference(cfg, live)
                 final = save_progress(cfg, handle, training_client, step + 1)
             elif cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save_progress(cfg, handle, training_client, step + 1)
     finally:
         bar.close()
     return Trained(metrics=metrics, final_state=final, resumed_from_step=start, training_client=training_client,
-                   handle=handle)
+                   handle=handle, live=live)
+
+
+LIVE_REFERENCE = "live-reference.json"
+
+
+def write_live_reference(cfg: RunConfig, live: LiveReference) -> None:
+    fs, root = fsspec.core.url_to_fs(cfg.run_root, **cfg.plain_storage_options())
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe_file(f"{root}/{LIVE_REFERENCE}", live.model_dump_json().encode())
+
+
+def read_live_reference(cfg: RunConfig) -> LiveReference | None:
+    fs, root = fsspec.core.url_to_fs(cfg.run_root, **cfg.plain_storage_options())
+    try:
+        return LiveReference.model_validate_json(fs.cat_file(f"{root}/{LIVE_REFERENCE}"))
+    except FileNotFoundError:
+        return None
 
 
 def train_custom(cfg: RunConfig, handle: ClusterHandle, data: custom.CustomData, attempt: int) -> Trained:
@@ -160,4 +190,4 @@ def train(cfg: RunConfig, handle: ClusterHandle, data: Any, attempt: int = 1) ->
     with handle.deaths_first():
         if cfg.mode == "custom":
             return train_custom(cfg, handle, data, attempt)
-        return train_loop(cfg, handle, STEPS[cfg.mode](cfg, handle, data))
+        return train_loop(cfg, handle, STEPS[cfg.mode](cfg, handle, data), data)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pgserver
 import pytest
 
-from tests.helpers import PASSWORD_MARKER, PREFECT, new_prefect_home
+from tests.helpers import BUCKET, PASSWORD_MARKER, PREFECT, S3_SECRET_MARKER, MotoServer, new_prefect_home
 from txflow.cluster.launchers import stop_cluster
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,3 +97,27 @@ def postgres():
     finally:
         server.cleanup()
         shutil.rmtree(data_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def moto(tmp_path_factory):
+    """A real S3 API on 127.0.0.1 with BUCKET in it, for the tests of one module: (server, AWS_* env)."""
+    import boto3
+
+    server = MotoServer(tmp_path_factory.mktemp("moto") / "moto.log")
+    try:
+        env = server.env(S3_SECRET_MARKER)
+        boto3.client("s3", endpoint_url=server.endpoint, aws_access_key_id="txflow-test",
+                     aws_secret_access_key=S3_SECRET_MARKER, region_name="us-east-1").create_bucket(Bucket=BUCKET)
+        yield server, env
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def s3_env(moto, txflow_env, monkeypatch):
+    """AWS_* for this process (s3fs in the test) and for `txflow` subprocesses."""
+    _, env = moto
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    return txflow_env | env

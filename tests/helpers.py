@@ -20,7 +20,8 @@ PASSWORD_MARKER = "pw-MARKER-7f3c91"
 API_KEY_MARKER = "tml-key-MARKER-0c55e1"
 
 # A user's own process: transformers + peft load an exported adapter and continue each prompt greedily.
-# Arguments: base model, adapter directory, prompts as JSON, tokens per prompt. Prints the tokens as JSON.
+# Arguments: base model, adapter directory, prompts as JSON, tokens per prompt. Prints the greedy continuation
+# of each prompt as JSON, as `generate` gives it: it stops after the end-of-sequence token.
 LOAD_PEFT_AND_GREEDY = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM
@@ -30,10 +31,16 @@ n, out = int(sys.argv[4]), []
 for prompt in json.loads(sys.argv[3]):
     ids = torch.tensor([prompt])
     generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+                               do_sample=False, pad_token_id=0)
     out.append(generated[0, len(prompt):].tolist())
-print(json.dumps(out))
+print(json.dumps({"eos": model.config.eos_token_id, "tokens": out}))
 """
+
+
+def until_eos(sequences: list[list[int]], eos: int) -> list[list[int]]:
+    """Each sequence up to and with its first `eos`: what `generate` gives for a sampler's fixed-length
+    greedy tokens (the sampler goes on after the end of sequence, `generate` stops)."""
+    return [s[: s.index(eos) + 1] if eos in s else s for s in sequences]
 
 
 def cluster_pids(state_dir: Path) -> list[tuple[int, int | None]]:
@@ -127,7 +134,6 @@ class TcpProxy:
 
     def _accept(self):
         import socket
-        import threading
 
         while not self.stopped.is_set():
             try:
@@ -136,8 +142,14 @@ class TcpProxy:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target_port))
             self.connections += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            self._serve(client, upstream)
+
+    def _serve(self, client, upstream):
+        """Pipe both ways, each in its own thread."""
+        import threading
+
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
     @staticmethod
     def _pipe(src, dst):
@@ -164,6 +176,35 @@ class TcpProxy:
                 sock.close()
             except OSError:
                 pass
+
+
+class HoldingProxy(TcpProxy):
+    """A TcpProxy that holds, unsent, the first request whose request line contains `hold_on` (and
+    everything after it on that connection): `held` is set, and the client waits as on a server that
+    stopped answering, until it is killed or `stop()` cuts the connection."""
+
+    def __init__(self, target_port: int, hold_on: bytes):
+        import threading
+
+        self.hold_on = hold_on
+        self.held = threading.Event()
+        super().__init__(target_port)
+
+    def _serve(self, client, upstream):
+        import threading
+
+        threading.Thread(target=self._requests, args=(client, upstream), daemon=True).start()
+        threading.Thread(target=self._pipe, args=(upstream, client), daemon=True).start()
+
+    def _requests(self, src, dst):
+        try:
+            while data := src.recv(65536):
+                if self.hold_on in data.split(b"\r\n", 1)[0]:
+                    self.held.set()
+                    return  # never sent: the connection stays open and silent
+                dst.sendall(data)
+        except OSError:
+            pass
 
 
 def private_mounts_work() -> bool:
@@ -201,3 +242,20 @@ def listening_addresses(port: int) -> list[str]:
                 found.append(".".join(str(b) for b in reversed(bytes.fromhex(address))) if len(address) == 8
                              else address)
     return found
+
+
+# A bucket on the tests' moto_server (the `moto` fixture of conftest), and its secret key: a marker that
+# must never show in any output.
+BUCKET = "txflow-ckpt"
+S3_SECRET_MARKER = "s3-secret-MARKER-42aa"
+
+
+def bucket_keys(prefix: str) -> dict[str, int]:
+    """{key: size} of every object under `prefix` in BUCKET (AWS_* point boto3 at moto)."""
+    import boto3
+
+    s3 = boto3.client("s3")
+    keys = {}
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
+        keys.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
+    return keys

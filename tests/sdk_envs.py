@@ -1,10 +1,13 @@
 """One small virtual environment per Tinker SDK version, built once and cached.
 
-`python -m venv` plus `pip install tinker==X` (nothing but the SDK and its own
-dependencies) under `${TXFLOW_CACHE:-~/.cache/txflow}/sdk-envs/tinker-X`. An
-environment counts as built only once its marker file exists; the marker is
-written last and records the build time and size. Builders of one version take
-a file lock, so two tests that want it at once build it once.
+`python -m venv` plus `pip install tinker==X` (nothing but the SDK and its own dependencies) under
+`${TXFLOW_CACHE:-~/.cache/txflow}/sdk-envs/tinker-X`. Torch, which the SDK's custom losses need
+(`forward_backward_custom` raises "PyTorch is not installed" without it), is installed once into a
+layer of its own that every SDK environment reads through a `.pth` file, after its own packages:
+one install of a large wheel instead of one per version. An environment counts as built only once
+its marker file exists and names the same install steps; the marker is written last and records the
+build time and size. Builders of one environment take a file lock, so two tests that want it at once
+build it once.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from pathlib import Path
 
 SDK_VERSIONS = ("0.13.1", "0.25.0", "0.38.0")
 MARKER = "txflow-sdk-env.json"
+TORCH = "torch==2.13.0"  # the CPU wheel this machine offers; the project's own pin
 
 
 def cache_root() -> Path:
@@ -31,31 +35,54 @@ def tree_bytes(path: Path) -> int:
 
 
 def sdk_env(version: str, steps: tuple[tuple[str, ...], ...] = (), name: str | None = None) -> Path:
-    """The environment holding `tinker==version`, built if absent or incomplete: `pip install
-    tinker==version`, then one `pip install` per entry of `steps`. Returns its directory; its
-    interpreter is `<dir>/bin/python`."""
-    root = cache_root() / (name or f"tinker-{version}")
-    if (root / MARKER).exists():
+    """The environment holding `tinker==version` (and the torch layer), built if absent or incomplete:
+    `pip install tinker==version`, then one `pip install` per entry of `steps`. Returns its directory;
+    its interpreter is `<dir>/bin/python`."""
+    layer = torch_layer()
+    return _build(cache_root() / (name or f"tinker-{version}"), ((f"tinker=={version}",), *steps), layer)
+
+
+def torch_layer() -> Path:
+    """The site-packages of the shared torch layer."""
+    return _site_packages(_build(cache_root() / TORCH.replace("==", "-"), ((TORCH,),), None))
+
+
+def _site_packages(root: Path) -> Path:
+    return root / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+
+
+def _build(root: Path, steps: tuple[tuple[str, ...], ...], layer: Path | None) -> Path:
+    if _built(root, steps, layer):
         return root
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f"{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if (root / MARKER).exists():  # built by whoever held the lock before us
+        if _built(root, steps, layer):  # built by whoever held the lock before us
             return root
         shutil.rmtree(root, ignore_errors=True)  # a build that died half-way
         began = time.monotonic()
         subprocess.run([sys.executable, "-m", "venv", str(root)], check=True, capture_output=True, timeout=300)
+        if layer is not None:  # read after the environment's own packages; pip sees torch as installed
+            (_site_packages(root) / "txflow-torch-layer.pth").write_text(f"{layer}\n")
         pip = [str(root / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-        for step in ((f"tinker=={version}",), *steps):
+        for step in steps:
             done = subprocess.run(pip + list(step), capture_output=True, text=True, timeout=1800)
             if done.returncode != 0:
                 raise RuntimeError(f"pip install {' '.join(step)} into {root} failed:\n{done.stderr[-3000:]}")
-        record = {"tinker": version, "steps": [list(step) for step in steps],
+        record = {"steps": [list(step) for step in steps], "layer": str(layer) if layer else None,
                   "build_seconds": round(time.monotonic() - began, 1), "bytes": tree_bytes(root)}
         (root / MARKER).write_text(json.dumps(record))
     return root
 
 
+def _built(root: Path, steps: tuple[tuple[str, ...], ...], layer: Path | None) -> bool:
+    try:
+        record = json.loads((root / MARKER).read_text())
+        return record["steps"] == [list(step) for step in steps] and record["layer"] == (str(layer) if layer else None)
+    except (FileNotFoundError, KeyError, ValueError):
+        return False
+
+
 def build_record(env: Path) -> dict:
-    """What the marker recorded: tinker version, extra steps, build seconds, bytes."""
+    """What the marker recorded: install steps, the torch layer, build seconds, bytes."""
     return json.loads((env / MARKER).read_text())

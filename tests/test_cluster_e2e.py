@@ -115,7 +115,7 @@ def test_readiness_timeout_names_the_missing_rank_with_its_log(tmp_path, reaper)
 
 def _sft_args(tmp_path: Path, run_id: str, *extra: str) -> list[str]:
     return ["run", "sft", "--run-id", run_id, "--state-dir", str(tmp_path / "state"),
-            "--checkpoints", str(tmp_path / "ckpt"), *extra]
+            "--checkpoints", str(tmp_path / "ckpt"), "--no-export", *extra]  # these prove teardown
 
 
 def test_every_process_is_stopped_after_an_exception(tmp_path, txflow_env, reaper):

@@ -179,7 +179,10 @@ def test_backend_config_max_lora_rank(fields, expected):
 
 
 def test_backend_config_has_room_for_several_adapters():
-    assert backend_config(RunConfig(processes=2), "h:1")["max_lora_adapters"] >= 4
+    assert backend_config(RunConfig(processes=2), "h:1")["max_lora_adapters"] == 8
+    assert backend_config(RunConfig(processes=2, lora_adapters=64), "h:1")["max_lora_adapters"] == 64
+    with pytest.raises(ValidationError, match="lora_adapters"):
+        RunConfig(lora_adapters=4)
 
 
 def test_backend_config_of_one_process_has_no_coordinator():

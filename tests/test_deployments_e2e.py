@@ -377,36 +377,62 @@ def _task_times(server: Server, flow_run_id: str) -> dict[str, tuple[float, floa
             for t in runs if t.start_time and t.end_time}
 
 
-def test_two_sft_deployment_runs_take_turns_on_the_slots_and_publish_their_artifacts(server, worker, tmp_path,
-                                                                                    reaper, started_runs):
-    """With the global concurrency limit at 2 slots, two 2-process runs never hold a cluster at the same
-    time: the second waits for the first to release its slots."""
+def test_three_sft_deployment_runs_take_turns_on_the_slots_and_wait_for_approval_without_a_cluster(
+        server, worker, tmp_path, reaper, started_runs):
+    """With the global concurrency limit at 2 slots, three 2-process runs never hold a cluster at the same
+    time. Each asks for approval to be promoted as `prod`, with its cluster torn down first: one is
+    approved (through Prefect's client API, as the UI does) and promoted, one rejected, one never answered
+    (it ends completed, not promoted). Each publishes its report and metrics as artifacts."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+    from prefect.flow_runs import resume_flow_run
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     limit = RunConfig.model_fields["concurrency_limit"].default
     server.prefect("gcl", "create", limit, "--limit", "2")
+    checkpoints = tmp_path / "ckpt"
+    answers = {"approved": {"approve": True, "comment": "ship it"},
+               "rejected": {"approve": False, "comment": "not this one"}, "unanswered": None}
     try:
         runs = {}
-        for name in ("first", "second"):
+        for name in answers:
             run_id = f"dep-sft-{name}-{uuid.uuid4().hex[:6]}"
             state = reaper.watch(tmp_path / name / "state")
-            params = {"config": {**_config(tmp_path / name, run_id, steps=6), "state_dir": str(state)}}
-            runs[run_id] = (_run_deployment(server, "train/sft", params, started_runs), tmp_path / name, state)
+            config = {**_config(tmp_path / name, run_id, steps=6), "state_dir": str(state),
+                      "checkpoints": str(checkpoints), "promote_as": "prod", "approve": True,
+                      "approve_timeout_s": 20 if answers[name] is None else 600}
+            runs[name] = (run_id, _run_deployment(server, "train/sft", {"config": config}, started_runs), state)
         began = time.monotonic()
-        finished = {run_id: _wait_final(server, flow_run_id, worker, deadline_s=900)
-                    for run_id, (flow_run_id, _, _) in runs.items()}
-        print(f"two train/sft runs: {time.monotonic() - began:.1f} s")
+        asked: dict[str, str] = {}
+        deadline = time.monotonic() + 1200
+        with api(server) as client:
+            while not all(client.read_flow_run(uuid.UUID(f)).state.is_final() for _, f, _ in runs.values()):
+                assert time.monotonic() < deadline, worker.tail()
+                for name, (run_id, flow_run_id, state) in runs.items():
+                    run = client.read_flow_run(uuid.UUID(flow_run_id))
+                    if name in asked or not run.state.is_paused():
+                        continue
+                    # Paused for a person: the cluster is gone, and the UI shows the run's figures.
+                    assert alive_pids(state) == [], name
+                    keyset = run.state.state_details.run_input_keyset
+                    asked[name] = client.read_flow_run_input(flow_run_id=run.id, key=keyset["description"])
+                    if answers[name] is not None:
+                        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+                            resume_flow_run(run.id, run_input=answers[name])
+                time.sleep(1)
+        finished = {name: _wait_final(server, flow_run_id, worker) for name, (_, flow_run_id, _) in runs.items()}
+        print(f"three train/sft runs with approvals: {time.monotonic() - began:.1f} s")
     finally:
         server.prefect("--no-prompt", "gcl", "delete", limit)
-    for run_id, run in finished.items():
-        assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
-    # One cluster at a time: whichever got the slots first tore down before the other provisioned.
+    for name, run in finished.items():
+        assert run.state.is_completed(), f"{name}: {run.state.name}: {run.state.message}\n{worker.tail()}"
+    # One cluster at a time: whichever got the slots first tore down before the next provisioned.
     spans = sorted((times["provision-coordinator"][0], times["teardown"][1])
-                   for times in (_task_times(server, flow_run_id) for flow_run_id, _, _ in runs.values()))
-    assert spans[1][0] >= spans[0][1], spans
+                   for times in (_task_times(server, flow_run_id) for _, flow_run_id, _ in runs.values()))
+    assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
 
-    for run_id, (flow_run_id, work, state) in runs.items():
-        run = finished[run_id]
+    for name, (run_id, flow_run_id, state) in runs.items():
+        assert f"Promote run `{run_id}` (sft, 6 steps" in asked[name] and "eval_loss_gain" in asked[name]
+        run = finished[name]
         assert run.parameters["config"]["run_id"] == run_id
         with api(server) as client:
             artifacts = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run.id])))
@@ -416,7 +442,7 @@ def test_two_sft_deployment_runs_take_turns_on_the_slots_and_publish_their_artif
         key = run_id.lower()
         reports = [a for a in by_type.get("markdown", []) if (a.key or "").startswith("report-")]
         assert [a.key for a in reports] == [f"report-{key}"]
-        assert f"txflow run `{run_id}`: passed" in reports[0].data
+        assert f"txflow run `{run_id}`: passed" in reports[0].data and "## Promotion" in reports[0].data
         tables = by_type.get("table", [])
         assert [a.key for a in tables] == [f"metrics-{key}"]
         rows = json.loads(tables[0].data) if isinstance(tables[0].data, str) else tables[0].data
@@ -424,9 +450,18 @@ def test_two_sft_deployment_runs_take_turns_on_the_slots_and_publish_their_artif
         progress = by_type.get("progress", [])
         assert [a.key for a in progress] == [f"progress-{key}"]
         assert float(progress[0].data) == 100.0
-        report = json.loads((work / "ckpt" / run_id / "report.json").read_text())
+        report = json.loads((checkpoints / run_id / "report.json").read_text())
         assert report["status"] == "passed" and len(report["metrics"]) == 6
+        promotion = report["promotion"]
+        assert promotion["status"] == {"approved": "promoted", "rejected": "rejected",
+                                       "unanswered": "not approved in time"}[name], promotion
+        assert promotion["comment"] == (answers[name] or {}).get("comment"), promotion
         assert alive_pids(state) == []
+    current = json.loads((checkpoints / "promoted" / "prod" / "current.json").read_text())
+    assert current["run_id"] == runs["approved"][0]
+    record = json.loads((checkpoints / "promoted" / "prod" / current["path"] / "promotion.json").read_text())
+    assert record["approval_comment"] == "ship it"
+    assert [p.name for p in (checkpoints / "promoted" / "prod" / "history").iterdir()] == [current["id"]]
 
 
 def test_cancelled_deployment_run_stops_its_cluster(server, worker, tmp_path, reaper, started_runs):

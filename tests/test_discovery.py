@@ -9,14 +9,17 @@ import json
 import os
 import posixpath
 import tarfile
+import uuid
 from pathlib import Path
 
 import fsspec
+from fsspec.implementations.memory import MemoryFileSystem
 import pytest
 
 from tests.helpers import fresh_root
 from txflow.checkpoints.discovery import discover, write_manifest
-from txflow.checkpoints.markers import commit_record, COMMIT_SUFFIX, write_commit
+from txflow.checkpoints.markers import COMMIT_SUFFIX, commit_record, write_commit
+from txflow.upstream.skyrl_tx.layout import STATE_FILE
 
 
 # --- fixtures and helpers ------------------------------------------------------
@@ -253,10 +256,11 @@ def test_sidecar_records_every_file_with_its_size_and_md5(root, orbax_files):
 
     assert record["files"] == {rel: {"size": len(data), "md5": hashlib.md5(data).hexdigest()}
                                for rel, data in orbax_files.items()}
-    assert record["bytes"] == sum(len(data) for data in orbax_files.values()) and record["format"] == 2
+    assert record["bytes"] == sum(len(data) for data in orbax_files.values()) and record["format"] == 3
+    assert record["verify"] == "read"  # digests computed from the stored files: no ETag vouched for them
     # Canonical: the same files give the same bytes, so an object store's MD5 ETag can vouch for it.
     with fsspec.open(f"{root}/m1/final.tar.gz{COMMIT_SUFFIX}", "rb") as f:
-        assert f.read() == commit_record({n: (e["size"], e["md5"]) for n, e in record["files"].items()})
+        assert f.read() == commit_record({n: (e["size"], e["md5"]) for n, e in record["files"].items()}, "read")
 
 
 @pytest.mark.parametrize("artifact", ["m1/final.tar.gz/checkpoint_0/_METADATA", "m1/sampler_weights/final.tar.gz"])
@@ -370,7 +374,7 @@ def test_discover_lists_the_root_exactly_once(root, orbax_files, monkeypatch):
     assert calls["open"] == len(orbax_files) + 1
 
 
-def test_write_manifest_lists_every_artifact_but_itself(root, orbax_files):
+def test_write_manifest_lists_every_artifact_and_discovery_never_lists_the_manifest(root, orbax_files):
     put_tree(root, "m1/final.tar.gz", orbax_files)
     put(root, "m1/sampler_weights/final.tar.gz", tarball())
     put(root, "logs/metrics.jsonl", b"{}\n")
@@ -385,14 +389,13 @@ def test_write_manifest_lists_every_artifact_but_itself(root, orbax_files):
     assert [a["path"] for a in manifest["artifacts"]] == [a.path for a in artifacts]
     assert manifest["artifacts"][0] == artifacts[0].model_dump()
 
+    # A discovery that sees the manifest does not list it: it is the listing, not an artifact, so the
+    # report of a run that discovers again (after its export) and its manifest list the same artifacts.
     again = by_path(discover(root))
-    assert (again["manifest.json"].kind, again["manifest.json"].format) == ("file", "file")
-    assert set(again) == {a.path for a in artifacts} | {"manifest.json"}
-
-    # A second manifest, written from a discovery that saw the first one, still omits itself.
+    assert set(again) == {a.path for a in artifacts}
     write_manifest(root, list(again.values()))
     with fsspec.open(url) as f:
-        assert "manifest.json" not in [a["path"] for a in json.load(f)["artifacts"]]
+        assert [a["path"] for a in json.load(f)["artifacts"]] == [a.path for a in artifacts]
 
 
 def test_local_root_keeps_the_path_as_given(tmp_path):
@@ -401,3 +404,77 @@ def test_local_root_keeps_the_path_as_given(tmp_path):
     [artifact] = discover(str(tmp_path))
 
     assert artifact.url == str(Path(tmp_path) / "m1/sampler_weights/final.tar.gz")
+
+
+# --- stores whose ETags are not the MD5 of the content ----------------------------------------------------
+
+
+class EncryptingStore(MemoryFileSystem):
+    """Memory, listed the way an SSE-KMS (or SSE-C) bucket lists objects: every object has an ETag of 32 hex
+    digits that is not the MD5 of its content. moto does not emulate this, so the listing is patched here."""
+
+    protocol = "kmsmem"
+
+    def info(self, path, **kwargs):
+        info = dict(super().info(path, **kwargs))
+        if info.get("type") == "file":
+            info["ETag"] = '"' + hashlib.md5(b"kms:" + path.encode()).hexdigest() + '"'
+        return info
+
+    def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
+        found = super().find(path, maxdepth=maxdepth, withdirs=withdirs, detail=True, **kwargs)
+        found = {p: self.info(p) for p in found}
+        return found if detail else sorted(found)
+
+
+fsspec.register_implementation("kmsmem", EncryptingStore, clobber=True)
+
+
+def test_a_store_whose_etags_are_not_md5s_commits_by_reading_back_and_verifies_by_reading(tmp_path):
+    from txflow.checkpoints import storage
+
+    root = f"kmsmem://kms-{uuid.uuid4().hex}"
+    state = tmp_path / "step-000002.tar.gz"
+    state.mkdir()
+    (state / STATE_FILE).write_bytes(b"weights " * 1000)
+    try:
+        url = storage.upload(state, f"{root}/m1/step-000002.tar.gz", {}, "a state")
+        record = json.loads(fsspec.filesystem("kmsmem").cat_file(f"{url}{COMMIT_SUFFIX}"))
+        assert record["verify"] == "read"  # the ETags could not vouch for the bytes: they were read back
+        [artifact] = discover(root, require_commit=True)
+        assert artifact.complete and artifact.committed, artifact.reason
+        # A byte changed, same size: every file is read (the ETags say nothing), so it is caught.
+        fs = fsspec.filesystem("kmsmem")
+        stored = f"{url}/{STATE_FILE}"
+        data = bytearray(fs.cat_file(stored))
+        data[10] ^= 0xFF
+        fs.pipe_file(stored, bytes(data))
+        [changed] = discover(root, require_commit=True)
+        assert not changed.complete and "MD5" in changed.reason
+    finally:
+        fsspec.filesystem("kmsmem").rm(root, recursive=True)
+
+
+def test_on_a_store_with_md5_etags_the_marker_trusts_the_listing():
+    class Md5Store(MemoryFileSystem):
+        protocol = "md5mem"
+
+        def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
+            found = super().find(path, maxdepth=maxdepth, withdirs=withdirs, detail=True, **kwargs)
+            for p, info in found.items():
+                if info.get("type") == "file":
+                    info["ETag"] = hashlib.md5(self.cat_file(p)).hexdigest()
+            return found if detail else sorted(found)
+
+    fsspec.register_implementation("md5mem", Md5Store, clobber=True)
+    root = f"md5mem://md5-{uuid.uuid4().hex}"
+    fs = fsspec.filesystem("md5mem")
+    fs.pipe_file(f"{root}/m1/sampler_weights/s.tar.gz", b"tarball bytes")
+    try:
+        expected = {"s.tar.gz": (13, hashlib.md5(b"tarball bytes").hexdigest())}
+        assert write_commit(f"{root}/m1/sampler_weights/s.tar.gz", expected=expected) == "etag"
+        # A wrong expectation is refused, not committed.
+        with pytest.raises(OSError, match="incomplete"):
+            write_commit(f"{root}/m1/sampler_weights/s.tar.gz", expected={"s.tar.gz": (13, "0" * 32)})
+    finally:
+        fs.rm(root, recursive=True)

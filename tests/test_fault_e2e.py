@@ -26,10 +26,20 @@ def start_run(tmp_path: Path, env: dict, run_id: str, *extra: str) -> tuple[subp
     state = tmp_path / run_id
     out = open(tmp_path / f"{run_id}.json", "w")
     err = open(tmp_path / f"{run_id}.log", "w")
+    # No export: these runs prove recovery, which ends at evaluate-restore (test_sft_e2e proves the export).
     proc = subprocess.Popen(txflow_cmd("run", "sft", "--run-id", run_id, "--state-dir", str(state),
-                                       "--checkpoints", str(tmp_path / "ckpt"), "--json", *extra),
+                                       "--checkpoints", str(tmp_path / "ckpt"), "--json", "--no-export", *extra),
                             env=env, cwd=tmp_path, stdout=out, stderr=err)
     return proc, state, (out, err)
+
+
+def passed_run(code: int, log: Path, tmp_path: Path, run_id: str) -> tuple[str, dict]:
+    """The run's log and report, once it exited 0 and passed."""
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    report = json.loads((tmp_path / f"{run_id}.json").read_text())
+    assert report["status"] == "passed"
+    return text, report
 
 
 def last_step(state: Path) -> int:
@@ -95,10 +105,7 @@ def test_killed_ranks_are_detected_and_the_run_resumes_on_a_fresh_cluster_each_t
         kills.append(kill_rank(state, 0))
     finally:
         code = finish(proc, files)
-    text = log.read_text()
-    assert code == 0, text[-4000:]
-    report = json.loads((tmp_path / f"{run_id}.json").read_text())
-    assert report["status"] == "passed"
+    text, report = passed_run(code, log, tmp_path, run_id)
     failures = report["failures"]
     assert [(f["rank"], f["exit_code"]) for f in failures] == [(1, -signal.SIGKILL), (0, -signal.SIGKILL)]
     for failure, (_, killed_at) in zip(failures, kills):
@@ -156,10 +163,8 @@ def test_a_fault_during_evaluate_restore_does_not_train_again(tmp_path, txflow_e
         pid, killed_at = kill_rank(state, 1)
     finally:
         code = finish(proc, files)
-    text = log.read_text()
-    assert code == 0, text[-4000:]
-    report = json.loads((tmp_path / f"{run_id}.json").read_text())
-    assert report["status"] == "passed" and report["restore"]["passed"]
+    text, report = passed_run(code, log, tmp_path, run_id)
+    assert report["restore"]["passed"]
     [failure] = report["failures"]
     assert (failure["rank"], failure["exit_code"], failure["step"], failure["resumed_at"]) == \
         (1, -signal.SIGKILL, "evaluate-restore", "evaluate-restore")
@@ -171,3 +176,36 @@ def test_a_fault_during_evaluate_restore_does_not_train_again(tmp_path, txflow_e
     assert text.count("evaluate-restore: loading the committed checkpoints") == 2
     assert cluster_pids(state) != first_cluster and alive_pids(state) == []
     assert not any(is_alive(p, t) for p, t in first_cluster)
+
+
+def test_a_fault_during_save_checkpoint_is_checked_against_the_live_model(tmp_path, txflow_env, reaper):
+    """Rank 1 is stopped once the final state is committed and killed once save-checkpoint has begun, so the
+    fault lands in save-checkpoint, always: the retry writes the sampler on a fresh cluster from the committed
+    final state, and the restore check still compares the durable copies with the live model's figures,
+    recorded by the train step before its final commit (never the committed state with itself)."""
+    run_id, log = "save-fault", tmp_path / "save-fault.log"
+    proc, state, files = start_run(tmp_path, txflow_env, run_id, "--steps", "4", "--save-every", "0",
+                                   "--train-retries", "1")
+    reaper.watch(state)
+    live_file = tmp_path / "ckpt" / run_id / "live-reference.json"
+    try:
+        wait_for(proc, log, lambda: "saved state at step 4" in log.read_text(), "the final commit")
+        pid = next(p["pid"] for p in json.loads((state / "cluster.json").read_text())["processes"] if p["rank"] == 1)
+        os.kill(pid, signal.SIGSTOP)  # save-checkpoint cannot finish before the kill below
+        recorded = json.loads(live_file.read_text())
+        wait_for(proc, log, lambda: "save-checkpoint: saving the sampler weights of step 4" in log.read_text(),
+                 "save-checkpoint to start")
+        os.kill(pid, signal.SIGKILL)
+    finally:
+        code = finish(proc, files)
+    text, report = passed_run(code, log, tmp_path, run_id)
+    [failure] = report["failures"]
+    assert (failure["rank"], failure["step"], failure["resumed_at"]) == (1, "save-checkpoint", "save-checkpoint")
+    assert "save-checkpoint resumes on a fresh cluster from the committed final state of step 4" in text
+    assert len(re.findall(r"step 4/4 ", text)) == 1  # nothing trained twice
+    # The restore check compared with the live model's figures, recorded before the fault.
+    restore = report["restore"]
+    assert report["live_reference_from_committed_state"] is False
+    assert restore["loss_before"] == recorded["eval_loss"] and restore["live_tokens"] == recorded["greedy_tokens"]
+    assert restore["passed"] and restore["abs_diff"] <= 1e-6 and restore["sampler_logprob_diff"] <= 1e-4
+    assert alive_pids(state) == []

@@ -60,3 +60,4 @@ def test_a_wrong_checkpoint_fails_the_restore_check_and_the_run(tmp_path, txflow
     assert restore["passed"] is False and restore["abs_diff"] > 1e-6
     assert restore["sampler_tokens_match"] and restore["tokens_differ_from_base"]  # only the state was wrong
     assert alive_pids(state) == []
+

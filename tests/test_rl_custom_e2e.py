@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -74,12 +75,15 @@ def test_custom_client_runs_again_after_a_fault_and_every_checkpoint_it_saved_is
                                        "--checkpoints", str(tmp_path / "ckpt"), "--client", str(CLIENT),
                                        "--train-retries", "1", "--client-arg=--base-url", "--client-arg={base_url}",
                                        "--client-arg=--model-name", "--client-arg={base_model}",
-                                       "--client-arg=--steps", "--client-arg=12", "--json"),
+                                       "--client-arg=--steps", "--client-arg=12", "--client-arg=--early-save",
+                                       "--json"),
                             env=txflow_env, cwd=tmp_path, stdout=out, stderr=err)
     try:
         deadline = time.monotonic() + 400
         client_log = state / "logs" / "client.log"
-        while not (client_log.exists() and "step 1 loss" in client_log.read_text()):
+        # The client has saved a checkpoint on this cluster when the rank dies: its retry starts from scratch.
+        while not (client_log.exists() and "step 1 loss" in client_log.read_text()
+                   and "saved early state" in client_log.read_text()):
             assert proc.poll() is None, (tmp_path / "err.log").read_text()[-4000:]
             assert time.monotonic() < deadline, "the client did not start training"
             time.sleep(0.2)
@@ -102,15 +106,22 @@ def test_custom_client_runs_again_after_a_fault_and_every_checkpoint_it_saved_is
     # The client's output streamed into the run's logs.
     client_log = (state / "logs" / "client.log").read_text()
     assert "saved state tinker://" in client_log and "client: saved sampler" in stderr
-    saved = {c["kind"]: c for c in report["checkpoints"]["all"]}
-    assert saved["state"]["tinker_path"].endswith("/weights/client-state")
-    assert saved["sampler"]["tinker_path"].endswith("/client-sampler")
-    checks = {c["kind"]: c for c in report["restore"]["checks"]}
-    assert checks["state"]["passed"] and checks["sampler"]["passed"] and report["restore"]["passed"]
+    # Only what the second run of the client saved is committed: its three checkpoints, all of its model,
+    # none of the first run's (its early state was left in staging by the attempt that died).
+    early = re.findall(r"saved early state tinker://(\w+)/", client_log)
+    assert len(early) == 2 and early[0] != early[1]
+    committed = sorted(c["tinker_path"] for c in report["checkpoints"]["all"])
+    second = early[1]
+    assert committed == sorted([f"tinker://{second}/weights/client-early", f"tinker://{second}/weights/client-state",
+                                f"tinker://{second}/client-sampler"]), committed
+    assert not list((tmp_path / "ckpt" / "e2e-custom").glob(f"{early[0]}*"))
+    checks = {c["tinker_path"]: c for c in report["restore"]["checks"]}
+    assert all(c["passed"] for c in checks.values()) and report["restore"]["passed"]
     artifacts = {a["url"]: a for a in report["artifacts"]}
-    assert artifacts[saved["state"]["url"]]["format"] == "directory"
-    assert artifacts[saved["sampler"]["url"]]["format"] == "tarball"
-    assert all(artifacts[c["url"]]["complete"] and artifacts[c["url"]]["committed"] for c in saved.values())
+    formats = {c["kind"]: artifacts[c["url"]]["format"] for c in report["checkpoints"]["all"]}
+    assert formats == {"state": "directory", "sampler": "tarball"}
+    assert all(artifacts[c["url"]]["complete"] and artifacts[c["url"]]["committed"]
+               for c in report["checkpoints"]["all"])
     assert alive_pids(state) == []
 
 

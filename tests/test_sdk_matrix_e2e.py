@@ -13,16 +13,28 @@ from __future__ import annotations
 import json
 import math
 import re
+import signal
+import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import safetensors.numpy
 
 import pytest
 
+from tasks.launch_workers import launch_workers
+from tasks.provision_coordinator import provision_coordinator
+from tasks.teardown import teardown
 from tests.helpers import alive_pids, run_txflow
 from tests.sdk_envs import SDK_VERSIONS, sdk_env
-from txflow.processes.ports import free_port
+from txflow.cluster.launchers.local import LocalLauncher
+from txflow.config import RunConfig
+from txflow.processes import groups, lifeline
+from txflow.processes.ports import free_port, port_open
+from txflow.training.custom import client_env
+from txflow.upstream.skyrl_tx.tinker_compat import SKIP_ENV
+from txflow.upstream.wake import ENV as WAKE_ENV
 
 pytestmark = pytest.mark.e2e
 
@@ -30,12 +42,11 @@ CLIENTS = Path(__file__).parent / "clients"
 # 0.13 and 0.25 have the same public API for what the client does; 0.38 returns futures of clients.
 CLIENT_FOR = {"0.13.1": "sdk_client_0_13.py", "0.25.0": "sdk_client_0_13.py", "0.38.0": "sdk_client_0_38.py"}
 
-# tinker-cookbook 0.6.1 in the 0.38 environment, with the CPU torch wheel this machine offers.
+# tinker-cookbook 0.6.1 in the 0.38 environment (torch comes from the shared layer, tests/sdk_envs.py).
 # Its dependency tml-renderers>=0.4.1 is not on the package index (0.2.1 is the newest there); it
 # is imported lazily and only for models served through it, not for a Hugging Face tokenizer with
 # the `role_colon` renderer, so every other dependency is installed and the cookbook without deps.
 COOKBOOK_STEPS = (
-    ("torch==2.13.0",),
     ("aiohttp", "anyio", "blobfile", "chz", "cloudpickle", "datasets", "pillow", "pyrage", "termcolor",
      "tiktoken"),
     ("--no-deps", "tinker-cookbook==0.6.1"),
@@ -147,10 +158,11 @@ def adapter_modules(sampler_url: str) -> set[str]:
 def run_cookbook(tmp_path, txflow_env, reaper, run_id: str, module: str, *options: str) -> tuple[dict, str, Path]:
     """`txflow run custom` with a cookbook recipe (its module, `key=value` options) in the cookbook's environment:
     the report, the client's log and its log_path. Offline: Hugging Face reads only the local model; the
-    cookbook's price lookup (https) goes to a closed port on loopback and fails as it does without a network."""
+    cookbook's price lookup (https) goes to a closed port on loopback and fails as it does without a network.
+    The cluster serves none of the shims the README says the recipe does not need."""
     python = sdk_env("0.38.0", COOKBOOK_STEPS, name=COOKBOOK_ENV) / "bin" / "python"
     env = {**txflow_env, "HF_HUB_OFFLINE": "1", "https_proxy": f"http://127.0.0.1:{free_port()}",
-           "no_proxy": "127.0.0.1,localhost"}
+           "no_proxy": "127.0.0.1,localhost", SKIP_ENV: unneeded_shims(module)}
     state = reaper.watch(tmp_path / "state")
     log_path = tmp_path / f"{run_id}-log"
     result = run_txflow(["run", "custom", "--run-id", run_id, "--state-dir", str(state),
@@ -161,6 +173,9 @@ def run_cookbook(tmp_path, txflow_env, reaper, run_id: str, module: str, *option
     log = "\n".join(client_lines(state)) if (state / "logs" / "client.log").exists() else ""
     assert result.returncode == 0, result.stderr[-3000:] + "\n--- client.log ---\n" + log[-3000:]
     assert "tinker 0.38.0)" in result.stderr
+    api_log = (state / "logs" / "api.log").read_text()
+    left_out = unneeded_shims(module).replace(",", ", ")
+    assert f"Tinker SDK shims left out ({SKIP_ENV}): {left_out}\n" in api_log, api_log[:3000]
     assert alive_pids(state) == []
     return json.loads(result.stdout), log, log_path
 
@@ -200,3 +215,145 @@ def test_the_tinker_cookbook_rl_recipe_runs_as_a_client_with_cispo(tmp_path, txf
     assert saved["state"] and saved["sampler"]
     # The recipe leaves the LoRA flags at the SDK's defaults: the unembedding trained too, and exported.
     assert report["export"]["passed"] and {"embed_tokens", "lm_head"} <= set(report["export"]["target_modules"])
+
+
+# What each SDK does without one shim: the call it fails at (the last line its client printed before)
+# and what it fails with. 2 is an error inside the API (upstream's 422 handler cannot encode a protobuf
+# body), which the SDK retries without end: the probe stops there.
+WITHOUT_SHIM = {
+    1: ("tinker ", "Error code: 404"),  # the client_config handshake, before anything else
+    2: ("created training client", "UnicodeDecodeError"),  # the protobuf forward_backward
+    3: ("created training client", "only supports as proto"),  # forward_backward's result, as JSON
+    4: ("restored forward loss", "asample promises always carry sample_sequence_ids"),  # sample
+    5: ("saved sampler tinker://", "Error code: 404"),  # create_sampling_client(model_path=...)
+    6: ("saved state tinker://", "'loc': ['body', 'model_id']"),  # create_training_client_from_state
+    7: ("saved sampler tokens", "Error code: 404"),  # leaving `with ServiceClient()`: finishing the session
+}
+SHIMS = set(WITHOUT_SHIM)
+
+
+def readme_needs_shims() -> dict[str, set[int]]:
+    """The README's "needs shims" column ("none", "1, 2, 3", "1-7", "1-3, 7"): by SDK version, and for the
+    cookbook's rows by the module their client runs."""
+    needs = {}
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    for sdk, client, cell in re.findall(r"^\| `(tinker[^`]*)`[^|]*\| ([^|]+) \|.*\| ([^|]+) \|$", readme, re.M):
+        key = sdk.split("==")[1] if sdk.startswith("tinker==") else re.search(r"python -m (\S+?)`", client)[1]
+        numbers = set()
+        for part in cell.replace("none", "").split(","):
+            if part.strip():
+                low, _, high = part.strip().partition("-")
+                numbers |= set(range(int(low), int(high or low) + 1))
+        needs[key] = numbers
+    return needs
+
+
+def unneeded_shims(key: str) -> str:
+    """`TXFLOW_TINKER_COMPAT_SKIP` for what the README says `key` does not need ("0": none left out)."""
+    return ",".join(map(str, sorted(SHIMS - readme_needs_shims()[key]))) or "0"
+
+
+class ShimlessApis:
+    """Extra API servers of one running cluster, each with a set of shims left out: the same command,
+    environment and database as the cluster's own API (the engine serves them all), on other ports."""
+
+    def __init__(self, cluster, skips: list[str], logs: Path):
+        api = next(p for p in cluster.processes if p.role == "api")
+        argv = [a.decode() for a in Path(f"/proc/{api.pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")]
+        env = dict(item.split("=", 1) for item in Path(f"/proc/{api.pid}/environ").read_text().split("\0")
+                   if "=" in item)
+        env.pop(WAKE_ENV, None)  # the cluster's API owns the wake channel; these poll, as upstream does
+        self.procs, self.ports, self.logs = [], {}, {}
+        for skip in skips:
+            port = free_port()
+            command = list(argv)
+            command[command.index("--port") + 1] = str(port)
+            self.logs[skip] = logs / f"api-without-{skip.replace(',', '-')}.log"
+            self.procs.append(groups.spawn(command, self.logs[skip], env=lifeline.child_env(env | {SKIP_ENV: skip})))
+            self.ports[skip] = port
+
+    def wait_ready(self, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        for skip, port in self.ports.items():
+            while not port_open("127.0.0.1", port):
+                assert time.monotonic() < deadline, self.logs[skip].read_text()[-2000:]
+                time.sleep(0.2)
+            said = f"Tinker SDK shims left out ({SKIP_ENV}): {skip.replace(',', ', ')}\n"
+            assert (said in self.logs[skip].read_text()) == (skip != "0"), self.logs[skip].read_text()[-2000:]
+
+    def stop(self) -> None:
+        groups.stop_groups([p.pid for p in self.procs], grace_s=2.0)
+
+
+PROGRESS = ("tinker ", "created training client", "step ", "saved state", "restored forward loss",
+            "ephemeral sampler tokens", "saved sampler", "done")
+
+
+def progress(lines: list[str]) -> list[str]:
+    """What the client printed of its progress (not its traceback, not the API's log)."""
+    return [line for line in lines if line.startswith(PROGRESS)]
+
+
+def probe(cluster, version: str, apis: ShimlessApis, skip: str, out: Path) -> tuple[int | None, list[str], str]:
+    """The core of `version`'s client (train, save, restore, sample, finish) against the API without
+    `skip`: its exit code (None: stopped while the SDK retried a server error), its output lines, and
+    what that API logged meanwhile."""
+    base_url = f"http://127.0.0.1:{apis.ports[skip]}"
+    command = [str(sdk_env(version) / "bin" / "python"), str(CLIENTS / CLIENT_FOR[version]), "--base-url", base_url,
+               "--model-name", cluster.base_model_path, "--steps", "1", "--core-only"]
+    api_log = apis.logs[skip]
+    logged_before = len(api_log.read_text())
+    with open(out, "w") as sink:
+        proc = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT, cwd=CLIENTS,
+                                env=client_env(cluster) | {"TINKER_BASE_URL": base_url})
+        deadline = time.monotonic() + 180
+        try:
+            while proc.poll() is None:
+                if "Exception in ASGI application" in api_log.read_text()[logged_before:]:
+                    break  # the server failed the request; the SDK would retry it for ever
+                assert time.monotonic() < deadline, f"{version} without {skip} neither finished nor failed"
+                time.sleep(0.2)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+    code = None if proc.returncode == -signal.SIGKILL else proc.returncode
+    return code, out.read_text().splitlines(), api_log.read_text()[logged_before:]
+
+
+def test_each_sdk_needs_exactly_the_shims_the_readme_names(tmp_path, reaper):
+    """The README's "needs shims" column, proven: each SDK's client runs with every shim it is not said
+    to need left out, and fails, at the call that shim serves, with any one it is said to need left out.
+    One cluster serves every probe through extra API processes, one per set of shims left out."""
+    needs = {v: n for v, n in readme_needs_shims().items() if v in SDK_VERSIONS}
+    assert set(needs) == set(SDK_VERSIONS), needs
+    # Every probe leaves its models behind until its session times out: room for all of them.
+    cfg = RunConfig(processes=1, lora_adapters=64, run_id="shims", state_dir=str(tmp_path / "state"),
+                    checkpoints=str(tmp_path / "ckpt")).resolved()
+    reaper.watch(cfg.state_dir)
+    unneeded = {v: unneeded_shims(v) for v in needs}
+    skips = sorted(set(unneeded.values()) | {str(s) for n in needs.values() for s in n})
+    handle = provision_coordinator.fn(cfg, LocalLauncher())
+    apis = None
+    try:
+        launch_workers.fn(cfg, handle)
+        apis = ShimlessApis(handle.cluster, skips, tmp_path)
+        apis.wait_ready()
+        for version, needed in needs.items():
+            code, lines, _ = probe(handle.cluster, version, apis, unneeded[version], tmp_path / f"{version}-ok.log")
+            assert code == 0 and progress(lines)[-1] == "done", \
+                f"tinker {version} without shims {unneeded[version]}:\n" + "\n".join(lines[-30:])
+            assert progress(lines)[-2].startswith("saved sampler tokens")
+            for shim in sorted(needed):
+                last_line, error = WITHOUT_SHIM[shim]
+                code, lines, api_logged = probe(handle.cluster, version, apis, str(shim),
+                                                tmp_path / f"{version}-{shim}.log")
+                assert code != 0 and "done" not in lines, f"tinker {version} ran without shim {shim}"
+                assert error in "\n".join(lines) + api_logged, (version, shim, lines[-30:], api_logged[-2000:])
+                assert progress(lines)[-1].startswith(last_line), (version, shim, progress(lines))
+    finally:
+        if apis is not None:
+            apis.stop()
+        teardown.fn(handle, cfg.state_dir)
+    assert alive_pids(cfg.state_dir) == []
+    assert all(p.poll() is not None for p in apis.procs)

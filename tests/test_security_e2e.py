@@ -34,7 +34,7 @@ def probed(tmp_path_factory, prefect_db):
     try:
         result = run_txflow(["run", "custom", "--run-id", "probe", "--state-dir", str(state),
                              "--checkpoints", str(work / "new-root"), "--client", str(PROBE),
-                             "--client-arg={base_model}", "--json"], env, work)
+                             "--client-arg={base_model}", f"--client-arg={state}", "--json"], env, work)
     finally:
         stop_cluster(state, grace_s=1.0)
     return {"result": result, "work": work, "state": state}
@@ -81,13 +81,18 @@ def test_every_file_and_folder_the_run_created_is_its_owners_alone(probed):
     created = [probed["state"], probed["work"] / "new-root"]
     paths = [p for top in created for p in [top, *top.rglob("*")]]
     names = {p.name for p in paths}
-    # The database with its WAL and SHM files, the logs, cluster.json, staging and committed checkpoints.
-    assert {"tinker.db", "tinker.db-wal", "tinker.db-shm", "rank0.log", "api.log", "cluster.json",
-            "manifest.json", "report.json"} <= names, sorted(names)
+    # The logs, cluster.json, staging and committed checkpoints, after the run.
+    assert {"tinker.db", "rank0.log", "api.log", "cluster.json", "manifest.json", "report.json"} <= names, \
+        sorted(names)
     assert any(p.suffix == ".gz" and "checkpoints" in p.parts for p in paths)  # staging
     opened = [(str(p), oct(stat.S_IMODE(p.lstat().st_mode))) for p in paths
               if not p.is_symlink() and stat.S_IMODE(p.lstat().st_mode) & 0o077]
     assert opened == []
+    # While the cluster ran (the client looked): the database with its WAL and SHM files, which SQLite
+    # removes at a clean close.
+    live = probe_results(probed)["live modes"]
+    assert {"tinker.db", "tinker.db-wal", "tinker.db-shm", "cluster.json"} <= {Path(p).name for p in live}, live
+    assert {p: mode for p, mode in live.items() if int(mode, 8) & 0o077} == {}
     # Not vacuous: what this test's process creates the usual way is readable by others (umask 022).
     control = probed["work"] / "control.txt"
     control.write_text("x")

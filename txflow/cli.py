@@ -16,16 +16,18 @@ import argparse
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
+import time
 import traceback
 import types
 import typing
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from txflow.config import RunConfig
+from txflow.config import PROMOTION_NAME_PATTERN, RunConfig
 from txflow.log import redact
 from txflow.processes import umask
 
@@ -107,7 +109,85 @@ def _parser() -> argparse.ArgumentParser:
     discover.add_argument("--no-require-commit", dest="require_commit", action="store_false",
                           help="do not treat checkpoints without a txflow commit marker as incomplete "
                                "(for directories SkyRL-tx wrote without txflow)")
+    prune = sub.add_parser("prune", help="delete the periodic state checkpoints runs no longer need")
+    prune.add_argument("root", help="the checkpoints root (the --checkpoints of the runs), any fsspec URL")
+    prune.add_argument("--keep-last", type=int, metavar="K", help="keep each run's newest K periodic states")
+    prune.add_argument("--older-than", type=float, metavar="DAYS", help="delete only states older than DAYS")
+    prune.add_argument("--dry-run", action="store_true", help="say what would go, delete nothing")
+    prune.add_argument("--include-failed", action="store_true",
+                       help="prune failed and unfinished runs too (their newest state stays)")
+    prune.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    prune.add_argument("--json", action="store_true")
+    promoted = sub.add_parser("promoted", help="what is promoted under a name, with its figures and history")
+    promoted.add_argument("root", help="the checkpoints root the runs promoted into")
+    promoted.add_argument("name")
+    promoted.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    promoted.add_argument("--json", action="store_true")
     return parser
+
+
+def prune_cmd(args) -> int:
+    """`txflow prune ROOT`: 0 when done (or, dry, planned), 2 on bad input (nothing deleted)."""
+    from txflow.checkpoints import promotion, retention
+
+    try:
+        options = _storage_options(args.storage_option)
+        protected = promotion.sources(args.root, options)
+        runs = retention.prune(args.root, args.keep_last, args.older_than, dry_run=args.dry_run,
+                               include_failed=args.include_failed, protected=protected, storage_options=options)
+    except ValueError as exc:
+        print(f"txflow: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    freed = sum(run.bytes_freed for run in runs)
+    if args.json:
+        json.dump({"dry_run": args.dry_run, "bytes_freed": freed,
+                   "runs": [{**run.model_dump(), "bytes_freed": run.bytes_freed} for run in runs]}, sys.stdout,
+                  indent=2)
+        print()
+    verb = "would delete" if args.dry_run else "deleted"
+    out = sys.stderr if args.json else sys.stdout  # with --json, stdout carries the JSON alone
+    for run in runs:
+        if run.skipped:
+            print(f"{run.run_id}: skipped, {run.skipped}", file=out)
+        for deletion in run.deletions:
+            print(f"{run.run_id}: {verb} {deletion.url} ({deletion.bytes:,} bytes): {deletion.reason}", file=out)
+    count = sum(len(run.deletions) for run in runs)
+    print(f"txflow: {verb} {count} checkpoints of {len(runs)} runs, {freed:,} bytes"
+          + (" would be freed" if args.dry_run else " freed"), file=sys.stderr)
+    return 0
+
+
+def promoted_cmd(args) -> int:
+    """`txflow promoted ROOT NAME`: the current promotion and its history; 1 when nothing is promoted."""
+    from txflow.checkpoints import promotion
+
+    try:
+        if not re.fullmatch(PROMOTION_NAME_PATTERN, args.name):
+            raise ValueError(f"{args.name!r} is no promotion name (1-64 letters, digits, '.', '-' or '_')")
+        options = _storage_options(args.storage_option)
+        current = promotion.current(args.root, args.name, options)
+        kept = promotion.history(args.root, args.name, options)
+    except ValueError as exc:
+        print(f"txflow: {redact(str(exc))}", file=sys.stderr)
+        return 2
+    if args.json:
+        json.dump({"current": current, "history": kept}, sys.stdout, indent=2)
+        print()
+    if current is None:
+        print(f"txflow: nothing is promoted as {args.name!r} under {args.root}", file=sys.stderr)
+        return 1
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(current["promoted_at"]))
+    lines = [f"{args.name}: run {current['run_id']} ({current['mode']}, base model {current['base_model']}), "
+             f"promoted {when}", f"  adapter: {current['files']['peft']}"]
+    if "merged" in current["files"]:
+        lines.append(f"  merged model: {current['files']['merged']}")
+    lines += [f"  {k}: {v:.6g}" if isinstance(v, float) else f"  {k}: {v}" for k, v in current["figures"].items()]
+    if current.get("approval_comment"):
+        lines.append(f"  approved: {current['approval_comment']}")
+    lines.append("  history: " + ", ".join(f"{r['id']} (run {r['run_id']})" for r in kept if r["id"] != current["id"])
+                 if len(kept) > 1 else "  history: none before it")
+    print("\n".join(lines), file=sys.stderr if args.json else sys.stdout)
+    return 0
 
 
 def _storage_options(pairs: list[str]) -> dict[str, str]:
@@ -264,12 +344,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     # Logs go to stderr; stdout carries only the --json report.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per Prefect and Tinker request otherwise
+    # One line per Prefect, Tinker and S3 request (and "Found credentials ...") otherwise.
+    for noisy in ("httpx", "botocore", "aiobotocore", "s3fs"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     # Prefect's embedded server otherwise sends telemetry heartbeats (no network here, and
     # they contend for its SQLite file under load: "database is locked").
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    return {"run": run, "export": export_cmd, "discover": discover_cmd}[args.command](args)
+    return {"run": run, "export": export_cmd, "discover": discover_cmd, "prune": prune_cmd,
+            "promoted": promoted_cmd}[args.command](args)
 
 
 def entry() -> None:

@@ -28,6 +28,12 @@ MODE_DEFAULTS = {
     "custom": {"batch_size": 4, "learning_rate": 2e-2, "temperature": 1.0},
 }
 RUN_ID_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_-]{0,63}$"
+PROMOTION_NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,63}$"
+PROMOTED_DIR = "promoted"
+NIGHTLY_HISTORY_DIR = "nightly-history"
+# Directories of a checkpoints root that are not runs: a run of that id would write into them.
+RESERVED_RUN_IDS = {PROMOTED_DIR: "the checkpoints root keeps promotions under promoted/",
+                    NIGHTLY_HISTORY_DIR: "the nightly validation keeps its history under nightly-history/"}
 
 
 def new_run_id(mode: str) -> str:
@@ -116,6 +122,11 @@ class RunConfig(BaseModel, extra="forbid"):
     max_lora_rank: int | None = Field(
         default=None, ge=1, description="Largest LoRA rank the cluster accepts. Default: max(32, lora_rank)."
     )
+    lora_adapters: int = Field(
+        default=8, ge=8, description="LoRA adapters the cluster holds at once (the base model's included); each "
+        "takes max_lora_rank x every layer in memory. A client that keeps more models than this gets 'Maximum "
+        "number of LoRA adapters reached'; a client's adapters are freed 120 s after its last heartbeat. At "
+        "least 8, which the base model, the trained model and the restore checks' models fit in.")
     save_every: int = Field(default=5, ge=0, description="save_state every K steps so a retry resumes; 0: never.")
     seed: int = Field(default=0, description="Seed for the adapter init, data order and sampling.")
     group_size: int = Field(default=8, description="rl: completions sampled per prompt; at least 2.")
@@ -161,6 +172,21 @@ class RunConfig(BaseModel, extra="forbid"):
         default=False,
         description="Also export the base model with the adapter merged in (`export/merged/`), loadable with "
         "`from_pretrained` alone; as large as the base model.")
+    promote_as: str | None = Field(
+        default=None,
+        description="A name: when the run passes every check (restore, quality, the export's proof), its exported "
+        "adapter is published as `<checkpoints>/promoted/<name>/`, replacing the previous promotion atomically "
+        "(that one kept in its history, the last 5).")
+    approve: bool = Field(
+        default=False,
+        description="Before promoting, pause the flow run until a person approves or rejects it in the Prefect UI "
+        "(the cluster is torn down first); needs a Prefect server, so not `txflow run`.")
+    approve_timeout_s: float = Field(
+        default=86400, gt=0, description="How long an approval waits; then the run ends passed and not promoted.")
+    keep_last: int | None = Field(
+        default=None, ge=1,
+        description="After the run passes, delete its periodic state checkpoints but the newest K (the final "
+        "state, the sampler and anything exported or promoted always stay).")
     startup_timeout_s: float = Field(default=300, gt=0, description="Deadline for the cluster to become ready.")
     step_timeout_s: float = Field(default=300, gt=0, description="Deadline for one training request.")
     train_retries: int = Field(
@@ -186,6 +212,14 @@ class RunConfig(BaseModel, extra="forbid"):
         if value and re.match(r"^[a-zA-Z][a-zA-Z0-9+.\-]*://[^/@\s]*:[^/@\s]*@", value):
             raise ValueError(f"{info.field_name} must not hold credentials (user:password@): give them through the "
                              f"environment (AWS_* for s3://) or a storage option")
+        return value
+
+    @field_validator("promote_as")
+    @classmethod
+    def _promotion_name_is_a_path_segment(cls, value: str | None) -> str | None:
+        if value is not None and not re.fullmatch(PROMOTION_NAME_PATTERN, value):
+            raise ValueError(f"promote_as {value!r} must be 1-64 letters, digits, '.', '-' or '_', starting with a "
+                             f"letter or digit (it becomes a directory name under promoted/)")
         return value
 
     @field_validator("api_key")
@@ -240,6 +274,12 @@ class RunConfig(BaseModel, extra="forbid"):
             )
         if self.max_lora_rank is not None and self.lora_rank > self.max_lora_rank:
             raise ValueError(f"lora_rank {self.lora_rank} is above max_lora_rank {self.max_lora_rank}")
+        if self.promote_as and not self.export:
+            raise ValueError("promote_as needs export: what is promoted is the exported adapter, proven first")
+        if self.approve and not self.promote_as:
+            raise ValueError("approve gates a promotion: set promote_as too")
+        if self.run_id in RESERVED_RUN_IDS:
+            raise ValueError(f"run_id {self.run_id!r} is reserved: {RESERVED_RUN_IDS[self.run_id]}")
         return self
 
     # Derived values: one place computes them so tasks never disagree.

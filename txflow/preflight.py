@@ -12,6 +12,7 @@ from pathlib import Path
 import fsspec
 
 from txflow.checkpoints import storage
+from txflow.cluster import embedded_prefect
 from txflow.config import TINY_MODEL, RunConfig
 from txflow.log import get_logger, redact, register_run_secrets, scrub
 from txflow.training import custom, rl, sft
@@ -176,6 +177,15 @@ def prepare(cfg: RunConfig):
     return data
 
 
+def check_approval(cfg: RunConfig) -> None:
+    """An approval needs a Prefect server a person can open: not the embedded one of `txflow run`, which
+    lives and dies with the run (nobody could approve on it)."""
+    if cfg.approve and (not os.environ.get("PREFECT_API_URL") or embedded_prefect.is_embedded()):
+        raise PreflightError("--approve waits for a person on a Prefect server, and this run has none (txflow run "
+                             "starts a private one): run it as a deployment (prefect deployment run train/sft "
+                             "--param ...), or drop --approve")
+
+
 def check_database(cfg: RunConfig) -> None:
     """A configured database answers and takes the credentials (SQLite in the state directory needs no
     check): a bad URL, host or password fails here, not after the cluster started."""
@@ -206,6 +216,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _prepare(cfg: RunConfig):
+    check_approval(cfg)
     try:
         skyrl_tx.check_upstream_version()
     except ValueError as exc:

@@ -2,7 +2,8 @@
 
 train -> `Trained`; save-checkpoint -> `Saved`; discover-artifacts ->
 `Discovered`; evaluate-restore -> `RestoreCheck`; export-adapter -> `ExportResult`
-(`txflow.checkpoints.export`). The report is built from them.
+(`txflow.checkpoints.export`); prune-checkpoints -> `Pruned`; promote -> `Promotion`
+(`txflow.checkpoints.promotion`). The report is built from them.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pydantic import BaseModel, Field
 
 from txflow.checkpoints.discovery import Artifact
 from txflow.checkpoints.export import ExportReference, ExportResult
+from txflow.checkpoints.retention import Deletion
 
 
 class Checkpoint(BaseModel):
@@ -23,6 +25,22 @@ class Checkpoint(BaseModel):
     tinker_path: str
     url: str
     saved_at: float | None = Field(default=None, description="When the engine wrote it (custom mode: which is last)")
+
+
+class LiveReference(BaseModel):
+    """What the live model gave at its last step, before its final state was committed: what every later
+    step must reproduce from the durable copies (evaluate-restore, on any cluster and any attempt)."""
+
+    eval_loss: float
+    greedy_tokens: list[list[int]]
+    base_tokens: list[list[int]] = Field(description="The base model's greedy tokens on the same prompts")
+    prompts: list[list[int]]
+    examples: list[tuple[list[int], list[float]]]
+    logprobs: list[list[float]] = Field(default_factory=list,
+                                        description="The live sampler's per-token logprobs of the examples")
+    from_committed_state: bool = Field(
+        default=False, description="Taken from the committed final state: no record of the live model was left "
+        "(a run of an older txflow continued past its last step)")
 
 
 @dataclass(eq=False)
@@ -35,18 +53,7 @@ class Trained:
     client_runs: int = 0  # custom mode: how many times the user's client ran (a fault re-runs it)
     training_client: Any = None
     handle: Any = None  # the ClusterHandle the training client belongs to
-
-
-class LiveReference(BaseModel):
-    """What the live model gave before anything was restored; evaluate-restore must reproduce it."""
-
-    eval_loss: float
-    greedy_tokens: list[list[int]]
-    base_tokens: list[list[int]] = Field(description="The base model's greedy tokens on the same prompts")
-    prompts: list[list[int]]
-    examples: list[tuple[list[int], list[float]]]
-    from_committed_state: bool = Field(
-        default=False, description="Taken on a fresh cluster from the committed final state, after a fault")
+    live: LiveReference | None = None  # the live model's figures, taken before its final commit (None in custom)
 
 
 class Saved(BaseModel):
@@ -68,6 +75,7 @@ class RestoreCheck(BaseModel):
     abs_diff: float | None = None
     sampler_tokens_match: bool | None = None
     tokens_differ_from_base: bool | None = None  # else matching tokens would prove nothing
+    sampler_logprob_diff: float | None = None  # restored sampler against the live model's, per token
     live_tokens: list[list[int]] | None = None
     restored_tokens: list[list[int]] | None = None
     quality: dict[str, float | bool] = Field(default_factory=dict, description="The mode's quality figures")
@@ -86,3 +94,16 @@ class Exported(BaseModel):
 
     result: ExportResult
     discovered: Discovered
+
+
+class Pruned(BaseModel):
+    """prune-checkpoints' outcome, and the run root listed again without what went."""
+
+    keep_last: int
+    deletions: list[Deletion]
+    bytes_freed: int
+    discovered: Discovered
+
+    def as_report(self) -> dict:
+        return {"keep_last": self.keep_last, "bytes_freed": self.bytes_freed,
+                "deleted": [d.model_dump() for d in self.deletions]}

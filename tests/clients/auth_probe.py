@@ -3,14 +3,18 @@
 Without the key, with a wrong one, and with the run's key (TINKER_API_KEY, as txflow hands it to its
 client): one state-changing route (create_session, save_weights_for_sampler) and one reading route
 (training_runs), raw HTTP; then the Tinker SDK with a wrong key and with the right one, which saves a
-sampler checkpoint for the run to verify. Prints one JSON line of status codes and outcomes.
+sampler checkpoint for the run to verify. With STATE_DIR, it also records the mode of every file and
+folder there while the cluster runs (SQLite's WAL and SHM files exist only then). Prints one JSON line of
+status codes and outcomes.
 
-Usage: python auth_probe.py BASE_MODEL
+Usage: python auth_probe.py BASE_MODEL [STATE_DIR]
 """
 
 import json
 import os
+import stat
 import sys
+from pathlib import Path
 
 import httpx
 import tinker
@@ -32,12 +36,17 @@ def main() -> None:
     for name, headers in KEYS.items():
         found[f"create_session, {name}"] = status("POST", "/api/v1/create_session", headers, session)
         found[f"training_runs, {name}"] = status("GET", "/api/v1/training_runs", headers)
+    # The SDK's X-API-Key comes from TINKER_API_KEY when it is set (0.13 lets it override api_key=), so
+    # the outsider's SDK gets the wrong key both ways.
+    os.environ["TINKER_API_KEY"] = "tml-wrong-key"
     try:
         tinker.ServiceClient(base_url=BASE, api_key="tml-wrong-key").create_lora_training_client(
             base_model=sys.argv[1], rank=8)
         found["sdk, wrong key"] = "accepted"
     except Exception as exc:  # what the SDK raises when the cluster refuses it
         found["sdk, wrong key"] = type(exc).__name__
+    finally:
+        os.environ["TINKER_API_KEY"] = KEY
     training = tinker.ServiceClient(base_url=BASE).create_lora_training_client(base_model=sys.argv[1],
                                                                                rank=8, train_unembed=False)
     save = {"model_id": training.model_id, "path": "probe", "type": "save_weights_for_sampler"}
@@ -46,6 +55,10 @@ def main() -> None:
             found[f"save_weights_for_sampler, {name}"] = status("POST", "/api/v1/save_weights_for_sampler",
                                                                 headers, save)
     found["sdk, the run's key"] = training.save_weights_for_sampler("probe-sampler").result().path
+    if len(sys.argv) > 2:
+        top = Path(sys.argv[2])
+        found["live modes"] = {str(p.relative_to(top)): oct(stat.S_IMODE(p.lstat().st_mode))
+                               for p in [top, *top.rglob("*")] if not p.is_symlink()}
     print(json.dumps(found), flush=True)
 
 

@@ -7,7 +7,7 @@ ephemeral sampler and from saved sampler weights; then it trains with each loss 
 without loss_fn_config, and with a custom loss (forward_backward_custom). In 0.13 the client factories
 return clients, and requests return futures.
 
-Usage: python sdk_client_0_13.py --base-url URL --model-name MODEL [--steps N]
+Usage: python sdk_client_0_13.py --base-url URL --model-name MODEL [--steps N] [--core-only]
 The API key comes from TINKER_API_KEY, as the SDK expects.
 """
 
@@ -28,6 +28,8 @@ def main():
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--model-name", required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--core-only", action="store_true",
+                        help="stop after the core calls (train, save, restore, sample): every call a shim serves")
     args = parser.parse_args()
     print(f"tinker {tinker.__version__}", flush=True)
 
@@ -55,8 +57,9 @@ def main():
     print(f"saved sampler {sampler_path}", flush=True)
     print(f"saved sampler tokens {greedy(service.create_sampling_client(model_path=sampler_path))}", flush=True)
 
-    train_with_each_loss(training, batch, LOSSES)
-    train_custom(training, batch)
+    if not args.core_only:
+        train_with_each_loss(training, batch, LOSSES)
+        train_custom(training, batch)
     print("done", flush=True)
 
 

@@ -7,12 +7,14 @@ without loss_fn_config, with a custom loss (forward_backward_custom), and with L
 module family at a time. In 0.38 the client factories return futures (`.result()`), and the
 ServiceClient is a context manager that finishes its session on exit.
 
-Usage: python sdk_client_0_38.py --base-url URL --model-name MODEL [--steps N]
+Usage: python sdk_client_0_38.py --base-url URL --model-name MODEL [--steps N] [--core-only]
 The API key comes from TINKER_API_KEY, as the SDK expects.
 """
 
 import argparse
+import os
 
+import httpx
 import tinker
 from client_common import BATCH, datum, greedy, mean_nll, train_custom, train_with_each_loss
 from tinker import types
@@ -29,6 +31,8 @@ def main():
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--model-name", required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--core-only", action="store_true",
+                        help="stop after the core calls (train, save, restore, sample): every call a shim serves")
     args = parser.parse_args()
     print(f"tinker {tinker.__version__}", flush=True)
 
@@ -58,26 +62,34 @@ def main():
         saved = service.create_sampling_client(model_path=sampler_path).result()
         print(f"saved sampler tokens {greedy(saved)}", flush=True)
 
-        train_with_each_loss(training, batch, LOSSES, ratio_mask=True)
-        train_custom(training, batch)
-        # One module family left out at a time: the saved adapter holds exactly the others.
-        for flag in ("train_unembed", "train_mlp", "train_attn"):
-            other = service.create_lora_training_client(base_model=args.model_name, rank=8, **{flag: False}).result()
-            other.forward_backward(batch, "cross_entropy").result()
-            other.optim_step(types.AdamParams(learning_rate=1e-2)).result()
-            print(f"without {flag}: saved sampler {other.save_weights_for_sampler(f'no-{flag}').result().path}",
-                  flush=True)
-        for refused, call in (
-                ("nothing to train", lambda: service.create_lora_training_client(
-                    base_model=args.model_name, rank=8, train_attn=False, train_mlp=False,
-                    train_unembed=False).result()),
-                ("stable_reinforce", lambda: training.forward_backward(batch, "stable_reinforce").result())):
-            try:
-                call()
-                print(f"{refused}: accepted", flush=True)
-            except Exception as exc:  # the cluster's refusal, as the SDK raises it
-                print(f"{refused}: refused: {str(exc).splitlines()[0]}", flush=True)
+        if not args.core_only:
+            beyond_the_core(service, training, batch, args.model_name, args.base_url)
     print("done", flush=True)
+
+
+def beyond_the_core(service, training, batch, model_name, base_url):
+    """Each loss, a custom loss, the LoRA flags, and what the cluster refuses."""
+    train_with_each_loss(training, batch, LOSSES, ratio_mask=True)
+    train_custom(training, batch)
+    # One module family left out at a time: the saved adapter holds exactly the others.
+    for flag in ("train_unembed", "train_mlp", "train_attn"):
+        other = service.create_lora_training_client(base_model=model_name, rank=8, **{flag: False}).result()
+        other.forward_backward(batch, "cross_entropy").result()
+        other.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+        print(f"without {flag}: saved sampler {other.save_weights_for_sampler(f'no-{flag}').result().path}",
+              flush=True)
+    try:
+        training.forward_backward(batch, "stable_reinforce").result()
+        print("stable_reinforce: accepted", flush=True)
+    except Exception as exc:  # the cluster's refusal, as the SDK raises it
+        print(f"stable_reinforce: refused: {str(exc).splitlines()[0]}", flush=True)
+    # Every SDK refuses an adapter with nothing to train before sending it; another client may send it.
+    empty = {"rank": 8, "train_attn": False, "train_mlp": False, "train_unembed": False}
+    answer = httpx.post(f"{base_url}/api/v1/create_model", timeout=60,
+                        headers={"X-API-Key": os.environ["TINKER_API_KEY"]},
+                        json={"session_id": "raw-client", "base_model": model_name, "lora_config": empty})
+    print(f"nothing to train: {'refused' if answer.status_code == 400 else 'accepted'}: "
+          f"{answer.json().get('detail')}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A Tinker client as an ordinary SDK user writes it; it knows nothing of txflow.
 
-Usage: python sft_client.py --base-url URL --model-name MODEL [--steps N]
+Usage: python sft_client.py --base-url URL --model-name MODEL [--steps N] [--early-save]
 The API key comes from TINKER_API_KEY, as the SDK expects.
 """
 
@@ -22,6 +22,7 @@ def main():
     parser.add_argument("--base-url", required=True)
     parser.add_argument("--model-name", required=True)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--early-save", action="store_true", help="also save_state after the first step")
     args = parser.parse_args()
 
     service = tinker.ServiceClient(base_url=args.base_url)
@@ -33,6 +34,8 @@ def main():
         loss = fwd.result().metrics.get("loss:sum")
         opt.result()
         print(f"step {step} loss {loss}", flush=True)
+        if args.early_save and step == 0:
+            print(f"saved early state {training.save_state('client-early').result().path}", flush=True)
     state = training.save_state("client-state").result().path
     print(f"saved state {state}", flush=True)
     sampler = training.save_weights_for_sampler("client-sampler").result().path

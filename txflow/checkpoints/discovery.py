@@ -11,7 +11,11 @@ record those give. So a committed checkpoint costs no request beyond the
 listing, its tarballs included. Only where that does not hold (a store without
 MD5 ETags such as a local disk, a damaged checkpoint, an old marker) is the
 marker read, and each file's digest compared with the ETag or, without one,
-computed from the file. A tarball nobody committed is read to its end.
+computed from the file. Where the commit found the store's ETags are not MD5s
+(multipart uploads, SSE-KMS or SSE-C buckets), its marker says so
+(`verify: read`) and the files are always read. A tarball nobody committed is
+read to its end. An artifact with a `.txflow-pruning` sidecar is being deleted
+(`txflow.checkpoints.retention`) and reads incomplete, whatever is left of it.
 
 What SkyRL-tx leaves under its checkpoints base:
 
@@ -37,8 +41,10 @@ from typing import Literal
 import fsspec
 from pydantic import BaseModel
 
-from txflow.checkpoints.markers import (COMMIT_SUFFIX, commit_record, listed_size, md5_etag, md5_of, read_commit,
-                                        relpath, same_path)
+from txflow.checkpoints.markers import (BEING_PRUNED, COMMIT_SUFFIX, PRUNED_SUFFIX, PRUNING_SUFFIX, VERIFY_ETAG,
+                                        commit_record, listed_size, md5_etag, md5_of, read_commit, relpath, same_path,
+                                        verify_method)
+from txflow.checkpoints.lease import LEASE
 from txflow.upstream.skyrl_tx.layout import STATE_FILE
 
 MANIFEST_NAME = "manifest.json"
@@ -124,7 +130,7 @@ def discover(
     artifacts = [_export_artifact(root, d, members[d]) if d in exports
                  else _state_artifact(root, d, steps[d], members[d], children) for d in artifact_dirs]
     for rel in loose:
-        if _is_auxiliary(rel, files):
+        if _is_auxiliary(rel, files) or rel == MANIFEST_NAME:  # the listing itself is not listed
             continue
         if rel.endswith(TARBALL_SUFFIXES):
             artifacts.append(_tarball_artifact(root, rel, files[rel]))
@@ -143,8 +149,10 @@ def discover(
         else:
             artifact.committed = True
     for artifact in artifacts:
+        if artifact.path + PRUNING_SUFFIX in files:  # whatever is left of it, it is going
+            artifact.complete, artifact.committed, artifact.reason = False, False, BEING_PRUNED
         # A committed tarball holds the bytes that were read to their end before the commit; others are read.
-        if artifact.format == "tarball" and not artifact.committed and artifact.complete and verify_tarballs:
+        elif artifact.format == "tarball" and not artifact.committed and artifact.complete and verify_tarballs:
             _verify_tarball(fs, artifact, fs_paths[artifact.path])
     return sorted(artifacts, key=lambda a: a.path)
 
@@ -152,11 +160,10 @@ def discover(
 def write_manifest(root: str, artifacts: list[Artifact], storage_options: dict | None = None) -> str:
     """Write `<root>/manifest.json` describing `artifacts` and return its URL.
 
-    Call it after `discover`; a manifest.json left by an earlier call is
-    dropped from the list, so the manifest never lists itself.
+    Call it after `discover`, which never lists the root's own manifest.json.
     """
     fs, root_path = fsspec.core.url_to_fs(root, **(storage_options or {}))
-    listed = [a.model_dump() for a in artifacts if a.path != MANIFEST_NAME]
+    listed = [a.model_dump() for a in artifacts]
     manifest = {"root": root, "artifacts": listed, "generated_at": time.time()}
     fs.pipe_file(_join(root_path, MANIFEST_NAME), json.dumps(manifest, indent=1).encode())
     return _url(root, MANIFEST_NAME)
@@ -337,8 +344,9 @@ def count_tar_members(fs: fsspec.AbstractFileSystem, fs_path: str) -> int:
 
 
 def _is_auxiliary(rel: str, files: dict[str, int]) -> bool:
-    """Commit sidecars, and `.probe` markers next to a tarball, are not artifacts."""
-    if rel.endswith(COMMIT_SUFFIX):
+    """Commit and prune sidecars, a running run's lease, and `.probe` markers next to a tarball, are not
+    artifacts."""
+    if rel.endswith((COMMIT_SUFFIX, PRUNING_SUFFIX, PRUNED_SUFFIX)) or rel.rsplit("/", 1)[-1] == LEASE:
         return True
     stem = rel.removesuffix(PROBE_SUFFIX)
     return rel.endswith(PROBE_SUFFIX) and stem in files and stem.endswith(TARBALL_SUFFIXES)
@@ -380,6 +388,7 @@ def _check_commit(
         if content is None or isinstance(content, Exception):
             raise ValueError(str(content))
         recorded = read_commit(content)
+        trust_etags = verify_method(content) == VERIFY_ETAG
     except (ValueError, KeyError, TypeError) as exc:
         _fail(artifact, f"The commit marker {sidecar!r} is unreadable ({exc}); the save did not finish.")
         return
@@ -393,8 +402,8 @@ def _check_commit(
         if md5 is None:
             continue  # a sizes-only marker (format 1)
         member = _member_path(artifact, name)
-        found = etags.get(member)
-        if found is None:
+        found = etags.get(member) if trust_etags else None
+        if found is None:  # no ETag, or one the commit found is no MD5 (multipart, SSE-KMS): read the bytes
             with fs.open(fs_paths[member], "rb") as f:
                 found = md5_of(f)
         if found != md5:

@@ -17,8 +17,19 @@ import fsspec
 COMMIT_SUFFIX = ".txflow-commit"
 """Sidecar written LAST by our save step, next to the artifact: `<artifact url>.txflow-commit`."""
 
+# Sidecars of a deletion (`txflow.checkpoints.retention`): written first, while the artifact goes; and
+# left when it has gone, saying when and why.
+PRUNING_SUFFIX = ".txflow-pruning"
+PRUNED_SUFFIX = ".txflow-pruned"
+BEING_PRUNED = "being pruned: a prune stopped half-way (`txflow prune` finishes it)"
+
 MD5_HEX = re.compile(r"[0-9a-f]{32}")
-COMMIT_FORMAT = 2
+COMMIT_FORMAT = 3
+# How the stored bytes of a committed artifact are known to be the committed ones, recorded in its marker:
+# "etag": the store lists each file's MD5 as its ETag (S3 and its clones, single-part, no KMS or customer
+# key), so the listing alone proves it; "read": they are read and hashed (a local disk; multipart uploads,
+# whose ETag is no MD5; SSE-KMS or SSE-C, whose ETag is no MD5 of the content).
+VERIFY_ETAG, VERIFY_READ = "etag", "read"
 
 
 def md5_of(data_or_file) -> str:
@@ -32,10 +43,10 @@ def md5_of(data_or_file) -> str:
     return digest.hexdigest()
 
 
-def commit_record(files: dict[str, tuple[int, str]]) -> bytes:
+def commit_record(files: dict[str, tuple[int, str]], verify: str = VERIFY_ETAG) -> bytes:
     """The commit sidecar's content for an artifact of these files ({name: (size, md5)}): canonical (same
     files, same bytes), so that its MD5 can be checked against the ETag an object store lists."""
-    record = {"format": COMMIT_FORMAT, "bytes": sum(size for size, _ in files.values()),
+    record = {"format": COMMIT_FORMAT, "verify": verify, "bytes": sum(size for size, _ in files.values()),
               "files": {name: {"md5": md5, "size": size} for name, (size, md5) in sorted(files.items())}}
     return json.dumps(record, indent=1, sort_keys=True).encode()
 
@@ -47,16 +58,25 @@ def read_commit(content: bytes) -> dict[str, tuple[int, str | None]]:
             for name, entry in files.items()}
 
 
+def verify_method(content: bytes) -> str:
+    """How a marker says its files are verified; markers before format 3 relied on MD5 ETags where listed."""
+    return json.loads(content).get("verify", VERIFY_ETAG)
+
+
 def write_commit(fs_url: str, storage_options: dict | None = None,
-                 expected: dict[str, tuple[int, str]] | None = None) -> None:
-    """Write the commit sidecar `fs_url + COMMIT_SUFFIX` for the artifact at `fs_url`.
+                 expected: dict[str, tuple[int, str]] | None = None) -> str:
+    """Write the commit sidecar `fs_url + COMMIT_SUFFIX` for the artifact at `fs_url`; returns how its files
+    are verified (`VERIFY_ETAG` or `VERIFY_READ`).
 
     Call it LAST in a save step: the sidecar records every file of the artifact
     (a directory or a single file) with its size and MD5, so `discover` can tell
     a finished save from one that was interrupted or later changed. With
-    `expected` ({relative path: (size, md5)} of what was uploaded), a listing
-    that differs in files, sizes or listed MD5 ETags raises instead of
-    committing; without it the digests are computed from the stored files.
+    `expected` ({relative path: (size, md5)} of what was uploaded), every file
+    must be listed with its size, and its content must have that MD5: shown by
+    its ETag where the store lists the MD5 as ETag, else, on an object store, by
+    reading it back (an ETag that is no MD5: multipart, SSE-KMS, SSE-C); anything
+    else raises instead of committing. Without `expected` the digests are
+    computed from the stored files.
     """
     fs, path = fsspec.core.url_to_fs(fs_url, **(storage_options or {}))
     path = path.rstrip("/")
@@ -72,21 +92,32 @@ def write_commit(fs_url: str, storage_options: dict | None = None,
         for name, (fs_path, info) in listed.items():
             with fs.open(fs_path, "rb") as f:
                 files[name] = (listed_size(info), md5_of(f))
+        verify = VERIFY_READ
     else:
         problems = sorted(set(expected) ^ set(listed))
-        for name in set(expected) & set(listed):
-            etag = md5_etag(listed[name][1])
-            if listed_size(listed[name][1]) != expected[name][0] or (etag and etag != expected[name][1]):
+        local = "file" in fs.protocol or "local" in fs.protocol
+        by_etag = True
+        for name in sorted(set(expected) & set(listed)):
+            fs_path, info = listed[name]
+            if listed_size(info) != expected[name][0]:
                 problems.append(name)
+            elif md5_etag(info) != expected[name][1]:
+                by_etag = False
+                if not local:  # the listing cannot show the content is right: read it back
+                    with fs.open(fs_path, "rb") as f:
+                        if md5_of(f) != expected[name][1]:
+                            problems.append(name)
         if problems:
             raise OSError(f"Upload to {fs_url} is incomplete ({problems[:3]} missing, extra, of the wrong size or "
                           f"of other content); no commit marker written")
-        files = expected
-    fs.pipe_file(path + COMMIT_SUFFIX, commit_record(files))
+        files, verify = expected, VERIFY_ETAG if by_etag else VERIFY_READ
+    fs.pipe_file(path + COMMIT_SUFFIX, commit_record(files, verify))
+    return verify
 
 
 def md5_etag(info: dict) -> str | None:
-    """The listed ETag when it is the MD5 of the content (multipart and encrypted-object ETags are not)."""
+    """The listed ETag when it can be the MD5 of the content: 32 hex digits (a multipart ETag is not; an
+    SSE-KMS or SSE-C one is, without being the MD5: the marker's `verify` says which to trust)."""
     etag = str(info.get("ETag") or info.get("etag") or "").strip('"').lower()
     return etag if MD5_HEX.fullmatch(etag) else None
 

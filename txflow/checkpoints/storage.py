@@ -21,18 +21,19 @@ rank's disk holds a checkpoint file and no filesystem is shared between ranks.
 
 from __future__ import annotations
 
-import re
 import shutil
+import time
 from pathlib import Path
 
 import fsspec
 
 from txflow.checkpoints.discovery import Artifact, count_tar_members, discover
-from txflow.checkpoints.markers import COMMIT_SUFFIX, md5_of, read_commit, write_commit
+from txflow.checkpoints.markers import BEING_PRUNED, COMMIT_SUFFIX, md5_of, read_commit, write_commit
+from txflow.checkpoints.names import step_of
+from txflow.checkpoints.retention import pruned_record
 from txflow.config import RunConfig
 from txflow.upstream.skyrl_tx import layout
 
-STEP_NAME = re.compile(r"step-(\d+)")
 
 
 def engine_checkpoints_base(cfg: RunConfig) -> str:
@@ -40,14 +41,14 @@ def engine_checkpoints_base(cfg: RunConfig) -> str:
     return str(Path(cfg.state_dir) / "checkpoints")
 
 
-def checkpoint_name(step: int) -> str:
-    """Checkpoint names carry their step, so a later save never overwrites an earlier one."""
-    return f"step-{step:06d}"
-
-
-def step_of(url_or_path: str) -> int | None:
-    match = STEP_NAME.search(url_or_path.rstrip("/").rsplit("/", 1)[-1])
-    return int(match.group(1)) if match else None
+def fresh_staging(cfg: RunConfig) -> str:
+    """The staging directory, emptied for a new cluster. What an earlier attempt left there is either
+    committed already or the unfinished work of a cluster that failed (a custom client runs again from
+    the start), which must never be committed as this attempt's."""
+    staging = Path(engine_checkpoints_base(cfg))
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return str(staging)
 
 
 def checkpoint_url(cfg: RunConfig, tinker_path: str) -> str:
@@ -185,8 +186,8 @@ def resolve_resume_from(cfg: RunConfig) -> tuple[str, int]:
             found = next((a for a in discover(parent, options) if a.url.rstrip("/") == url), None)
         except FileNotFoundError:
             found = None
-        if found is None or found.kind != "state":
-            raise ValueError(f"--resume-from {source}: no state checkpoint at {url}")
+        if found is None or found.kind != "state" or found.reason == BEING_PRUNED:
+            raise ValueError(f"--resume-from {source}: {_gone(url, found, options)}")
         if not (found.complete and found.committed) or step_of(url) is None:
             raise ValueError(f"--resume-from {source}: the checkpoint at {url} is incomplete "
                              f"({found.reason or 'no step in its name'}); pass its run root to use the latest "
@@ -196,3 +197,20 @@ def resolve_resume_from(cfg: RunConfig) -> tuple[str, int]:
     if latest is None:
         raise ValueError(f"--resume-from {source}: no complete, committed state checkpoint under {url}")
     return latest.url, step_of(latest.path)
+
+
+def _gone(url: str, found: Artifact | None, options: dict) -> str:
+    """Why there is no state to resume from at `url`, and the newest one still in its run root."""
+    record = pruned_record(url, options)
+    if found is not None and found.reason == BEING_PRUNED:
+        what = f"the checkpoint at {url} is being pruned"
+    elif record is not None:
+        when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(record["pruned_at"]))
+        what = f"the checkpoint at {url} was pruned on {when} ({record['reason']})"
+    else:
+        what = f"no state checkpoint at {url}"
+    run_root = url.rsplit("/", 2)[0]  # <run_root>/<model id>/<name>
+    newest = latest_state(run_root, options)
+    if newest is None:
+        return f"{what}, and its run root {run_root} holds no complete state"
+    return f"{what}; the newest state still there is {newest.url} (step {step_of(newest.path)})"

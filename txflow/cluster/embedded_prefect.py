@@ -139,8 +139,9 @@ def server(state_dir: str):
         finally:
             _drain_prefect_workers()
         return
+    global _embedded_url
     embedded = EmbeddedServer(Path(state_dir) / "logs" / "prefect-server.log")
-    os.environ["PREFECT_API_URL"] = embedded.api_url
+    os.environ["PREFECT_API_URL"] = _embedded_url = embedded.api_url
     try:
         with _prefect_settings(embedded.api_url):
             yield embedded
@@ -148,6 +149,15 @@ def server(state_dir: str):
         _drain_prefect_workers()
         embedded.stop()
         os.environ.pop("PREFECT_API_URL", None)
+        _embedded_url = None
+
+
+_embedded_url: str | None = None
+
+
+def is_embedded() -> bool:
+    """Whether this process's Prefect API is the embedded server of `txflow run` (it lives for one run)."""
+    return _embedded_url is not None and os.environ.get("PREFECT_API_URL") == _embedded_url
 
 
 @contextmanager

@@ -82,8 +82,12 @@ class Cluster(BaseModel):
         return next((p for p in self.processes if p.rank == rank), None)
 
     def save(self) -> None:
+        # 0600 whatever the caller's umask: a `txflow stop` from a shell rewrites it too.
         tmp = self.path.with_suffix(".json.tmp")
-        tmp.write_text(self.model_dump_json(indent=2))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.model_dump_json(indent=2))
         os.replace(tmp, self.path)
 
     @classmethod

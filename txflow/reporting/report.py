@@ -10,16 +10,18 @@ import time
 import fsspec
 
 from txflow.checkpoints.export import ExportResult, load_instructions
+from txflow.checkpoints.promotion import Promotion
+from txflow.cluster.monitor import Failure
 from txflow.config import RunConfig
 from txflow.log import scrub
-from txflow.cluster.monitor import Failure
-from txflow.results import Discovered, RestoreCheck, Saved, Trained
+from txflow.results import Discovered, Pruned, RestoreCheck, Saved, Trained
 
 
 def build(cfg: RunConfig, status: str, error: str | None, timings: dict, metrics: list[dict],
           trained: Trained | None, saved: Saved | None, discovered: Discovered | None,
           restore: RestoreCheck | None, ranks: list[dict], failures: list[Failure],
-          exported: ExportResult | None = None) -> dict:
+          exported: ExportResult | None = None, pruned: Pruned | None = None,
+          promoted: Promotion | None = None) -> dict:
     """The report of one run; every key is always present (None when the step did not run)."""
     return {
         "run_id": cfg.run_id,
@@ -41,6 +43,8 @@ def build(cfg: RunConfig, status: str, error: str | None, timings: dict, metrics
         "restore": restore.as_report() if restore else None,
         "live_reference_from_committed_state": saved.live.from_committed_state if saved and saved.live else None,
         "export": exported.model_dump() if exported else None,
+        "retention": pruned.as_report() if pruned else None,
+        "promotion": promoted.model_dump() if promoted else None,
         "timings_s": timings,
         "cluster": {"ranks": ranks},
         "failures": [{**f.as_dict(), "message": scrub(f.message)} for f in failures],
@@ -126,6 +130,7 @@ def markdown(report: dict) -> str:
             f"- restore check: **{'passed' if restore.get('passed') else 'FAILED'}**; "
             f"loss {restore['loss_before']:.6f} live vs {restore['loss_after']:.6f} restored "
             f"(|diff| {restore['abs_diff']:.1e}); greedy tokens match: {restore['sampler_tokens_match']}")
+    lines += [f"- failed check: **{check}**" for check in restore.get("failed_checks") or []]
     if restore and "eval_reward" in restore:
         lines.append(f"- eval reward: {restore['eval_reward']:.4f} saved sampler vs "
                      f"{restore['base_eval_reward']:.4f} base model")
@@ -145,6 +150,7 @@ def markdown(report: dict) -> str:
     if png is not None:  # inline: the Prefect UI shows a data URI, and cannot open a path in the run root
         lines += ["", f"![{CURVES[_curve_key(metrics)]}](data:image/png;base64,{base64.b64encode(png).decode()})"]
     lines += export_markdown(report.get("export"))
+    lines += lifecycle_markdown(report)
     if (report.get("client_runs") or 0) > 1:
         lines.append(f"- the custom client ran {report['client_runs']} times: a cluster fault re-ran it from the start")
     if report["failures"]:
@@ -160,6 +166,40 @@ def markdown(report: dict) -> str:
         lines += ["", "## Error", "", "```", report["error"][-3000:], "```"]
     lines += ["", "## Timings (s)", ""] + [f"- {k}: {v:.1f}" for k, v in report["timings_s"].items()]
     return "\n".join(lines)
+
+
+def lifecycle_markdown(report: dict) -> list[str]:
+    """What prune-checkpoints deleted and what became of the promotion."""
+    lines = []
+    retention = report.get("retention")
+    if retention:
+        lines += ["", "## Retention", "",
+                  f"- kept the newest {retention['keep_last']} periodic states; {len(retention['deleted'])} deleted, "
+                  f"{retention['bytes_freed']:,} bytes freed"]
+        lines += [f"  - `{d['url']}` ({d['bytes']:,} bytes): {d['reason']}" for d in retention["deleted"]]
+    promoted = report.get("promotion")
+    if promoted:
+        lines += ["", "## Promotion", ""]
+        if promoted["status"] == "promoted":
+            lines += [f"- promoted as **{promoted['name']}**: `{promoted['url']}` (pointer `{promoted['pointer']}`; "
+                      f"`txflow promoted <checkpoints> {promoted['name']}` shows it)"]
+        else:
+            lines += [f"- **not promoted** as {promoted['name']}: {promoted['status']}"]
+        if promoted.get("comment"):
+            lines.append(f"- approver's comment: {promoted['comment']}")
+    return lines
+
+
+def approval_markdown(cfg: RunConfig, metrics: list[dict], restore: RestoreCheck, exported: ExportResult) -> str:
+    """What the person approving sees in the Prefect UI: the figures the promotion would publish."""
+    last = {k: v for k, v in (metrics[-1] if metrics else {}).items() if k != "step"}
+    figures = {**last, **restore.quality, "restore |loss diff|": restore.abs_diff,
+               "export max |Δ logprob|": exported.max_abs_logprob_diff}
+    rows = [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()
+            if v is not None]
+    return "\n".join([f"Promote run `{cfg.run_id}` ({cfg.mode}, {len(metrics)} steps, base model `{cfg.base_model}`) "
+                      f"as **{cfg.promote_as}**? Every check passed.", "", "| figure | value |", "|---|---|", *rows,
+                      "", f"Adapter: `{exported.peft_url}`; report: `{cfg.run_root}/report.json`"])
 
 
 def export_markdown(block: dict | None) -> list[str]:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import httpx
 
-from txflow.training import sft
 from txflow.cluster.handle import ClusterHandle
+from txflow.results import LiveReference
+from txflow.training import sft
 
 GREEDY_TOKENS = 8
 
@@ -92,3 +93,24 @@ def unload(handle: ClusterHandle, model_id: str) -> None:
     cluster = handle.cluster
     httpx.post(f"{cluster.base_url}/api/v1/unload_model", json={"model_id": model_id, "type": "unload_model"},
                headers={"X-API-Key": cluster.api_key.get_secret_value()}, timeout=30).raise_for_status()
+
+
+def eval_prompts(mode: str, data) -> list[list[int]]:
+    """Prompts whose greedy continuations compare the live and the restored model."""
+    return data.prompts if mode == "rl" else [prompt_of(e) for e in data.eval]
+
+
+def live_reference(mode: str, handle: ClusterHandle, training_client, data, timeout_s: float,
+                   seed: int) -> LiveReference:
+    """What `training_client`'s model gives now: its held-out loss, greedy tokens (and the base model's on the
+    same prompts, which they must differ from) and per-token logprobs. Taken at the last step, before the
+    final state is committed, so that every later check compares the durable copies with the live model."""
+    prompts = eval_prompts(mode, data)
+    live_sampler = training_client.save_weights_and_get_sampling_client()
+    tokens = greedy_tokens(live_sampler, prompts, handle, timeout_s, seed)
+    base_sampler = handle.service_client().create_sampling_client(base_model=handle.cluster.base_model_path)
+    base_tokens = greedy_tokens(base_sampler, prompts, handle, timeout_s, seed)
+    examples = data.eval if mode == "sft" else rollout_examples(prompts, tokens)
+    return LiveReference(eval_loss=eval_loss(training_client, examples, handle, timeout_s), greedy_tokens=tokens,
+                         base_tokens=base_tokens, prompts=prompts, examples=examples,
+                         logprobs=sequence_logprobs(live_sampler, [e[0] for e in examples], handle, timeout_s))

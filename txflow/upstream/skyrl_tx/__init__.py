@@ -137,8 +137,6 @@ DATABASE_URL_ENV = "TX_DATABASE_URL"
 
 # The Tinker SDK's default LoRA rank; the cluster must accept at least it.
 TINKER_DEFAULT_RANK = 32
-# Adapter 0 is the base model; one for training, one per restore check, spare.
-LORA_SLOTS_MIN = 8
 
 
 def check_upstream_version() -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from txflow.config import RunConfig
 from txflow.upstream import wake
-from txflow.upstream.skyrl_tx import LORA_SLOTS_MIN, TINKER_DEFAULT_RANK
+from txflow.upstream.skyrl_tx import TINKER_DEFAULT_RANK
 from txflow.upstream.skyrl_tx.auth import API_KEY_ENV
 
 ENTRY = "txflow.upstream.skyrl_tx"
@@ -23,7 +23,7 @@ def backend_config(cfg: RunConfig, coordinator_address: str | None) -> dict[str,
         "tensor_parallel_size": cfg.mesh.tp,
         "expert_parallel_size": cfg.mesh.ep,
         "max_lora_rank": cfg.max_lora_rank or max(TINKER_DEFAULT_RANK, cfg.lora_rank),
-        "max_lora_adapters": LORA_SLOTS_MIN,
+        "max_lora_adapters": cfg.lora_adapters,
         # Pad every sampling batch to a multiple of fsdp (a batch of one fails otherwise).
         "sample_max_num_sequences": cfg.fsdp * max(1, 8 // cfg.fsdp),
     }

@@ -1,0 +1,53 @@
+"""With `approve`, between the checks and promote: a person approves or rejects the run in the Prefect
+UI, which shows its figures. Not a Prefect task: a flow run pauses, and only from the flow itself.
+
+It runs after teardown (and after the concurrency slots are given back): no process of the cluster
+waits on a person, only the flow run's own. A wait that times out ends the run passed and not
+promoted; the flow run is set running again first, since Prefect fails a run that finishes while
+paused ("never resumed")."""
+
+from __future__ import annotations
+
+from prefect.exceptions import FlowPauseTimeout
+from prefect.input import RunInput
+from pydantic import Field
+
+from txflow.config import RunConfig
+from txflow.log import get_logger
+
+
+class Approval(RunInput):
+    """What the UI asks for, and what `resume_flow_run(..., run_input=...)` gives."""
+
+    approve: bool = Field(default=False, description="Promote this run")
+    comment: str = Field(default="", description="Why (kept in promotion.json and the report)")
+
+
+def wait_for_approval(cfg: RunConfig, summary: str) -> tuple[str, str | None]:
+    """("approved" | "rejected" | "not approved in time", the approver's comment)."""
+    from prefect.flow_runs import pause_flow_run
+
+    log = get_logger()
+    log.info(f"waiting up to {cfg.approve_timeout_s:g} s for a person to approve promoting run {cfg.run_id} as "
+             f"{cfg.promote_as!r} (Prefect UI: the flow run's Resume button)")
+    poll_s = int(min(10, max(1, cfg.approve_timeout_s // 10)))
+    try:
+        decision = pause_flow_run(wait_for_input=Approval.with_initial_data(description=summary, approve=False),
+                                  timeout=int(cfg.approve_timeout_s), poll_interval=poll_s)
+    except FlowPauseTimeout:
+        _running_again("no approval in time: not promoted")
+        log.warning(f"no approval within {cfg.approve_timeout_s:g} s: run {cfg.run_id} is not promoted")
+        return "not approved in time", None
+    verdict = "approved" if decision.approve else "rejected"
+    log.info(f"run {cfg.run_id} {verdict} for promotion as {cfg.promote_as!r}"
+             + (f": {decision.comment}" if decision.comment else ""))
+    return verdict, decision.comment or None
+
+
+def _running_again(message: str) -> None:
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+    from prefect.states import Running
+
+    with get_client(sync_client=True) as client:
+        client.set_flow_run_state(FlowRunContext.get().flow_run.id, Running(message=message), force=True)

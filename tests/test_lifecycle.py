@@ -1,0 +1,196 @@
+"""Promotion, retention and leases on a local disk (the same code serves object stores: test_lifecycle_e2e)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from txflow.checkpoints import lease, promotion, retention, storage
+from txflow.checkpoints.discovery import discover
+from txflow.checkpoints.markers import BEING_PRUNED, COMMIT_SUFFIX, PRUNED_SUFFIX, PRUNING_SUFFIX
+from txflow.config import RunConfig
+from txflow.upstream.skyrl_tx.layout import STATE_FILE
+
+
+def committed_state(run_root: Path, step: int, size: int = 1000) -> str:
+    """A committed state checkpoint of txflow's naming at `step`, as a run leaves it."""
+    local = run_root.parent.with_name(run_root.parent.name + "-staging") / run_root.name / f"step-{step:06d}"
+    local.mkdir(parents=True)
+    (local / STATE_FILE).write_bytes(os.urandom(size))
+    return storage.upload(local, str(run_root / "m1" / f"step-{step:06d}.tar.gz"), {}, f"step {step}")
+
+
+def passed_run(root: Path, run_id: str, steps: tuple[int, ...]) -> dict[int, str]:
+    urls = {step: committed_state(root / run_id, step) for step in steps}
+    (root / run_id / "report.json").write_text(json.dumps({"status": "passed"}))
+    return urls
+
+
+def states(run_root: Path) -> dict[int, bool]:
+    """{step: complete and committed} of the state checkpoints discovery finds."""
+    return {storage.step_of(a.path): a.complete and a.committed for a in discover(str(run_root)) if a.kind == "state"}
+
+
+# --- retention ------------------------------------------------------------------------------------------
+
+
+def test_keep_last_keeps_the_final_state_and_the_newest_periodic_ones(tmp_path):
+    urls = passed_run(tmp_path, "r", (2, 4, 6, 8, 10))
+    deletions = retention.apply(str(tmp_path / "r"), discover(str(tmp_path / "r")), keep_last=1)
+    assert sorted(d.step for d in deletions) == [2, 4, 6]
+    assert states(tmp_path / "r") == {8: True, 10: True}
+    assert sum(d.bytes for d in deletions) == 3 * 1000
+    # Each one that went says when and why, where it was.
+    record = retention.pruned_record(urls[2])
+    assert record["bytes"] == 1000 and "beyond the newest 1 periodic states" in record["reason"]
+
+
+def test_what_retention_never_deletes(tmp_path):
+    """The final state, a protected (promoted-from) state, a custom client's states, and states of steps
+    younger than --older-than."""
+    urls = passed_run(tmp_path, "r", (2, 4, 6))
+    client = tmp_path / "elsewhere" / "mine"
+    client.mkdir(parents=True)
+    (client / STATE_FILE).write_bytes(b"x" * 10)
+    storage.upload(client, str(tmp_path / "r" / "m1" / "client-state"), {}, "a client's state")
+    artifacts = discover(str(tmp_path / "r"))
+    assert retention.plan(artifacts, keep_last=None, protected={urls[2]}) == [
+        retention.Deletion(url=urls[4], step=4, bytes=1000, reason="")]
+    ages = {urls[2]: 10 * 86400, urls[4]: 1 * 86400}
+    assert [d.step for d in retention.plan(artifacts, None, older_than_s=5 * 86400, ages=ages)] == [2]
+    assert [d.step for d in retention.plan(artifacts, 2, older_than_s=5 * 86400, ages=ages)] == []  # kept: newest 2
+    assert [d.step for d in retention.plan(artifacts, 1, older_than_s=20 * 86400, ages=ages)] == []  # too young
+
+
+def test_a_deletion_stopped_half_way_reads_incomplete_and_the_next_prune_finishes_it(tmp_path, monkeypatch):
+    urls = passed_run(tmp_path, "r", (2, 4, 6))
+    real_rm = fsspec.implementations.local.LocalFileSystem.rm
+
+    def killed_before_the_data(self, path, recursive=False, maxdepth=None):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "rm", killed_before_the_data)
+    with pytest.raises(KeyboardInterrupt):
+        retention.prune(str(tmp_path), keep_last=1, older_than_days=None)
+    monkeypatch.setattr(fsspec.implementations.local.LocalFileSystem, "rm", real_rm)
+    # The marker went first: the data is all there, and nothing takes it for a checkpoint.
+    assert not os.path.exists(urls[2] + COMMIT_SUFFIX) and os.path.exists(f"{urls[2]}/{STATE_FILE}")
+    [found] = [a for a in discover(str(tmp_path / "r")) if storage.step_of(a.path) == 2]
+    assert not found.complete and found.reason == BEING_PRUNED
+    cfg = RunConfig(run_id="again", checkpoints=str(tmp_path / "other"), resume_from=urls[2]).resolved()
+    with pytest.raises(ValueError, match=r"is being pruned; the newest state still there is .*step-000006.* \(step 6\)"):
+        storage.resolve_resume_from(cfg)
+
+    [run] = retention.prune(str(tmp_path), keep_last=1, older_than_days=None)
+    assert [(d.step, d.reason) for d in run.deletions] == [(2, "a prune stopped half-way")]
+    assert states(tmp_path / "r") == {4: True, 6: True}
+    assert not os.path.exists(urls[2]) and not os.path.exists(urls[2] + PRUNING_SUFFIX)
+    assert os.path.exists(urls[2] + PRUNED_SUFFIX)
+    with pytest.raises(ValueError, match=r"was pruned on .*; the newest state still there is .* \(step 6\)"):
+        storage.resolve_resume_from(cfg)
+
+
+def test_a_deletion_stopped_after_the_data_is_finished_too(tmp_path):
+    urls = passed_run(tmp_path, "r", (2, 4, 6))
+    Path(urls[2] + PRUNING_SUFFIX).write_text("{}")
+    Path(urls[2] + COMMIT_SUFFIX).unlink()
+    storage.shutil.rmtree(urls[2])
+    [run] = retention.prune(str(tmp_path), keep_last=5, older_than_days=None)
+    assert [d.url for d in run.deletions] == [urls[2]]
+    assert not os.path.exists(urls[2] + PRUNING_SUFFIX) and os.path.exists(urls[2] + PRUNED_SUFFIX)
+
+
+def test_prune_leaves_running_and_failed_runs_alone_unless_told(tmp_path):
+    passed_run(tmp_path, "done", (2, 4, 6))
+    passed_run(tmp_path, "failed", (2, 4, 6))
+    (tmp_path / "failed" / "report.json").write_text(json.dumps({"status": "failed"}))
+    passed_run(tmp_path, "crashed", (2, 4))
+    (tmp_path / "crashed" / "report.json").unlink()
+    passed_run(tmp_path, "running", (2, 4, 6))
+    (tmp_path / "running" / "report.json").unlink()
+    with lease.held(str(tmp_path / "running"), "running"):
+        dry = {r.run_id: r for r in retention.prune(str(tmp_path), 1, None, dry_run=True)}
+        assert {k: (r.status, [d.step for d in r.deletions], r.skipped is not None) for k, r in dry.items()} == {
+            "done": ("passed", [2], False), "failed": ("failed", [], True), "crashed": ("unfinished", [], True),
+            "running": ("running", [], True)}
+        assert states(tmp_path / "done") == {2: True, 4: True, 6: True}  # dry: nothing deleted
+        wet = {r.run_id: r for r in retention.prune(str(tmp_path), 1, None, include_failed=True)}
+        assert [d.step for d in wet["failed"].deletions] == [2] and wet["crashed"].deletions == []
+        assert wet["running"].skipped and states(tmp_path / "running") == {2: True, 4: True, 6: True}
+    assert not (tmp_path / "running" / lease.LEASE).exists()
+    assert retention.run_status(str(tmp_path / "running")) == "unfinished"
+
+
+def test_a_lease_not_renewed_expires(tmp_path):
+    with lease.held(str(tmp_path / "r"), "r", ttl_s=0.5, renew_s=100):
+        assert lease.alive(str(tmp_path / "r"))
+        time.sleep(0.7)
+        assert not lease.alive(str(tmp_path / "r"))  # its holder stopped renewing it (an orchestrator that died)
+    with lease.held(str(tmp_path / "r"), "r", ttl_s=0.5, renew_s=0.1):
+        time.sleep(0.8)
+        assert lease.alive(str(tmp_path / "r"))  # renewed while its holder lives
+
+
+# --- promotion -------------------------------------------------------------------------------------------
+
+
+def committed_export(root: Path, name: str) -> tuple[str, dict[str, bytes]]:
+    """A committed PEFT export: its URL and {file: content}."""
+    local = root.with_name(root.name + "-staging") / name
+    local.mkdir(parents=True)
+    files = {"adapter_config.json": json.dumps({"name": name}).encode(), "adapter_model.safetensors": os.urandom(500)}
+    for file, content in files.items():
+        (local / file).write_bytes(content)
+    return storage.upload(local, str(root / name / "export" / "peft"), {}, "an export"), files
+
+
+def read_promoted(checkpoints: str, name: str) -> dict[str, bytes]:
+    """What a reader of the promotion sees: the pointer first, then the files it names."""
+    current = promotion.current(checkpoints, name)
+    peft = Path(current["files"]["peft"])
+    return {p.name: p.read_bytes() for p in sorted(peft.iterdir())}
+
+
+def test_a_promotion_replaces_the_previous_one_whole_and_keeps_five_before_it(tmp_path):
+    checkpoints = str(tmp_path / "ckpt")
+    exports = [committed_export(tmp_path, f"run{i}") for i in range(8)]
+    ids = []
+    for i, (url, files) in enumerate(exports):
+        result = promotion.promote(checkpoints, "prod", f"run{i}", {"peft": url}, {"figures": {"i": i}})
+        ids.append(result.id)
+        assert read_promoted(checkpoints, "prod") == files
+        assert promotion.current(checkpoints, "prod")["figures"] == {"i": i}
+        time.sleep(0.002)  # ids are by the millisecond
+    kept = promotion.history(checkpoints, "prod")
+    assert [r["id"] for r in kept] == ids[::-1][:6]  # the current one and the 5 before it
+    assert kept[0]["previous"] == ids[-2]
+    assert not (tmp_path / "ckpt" / "promoted" / "prod" / "history" / ids[0]).exists()
+
+
+def test_a_promotion_that_fails_leaves_the_pointer_as_it_was(tmp_path):
+    checkpoints = str(tmp_path / "ckpt")
+    good, files = committed_export(tmp_path, "good")
+    promotion.promote(checkpoints, "prod", "good", {"peft": good}, {})
+    bad, _ = committed_export(tmp_path, "bad")
+    with open(Path(bad) / "adapter_model.safetensors", "r+b") as f:  # changed after its commit
+        f.write(b"\0")
+    with pytest.raises(ValueError, match="is not the committed one"):
+        promotion.promote(checkpoints, "prod", "bad", {"peft": bad}, {})
+    assert read_promoted(checkpoints, "prod") == files
+    assert [r["run_id"] for r in promotion.history(checkpoints, "prod")] == ["good"]
+
+
+def test_retention_never_deletes_what_a_promotion_was_made_from(tmp_path):
+    checkpoints = tmp_path / "ckpt"
+    urls = passed_run(checkpoints, "r", (2, 4, 6))
+    export_url, _ = committed_export(checkpoints, "r-export")
+    promotion.promote(str(checkpoints), "prod", "r", {"peft": export_url}, {"sources": {"state": urls[2]}})
+    protected = promotion.sources(str(checkpoints))
+    assert urls[2] in protected
+    [run] = [r for r in retention.prune(str(checkpoints), 1, None, protected=protected) if r.run_id == "r"]
+    assert run.deletions == [] and states(checkpoints / "r") == {2: True, 4: True, 6: True}
