@@ -39,6 +39,9 @@ from txflow.upstream.wake import ENV as WAKE_ENV
 pytestmark = pytest.mark.e2e
 
 CLIENTS = Path(__file__).parent / "clients"
+# What a client sees does not depend on how many JAX processes serve it (test_sft_e2e, test_fault_e2e and
+# test_s3_e2e prove 2); one process halves the CPU these runs take on a 2-core machine.
+ONE_PROCESS = ("--processes", "1")
 # 0.13 and 0.25 have the same public API for what the client does; 0.38 returns futures of clients.
 CLIENT_FOR = {"0.13.1": "sdk_client_0_13.py", "0.25.0": "sdk_client_0_13.py", "0.38.0": "sdk_client_0_38.py"}
 
@@ -82,7 +85,7 @@ def test_a_client_of_each_sdk_runs_unchanged_in_its_own_environment(version, tmp
     state = reaper.watch(tmp_path / "state")
     result = run_txflow(["run", "custom", "--run-id", "sdk-" + version.replace(".", "-"), "--state-dir", str(state),
                          "--checkpoints", str(tmp_path / "ckpt"), "--client", str(CLIENTS / CLIENT_FOR[version]),
-                         "--client-python", str(python),
+                         "--client-python", str(python), *ONE_PROCESS,
                          "--client-arg=--base-url", "--client-arg={base_url}",
                          "--client-arg=--model-name", "--client-arg={base_model}", "--json"], txflow_env, tmp_path)
     log = "\n".join(client_lines(state)) if (state / "logs" / "client.log").exists() else ""
@@ -167,6 +170,7 @@ def run_cookbook(tmp_path, txflow_env, reaper, run_id: str, module: str, *option
     log_path = tmp_path / f"{run_id}-log"
     result = run_txflow(["run", "custom", "--run-id", run_id, "--state-dir", str(state),
                          "--checkpoints", str(tmp_path / "ckpt"), "--client", module, "--client-python", str(python),
+                         *ONE_PROCESS,
                          "--client-arg=base_url={base_url}", "--client-arg=model_name={base_model}",
                          "--client-arg=renderer_name=role_colon", f"--client-arg=log_path={log_path}",
                          *[f"--client-arg={option}" for option in options], "--json"], env, tmp_path)
