@@ -565,7 +565,8 @@ def test_the_nightly_compares_tonight_with_the_history_and_fails_on_a_regression
     from txflow.reporting import history
 
     root = str(tmp_path / "history")
-    sft = {**NIGHTLY_SFT, "checkpoints": str(tmp_path / "ckpt"), "state_dir": str(tmp_path / "sft")}
+    # One JAX process: the comparison with the history is what is under test, and it halves three runs' CPU.
+    sft = {**NIGHTLY_SFT, "processes": 1, "checkpoints": str(tmp_path / "ckpt"), "state_dir": str(tmp_path / "sft")}
     rl = {"mode": "rl", "steps": 2, "reward": "nowhere_xyz:fn", "checkpoints": str(tmp_path / "ckpt"),
           "state_dir": str(tmp_path / "rl")}
 

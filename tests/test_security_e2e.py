@@ -34,7 +34,8 @@ def probed(tmp_path_factory, prefect_db):
     try:
         result = run_txflow(["run", "custom", "--run-id", "probe", "--state-dir", str(state),
                              "--checkpoints", str(work / "new-root"), "--client", str(PROBE),
-                             "--client-arg={base_model}", f"--client-arg={state}", "--processes", "1", "--json"], env, work)
+                             "--client-arg={base_model}", f"--client-arg={state}", "--processes", "1", "--json"],
+                            env, work)
     finally:
         stop_cluster(state, grace_s=1.0)
     return {"result": result, "work": work, "state": state}
