@@ -31,12 +31,17 @@ def probed(tmp_path_factory, prefect_db):
     env.update(PREFECT_HOME=str(new_prefect_home(work / "prefect-home", prefect_db)), DO_NOT_TRACK="1",
                TINKER_TELEMETRY="0", TINKER_API_KEY=API_KEY_MARKER)
     state = work / "state"
+    # The usual umask, whatever the caller's (CI may run with 077): the run must make its files private
+    # itself. The run inherits it; the control file shows the test is not vacuous.
+    previous = os.umask(0o022)
     try:
+        (work / "control.txt").write_text("x")
         result = run_txflow(["run", "custom", "--run-id", "probe", "--state-dir", str(state),
                              "--checkpoints", str(work / "new-root"), "--client", str(PROBE),
                              "--client-arg={base_model}", f"--client-arg={state}", "--processes", "1", "--json"],
                             env, work)
     finally:
+        os.umask(previous)
         stop_cluster(state, grace_s=1.0)
     return {"result": result, "work": work, "state": state}
 
@@ -94,7 +99,5 @@ def test_every_file_and_folder_the_run_created_is_its_owners_alone(probed):
     live = probe_results(probed)["live modes"]
     assert {"tinker.db", "tinker.db-wal", "tinker.db-shm", "cluster.json"} <= {Path(p).name for p in live}, live
     assert {p: mode for p, mode in live.items() if int(mode, 8) & 0o077} == {}
-    # Not vacuous: what this test's process creates the usual way is readable by others (umask 022).
-    control = probed["work"] / "control.txt"
-    control.write_text("x")
-    assert stat.S_IMODE(control.stat().st_mode) & 0o044, "run the tests with the usual umask 022"
+    # Not vacuous: what the launching process created under the same umask is readable by others.
+    assert stat.S_IMODE((probed["work"] / "control.txt").stat().st_mode) & 0o044
