@@ -379,16 +379,17 @@ def _task_times(server: Server, flow_run_id: str) -> dict[str, tuple[float, floa
 
 def test_three_sft_deployment_runs_take_turns_on_the_slots_and_wait_for_approval_without_a_cluster(
         server, worker, tmp_path, reaper, started_runs):
-    """With the global concurrency limit at 2 slots, three 2-process runs never hold a cluster at the same
-    time. Each asks for approval to be promoted as `prod`, with its cluster torn down first: one is
-    approved (through Prefect's client API, as the UI does) and promoted, one rejected, one never answered
-    (it ends completed, not promoted). Each publishes its report and metrics as artifacts."""
+    """With the global concurrency limit at 1 slot, three 1-process runs never hold a cluster at the same
+    time (a run occupies one slot per JAX process; two ranks would only make each turn slower). Each asks
+    for approval to be promoted as `prod`, with its cluster torn down first: one is approved (through
+    Prefect's client API, as the UI does) and promoted, one rejected, one never answered (it ends completed,
+    not promoted). Each publishes its report and metrics as artifacts."""
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.flow_runs import resume_flow_run
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     limit = RunConfig.model_fields["concurrency_limit"].default
-    server.prefect("gcl", "create", limit, "--limit", "2")
+    server.prefect("gcl", "create", limit, "--limit", "1")
     checkpoints = tmp_path / "ckpt"
     answers = {"approved": {"approve": True, "comment": "ship it"},
                "rejected": {"approve": False, "comment": "not this one"}, "unanswered": None}
@@ -397,7 +398,7 @@ def test_three_sft_deployment_runs_take_turns_on_the_slots_and_wait_for_approval
         for name in answers:
             run_id = f"dep-sft-{name}-{uuid.uuid4().hex[:6]}"
             state = reaper.watch(tmp_path / name / "state")
-            config = {**_config(tmp_path / name, run_id, steps=6), "state_dir": str(state),
+            config = {**_config(tmp_path / name, run_id, steps=6), "processes": 1, "state_dir": str(state),
                       "checkpoints": str(checkpoints), "promote_as": "prod", "approve": True,
                       "approve_timeout_s": 20 if answers[name] is None else 600}
             runs[name] = (run_id, _run_deployment(server, "train/sft", {"config": config}, started_runs), state)

@@ -1,4 +1,6 @@
-"""`txflow run rl` and `txflow run custom` end to end on 2-process clusters."""
+"""`txflow run rl` and `txflow run custom` end to end, on one JAX process each: what is under test here
+(learning, exact restore, a custom client's retry) does not depend on the number of ranks, which
+test_sft_e2e, test_fault_e2e and test_ray_e2e prove with two."""
 
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ CLIENT = Path(__file__).parent / "clients" / "sft_client.py"
 
 def test_rl_run_improves_reward_and_restores_exactly(tmp_path, txflow_env, reaper):
     state = reaper.watch(tmp_path / "state")
-    result = run_txflow(["run", "rl", "--run-id", "e2e-rl", "--state-dir", str(state),
+    result = run_txflow(["run", "rl", "--run-id", "e2e-rl", "--state-dir", str(state), "--processes", "1",
                          "--checkpoints", str(tmp_path / "ckpt"), "--json"], txflow_env, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)
@@ -73,7 +75,8 @@ def test_custom_client_runs_again_after_a_fault_and_every_checkpoint_it_saved_is
     out, err = open(tmp_path / "out.json", "w"), open(tmp_path / "err.log", "w")
     proc = subprocess.Popen(txflow_cmd("run", "custom", "--run-id", "e2e-custom", "--state-dir", str(state),
                                        "--checkpoints", str(tmp_path / "ckpt"), "--client", str(CLIENT),
-                                       "--train-retries", "1", "--client-arg=--base-url", "--client-arg={base_url}",
+                                       "--train-retries", "1", "--processes", "1",
+                                       "--client-arg=--base-url", "--client-arg={base_url}",
                                        "--client-arg=--model-name", "--client-arg={base_model}",
                                        "--client-arg=--steps", "--client-arg=12", "--client-arg=--early-save",
                                        "--json"),
@@ -87,8 +90,8 @@ def test_custom_client_runs_again_after_a_fault_and_every_checkpoint_it_saved_is
             assert proc.poll() is None, (tmp_path / "err.log").read_text()[-4000:]
             assert time.monotonic() < deadline, "the client did not start training"
             time.sleep(0.2)
-        worker = next(p for p in json.loads((state / "cluster.json").read_text())["processes"] if p["rank"] == 1)
-        os.kill(worker["pid"], signal.SIGKILL)
+        rank = next(p for p in json.loads((state / "cluster.json").read_text())["processes"] if p["rank"] == 0)
+        os.kill(rank["pid"], signal.SIGKILL)
         code = proc.wait(timeout=600)
     finally:
         if proc.poll() is None:
@@ -101,7 +104,7 @@ def test_custom_client_runs_again_after_a_fault_and_every_checkpoint_it_saved_is
     assert report["status"] == "passed" and report["mode"] == "custom"
     assert report["client_runs"] == 2
     [failure] = report["failures"]
-    assert (failure["rank"], failure["step"], failure["resumed_at"]) == (1, "train", "train")
+    assert (failure["rank"], failure["step"], failure["resumed_at"]) == (0, "train", "train")
     assert "re-running the custom client from the start (run 2)" in stderr
     # The client's output streamed into the run's logs.
     client_log = (state / "logs" / "client.log").read_text()
