@@ -5,7 +5,6 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow.checkpoints.discovery import discover, write_manifest
 from txflow.config import RunConfig
 from txflow.log import get_logger
 from txflow.results import Discovered, Saved
@@ -16,10 +15,8 @@ def discover_artifacts(cfg: RunConfig, saved: Saved) -> Discovered:
     """List and check every artifact under the run root, write manifest.json, and fail
     when a checkpoint this run saved is missing, incomplete or uncommitted."""
     log = get_logger()
-    options = cfg.plain_storage_options()
-    artifacts = discover(cfg.run_root, options, require_commit=True)
-    manifest = write_manifest(cfg.run_root, artifacts, options)
-    by_url = {a.url: a for a in artifacts}
+    discovered = Discovered.list_run_root(cfg.run_root, cfg.plain_storage_options())
+    by_url = {a.url: a for a in discovered.artifacts}
     for ckpt in saved.checkpoints:
         found = by_url.get(ckpt.url)
         if found is None:
@@ -27,7 +24,7 @@ def discover_artifacts(cfg: RunConfig, saved: Saved) -> Discovered:
         if not (found.complete and found.committed):
             raise RuntimeError(f"The {ckpt.kind} checkpoint at {ckpt.url} is not usable: "
                                f"{found.reason or 'not committed'}")
-    for a in artifacts:
+    for a in discovered.artifacts:
         log.info(f"{a.kind:8} {a.format:9} {'ok' if a.complete else 'INCOMPLETE'} {a.bytes:>10} B "
                  f"{a.files if a.files is not None else '-':>4} files {a.url}" + (f" ({a.reason})" if a.reason else ""))
-    return Discovered(manifest=manifest, artifacts=artifacts)
+    return discovered

@@ -9,7 +9,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from txflow.checkpoints import export
-from txflow.checkpoints.discovery import discover, write_manifest
 from txflow.config import TINY_MODEL, RunConfig
 from txflow.log import get_logger
 from txflow.results import Discovered, Exported, RestoreCheck
@@ -33,9 +32,9 @@ def export_adapter(cfg: RunConfig, restore: RestoreCheck) -> Exported:
         raise RuntimeError("evaluate-restore recorded no reference figures, so no export can be proven")
     result = export.export(reference, f"{cfg.run_root}/{export.EXPORT_DIR}", options, reference.base_model,
                            run_card(cfg, restore), merged=cfg.export_merged, keep_others=True, log=log.info)
-    artifacts = discover(cfg.run_root, options, require_commit=True)
+    discovered = Discovered.list_run_root(cfg.run_root, options)
     if result.passed:
-        found = {a.url: a for a in artifacts}
+        found = {a.url: a for a in discovered.artifacts}
         for url in filter(None, (result.peft_url, result.merged_url)):
             listed = found.get(url)
             if listed is None or listed.kind != "export" or not (listed.complete and listed.committed):
@@ -45,5 +44,4 @@ def export_adapter(cfg: RunConfig, restore: RestoreCheck) -> Exported:
                  + f" in {result.seconds:.1f} s")
     else:
         log.error(f"export check FAILED: {export.failure(result)}")
-    return Exported(result=result, discovered=Discovered(manifest=write_manifest(cfg.run_root, artifacts, options),
-                                                         artifacts=artifacts))
+    return Exported(result=result, discovered=discovered)

@@ -8,7 +8,6 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from txflow.checkpoints import promotion, retention
-from txflow.checkpoints.discovery import discover, write_manifest
 from txflow.config import RunConfig
 from txflow.log import get_logger
 from txflow.results import Discovered, Pruned
@@ -26,7 +25,5 @@ def prune_checkpoints(cfg: RunConfig, discovered: Discovered) -> Pruned:
     freed = sum(d.bytes for d in deletions)
     log.info(f"prune-checkpoints: kept the newest {cfg.keep_last} periodic states; {len(deletions)} deleted, "
              f"{freed} bytes freed")
-    artifacts = discover(cfg.run_root, options, require_commit=True)
-    manifest = write_manifest(cfg.run_root, artifacts, options)
     return Pruned(keep_last=cfg.keep_last, deletions=deletions, bytes_freed=freed,
-                  discovered=Discovered(manifest=manifest, artifacts=artifacts))
+                  discovered=Discovered.list_run_root(cfg.run_root, options))

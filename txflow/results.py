@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from txflow.checkpoints.discovery import Artifact
+from txflow.checkpoints.discovery import Artifact, discover, write_manifest
 from txflow.checkpoints.export import ExportReference, ExportResult
 from txflow.checkpoints.retention import Deletion
 
@@ -64,6 +64,13 @@ class Saved(BaseModel):
 class Discovered(BaseModel):
     manifest: str
     artifacts: list[Artifact]
+
+    @classmethod
+    def list_run_root(cls, run_root: str, storage_options: dict | None) -> Discovered:
+        """Every artifact under the run root as it is now (commit markers required), and its manifest
+        written: what a step that changed the root hands on."""
+        artifacts = discover(run_root, storage_options, require_commit=True)
+        return cls(manifest=write_manifest(run_root, artifacts, storage_options), artifacts=artifacts)
 
 
 class RestoreCheck(BaseModel):
