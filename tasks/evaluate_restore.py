@@ -25,7 +25,7 @@ EVAL_SEED_OFFSET = 7_777_777
 
 def restore(cfg: RunConfig, handle: ClusterHandle, client, state_url: str, rank: int, modules: dict | None = None):
     """A fresh training client holding the state copied back from its durable URL."""
-    restored = lora_client(client, handle.cluster.base_model_path, rank, modules=modules)
+    restored = lora_client(handle, client, rank, cfg.step_timeout_s, modules=modules)
     load_state(cfg, handle, restored, state_url)
     return restored
 
@@ -42,7 +42,7 @@ def restored_sampler(cfg: RunConfig, handle: ClusterHandle, client, sampler_url:
     """A sampling client on the sampler weights copied back from their durable URL, in a fresh adapter
     slot of its own: were the tarball ignored, it would sample the untrained adapter, not the restored
     state. Returns it and the slot's training client (to unload)."""
-    slot = lora_client(client, handle.cluster.base_model_path, rank, modules=modules)
+    slot = lora_client(handle, client, rank, cfg.step_timeout_s, modules=modules)
     path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, sampler_url, "sampler", slot.model_id,
                                      "restored")
     return client.create_sampling_client(model_path=path), slot
@@ -199,7 +199,7 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
     live = saved.live
     state_url, sampler_url = (next(c.url for c in saved.checkpoints if c.kind == kind)
                               for kind in ("state", "sampler"))
-    restored = lora_client(client, handle.cluster.base_model_path, cfg.lora_rank)
+    restored = lora_client(handle, client, cfg.lora_rank, timeout)
     try:
         # The fresh adapter is zero (LoRA's B starts at 0): this is the base model's loss, for free.
         base_loss = evaluation.eval_loss(restored, live.examples, handle, timeout)

@@ -22,7 +22,7 @@ from txflow.reporting.metrics import append_metric, read_metrics, write_metrics
 from txflow.reporting.progress import StepProgress
 from txflow.results import Checkpoint, LiveReference, Trained
 from txflow.training import custom, datasets, evaluation, rl, sft
-from txflow.training.clients import training_client_at
+from txflow.training.clients import sampling_client_of, training_client_at
 from txflow.upstream.skyrl_tx.losses import DEFAULTS as LOSS_DEFAULTS
 
 # rl sends ppo no loss_fn_config: its ratio is clipped at the default thresholds.
@@ -74,7 +74,7 @@ def rl_step(cfg: RunConfig, handle: ClusterHandle, data: rl.RLData):
     adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
 
     def step_fn(training_client, step: int) -> dict:
-        policy = training_client.save_weights_and_get_sampling_client()
+        policy = sampling_client_of(handle, training_client, cfg.step_timeout_s)
         indices = datasets.batch_indices(len(data.prompts), step, cfg.batch_size, cfg.seed)
         groups = rl.sample_groups(policy, data, indices, cfg.group_size, cfg.max_tokens, cfg.temperature,
                                   cfg.seed * 100_003 + step, handle, cfg.step_timeout_s)

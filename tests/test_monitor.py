@@ -97,6 +97,30 @@ def test_a_request_in_flight_is_abandoned_as_soon_as_the_monitor_sees_a_death(tw
         handle.monitor.stop()
 
 
+def test_an_sdk_call_that_blocks_on_the_engine_is_abandoned_at_a_death_and_otherwise_returns(two_ranks):
+    """Creating a training client waits inside the SDK: with the engine (rank 0) dead, the API answers
+    "pending" forever. `call` abandons it like any wait, and gives back a result or an error otherwise."""
+    cluster, launcher = two_ranks
+    handle = ClusterHandle.watch(cluster, launcher)
+    forever = threading.Event()
+    try:
+        assert handle.call(lambda: "client", "creating a training client", timeout_s=10) == "client"
+        with pytest.raises(ValueError, match="refused"):
+            handle.call(lambda: (_ for _ in ()).throw(ValueError("refused")), "creating", timeout_s=10)
+        killer = threading.Timer(1.0, lambda: os.kill(cluster.rank(0).pid, signal.SIGKILL))
+        killer.start()
+        began = time.time()
+        with pytest.raises(RankDied) as died:
+            handle.call(forever.wait, "creating a training client", timeout_s=60)
+        killer.join()
+        assert died.value.failure.rank == 0
+        # Abandoned at the death, not at its 60 s timeout (how fast a death is seen is tested above).
+        assert time.time() - began < 10
+    finally:
+        forever.set()  # ends the abandoned call's thread
+        handle.monitor.stop()
+
+
 def test_a_result_is_returned_without_a_polling_delay(two_ranks):
     cluster, launcher = two_ranks
     handle = ClusterHandle.watch(cluster, launcher)

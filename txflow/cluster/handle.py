@@ -5,6 +5,7 @@ this one object instead of a cluster and a launcher."""
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -93,6 +94,23 @@ class ClusterHandle:
         if value.abandoned_at is None:
             value.abandoned_at = time.time()
         raise RankDied(value)
+
+    def call(self, fn, what: str, timeout_s: float):
+        """`fn()`, an SDK call that waits on the engine inside itself (creating a training client, saving
+        weights for a sampler), abandoned like `wait`. When the engine itself dies, the API still answers
+        "pending" and such a call would wait forever. It runs in a daemon thread of its own, which the
+        cluster's teardown ends (its requests fail once the API is gone) and which never holds up an exit.
+        """
+        done: Future = Future()
+
+        def run() -> None:
+            try:
+                done.set_result(fn())
+            except BaseException as exc:  # raised in the waiting thread by `wait`
+                done.set_exception(exc)
+
+        threading.Thread(target=run, name="txflow-call", daemon=True).start()
+        return self.wait(done, what, timeout_s)
 
     def _waiters(self) -> ThreadPoolExecutor:
         if self.waiters is None:

@@ -13,15 +13,24 @@ from txflow.config import RunConfig
 LORA_MODULES = {"train_attn": True, "train_mlp": True, "train_unembed": False}
 
 
-def lora_client(service_client, base_model: str, rank: int, seed: int | None = None, modules: dict | None = None):
-    """A fresh LoRA training client of `rank` on `modules` (default: txflow's own, `LORA_MODULES`)."""
-    return service_client.create_lora_training_client(base_model=base_model, rank=rank, seed=seed,
-                                                      **(modules or LORA_MODULES))
+def lora_client(handle: ClusterHandle, service_client, rank: int, timeout_s: float, seed: int | None = None,
+                modules: dict | None = None):
+    """A fresh LoRA training client of `rank` on `modules` (default: txflow's own, `LORA_MODULES`). The SDK
+    waits for the engine to create the model inside the call, so a death abandons it (`ClusterHandle.call`)."""
+    return handle.call(lambda: service_client.create_lora_training_client(
+        base_model=handle.cluster.base_model_path, rank=rank, seed=seed, **(modules or LORA_MODULES)),
+        "creating a training client", timeout_s)
+
+
+def sampling_client_of(handle: ClusterHandle, training_client, timeout_s: float):
+    """`save_weights_and_get_sampling_client()`, abandoned on a death like every wait on the engine."""
+    return handle.call(training_client.save_weights_and_get_sampling_client, "saving weights for a sampler",
+                       timeout_s)
 
 
 def training_client_at(cfg: RunConfig, handle: ClusterHandle, point: tuple[str, int] | None):
     """A fresh LoRA client on `handle`; given a (URL, step) it first loads that durable state, optimizer included."""
-    training_client = lora_client(handle.service_client(), handle.cluster.base_model_path, cfg.lora_rank, cfg.seed)
+    training_client = lora_client(handle, handle.service_client(), cfg.lora_rank, cfg.step_timeout_s, cfg.seed)
     if point is None:
         return training_client
     url, step = point

@@ -7,7 +7,7 @@ import httpx
 
 from txflow.cluster.handle import ClusterHandle
 from txflow.results import LiveReference
-from txflow.training import sft
+from txflow.training import clients, sft
 
 GREEDY_TOKENS = 8
 
@@ -106,7 +106,7 @@ def live_reference(mode: str, handle: ClusterHandle, training_client, data, time
     same prompts, which they must differ from) and per-token logprobs. Taken at the last step, before the
     final state is committed, so that every later check compares the durable copies with the live model."""
     prompts = eval_prompts(mode, data)
-    live_sampler = training_client.save_weights_and_get_sampling_client()
+    live_sampler = clients.sampling_client_of(handle, training_client, timeout_s)
     tokens = greedy_tokens(live_sampler, prompts, handle, timeout_s, seed)
     base_sampler = handle.service_client().create_sampling_client(base_model=handle.cluster.base_model_path)
     base_tokens = greedy_tokens(base_sampler, prompts, handle, timeout_s, seed)
