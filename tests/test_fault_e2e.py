@@ -180,18 +180,20 @@ def test_a_fault_during_evaluate_restore_does_not_train_again(tmp_path, txflow_e
 
 
 def test_a_fault_during_save_checkpoint_is_checked_against_the_live_model(tmp_path, txflow_env, reaper):
-    """The rank is stopped once the final state is committed and killed once save-checkpoint has begun, so the
+    """Rank 1 is stopped once the final state is committed and killed once save-checkpoint has begun, so the
     fault lands in save-checkpoint, always: the retry writes the sampler on a fresh cluster from the committed
     final state, and the restore check still compares the durable copies with the live model's figures,
     recorded by the train step before its final commit (never the committed state with itself)."""
     run_id, log = "save-fault", tmp_path / "save-fault.log"
+    # Two processes: the stopped rank 1 holds the engine's sampler save until the kill (on one process the
+    # save can finish between the log line and the stop, and the fault would land in evaluate-restore).
     proc, state, files = start_run(tmp_path, txflow_env, run_id, "--steps", "4", "--save-every", "0",
-                                   "--train-retries", "1", "--processes", "1")
+                                   "--train-retries", "1")
     reaper.watch(state)
     live_file = tmp_path / "ckpt" / run_id / "live-reference.json"
     try:
         wait_for(proc, log, lambda: "saved state at step 4" in log.read_text(), "the final commit")
-        pid = next(p["pid"] for p in json.loads((state / "cluster.json").read_text())["processes"] if p["rank"] == 0)
+        pid = next(p["pid"] for p in json.loads((state / "cluster.json").read_text())["processes"] if p["rank"] == 1)
         os.kill(pid, signal.SIGSTOP)  # save-checkpoint cannot finish before the kill below
         recorded = json.loads(live_file.read_text())
         wait_for(proc, log, lambda: "save-checkpoint: saving the sampler weights of step 4" in log.read_text(),
@@ -201,7 +203,7 @@ def test_a_fault_during_save_checkpoint_is_checked_against_the_live_model(tmp_pa
         code = finish(proc, files)
     text, report = passed_run(code, log, tmp_path, run_id)
     [failure] = report["failures"]
-    assert (failure["rank"], failure["step"], failure["resumed_at"]) == (0, "save-checkpoint", "save-checkpoint")
+    assert (failure["rank"], failure["step"], failure["resumed_at"]) == (1, "save-checkpoint", "save-checkpoint")
     assert "save-checkpoint resumes on a fresh cluster from the committed final state of step 4" in text
     assert len(re.findall(r"step 4/4 ", text)) == 1  # nothing trained twice
     # The restore check compared with the live model's figures, recorded before the fault.
