@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/txflow run sft
 
+# Two phases: the unit tests alone (several assert sub-second timings), then the end-to-end tests on two
+# workers (see tests/conftest.py). Both phases run; the target fails if either did.
 test: $(STAMP)
-	$(BIN)/python -m pytest -v
+	status=0; \
+	$(BIN)/python -m pytest -v -m "not e2e" || status=$$?; \
+	$(BIN)/python -m pytest -v -m e2e -n 2 --dist loadgroup --no-loadscope-reorder || status=$$?; \
+	exit $$status
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -v -m "not e2e"

@@ -121,3 +121,33 @@ def s3_env(moto, txflow_env, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     return txflow_env | env
+
+
+# `make test` runs the end-to-end tests on two pytest-xdist workers (`--dist loadgroup`): most of an
+# end-to-end test's time is one process importing, compiling or waiting, so two at once fill the
+# machine's two cores (measured: two 1-process SFT runs at once took 71 s, one alone 57 s).
+# Tests that share a module-scoped fixture (one run, one server, one Ray cluster) form one group, so
+# the fixture is set up once; every other end-to-end test is scheduled on its own. Longest work first,
+# so that neither worker is left with a long test while the other has finished (times from a full run).
+HEAVIEST_FIRST = ("test_deployments_e2e", "test_ray_e2e", "test_s3_e2e", "test_fault_e2e", "test_rl_custom_e2e",
+                  "test_sdk_matrix_e2e", "test_lifecycle_e2e", "test_sft_e2e", "test_cluster_e2e",
+                  "test_restore_negative_e2e", "test_security_e2e")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    def shares_a_module_fixture(item) -> bool:
+        defs = getattr(item, "_fixtureinfo", None)
+        return defs is not None and any(d.scope in ("module", "package") for fixture_defs in
+                                        defs.name2fixturedefs.values() for d in fixture_defs)
+
+    for item in items:
+        if shares_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+    def rank(item) -> tuple[int, int]:
+        name = item.module.__name__.rsplit(".", 1)[-1]
+        heavy = HEAVIEST_FIRST.index(name) if name in HEAVIEST_FIRST else len(HEAVIEST_FIRST)
+        return ("e2e" not in item.keywords, heavy)
+
+    items.sort(key=rank)  # stable: a module keeps its own order
