@@ -26,7 +26,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	status=0; \
 	$(BIN)/python -m pytest -v -m "not e2e" || status=$$?; \
-	$(BIN)/python -m pytest -v -m e2e -n 2 --dist loadgroup --no-loadscope-reorder || status=$$?; \
+	$(BIN)/python -m pytest -v -m e2e -n 2 --dist load --no-loadscope-reorder || status=$$?; \
 	exit $$status
 
 test-fast: $(STAMP)

@@ -123,31 +123,50 @@ def s3_env(moto, txflow_env, monkeypatch):
     return txflow_env | env
 
 
-# `make test` runs the end-to-end tests on two pytest-xdist workers (`--dist loadgroup`): most of an
-# end-to-end test's time is one process importing, compiling or waiting, so two at once fill the
-# machine's two cores (measured: two 1-process SFT runs at once took 71 s, one alone 57 s).
-# Tests that share a module-scoped fixture (one run, one server, one Ray cluster) form one group, so
-# the fixture is set up once; every other end-to-end test is scheduled on its own. Longest work first,
-# so that neither worker is left with a long test while the other has finished (times from a full run).
+
+# `make test` runs the end-to-end tests on two pytest-xdist workers: most of an end-to-end test's time
+# is one process importing, compiling or waiting, so two at once fill the machine's two cores (measured:
+# two 1-process SFT runs at once took 71 s, one alone 57 s). The tests of a module in TOGETHER share a
+# module-scoped fixture (one run, one server, one Ray cluster, one S3 server; some rely on the order of
+# the module) and go to one worker, so it is set up once; every other test is scheduled on its own.
+# Longest work first, so that neither worker is left with a long test while the other has finished
+# (the order from a full run's times).
+TOGETHER = {"test_deployments_e2e", "test_ray_e2e", "test_s3_e2e", "test_lifecycle_e2e", "test_sft_e2e",
+            "test_security_e2e", "test_ray_cluster_infra", "test_export", "test_checkpoint_io",
+            "test_concurrency_guard", "test_losses", "test_sft_data", "test_discovery"}
 HEAVIEST_FIRST = ("test_deployments_e2e", "test_ray_e2e", "test_s3_e2e", "test_fault_e2e", "test_rl_custom_e2e",
                   "test_sdk_matrix_e2e", "test_lifecycle_e2e", "test_sft_e2e", "test_cluster_e2e",
                   "test_restore_negative_e2e", "test_security_e2e")
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def _module(item_or_nodeid) -> str:
+    nodeid = getattr(item_or_nodeid, "nodeid", item_or_nodeid)
+    return Path(nodeid.split("::", 1)[0]).stem
+
+
 def pytest_collection_modifyitems(config, items):
-    def shares_a_module_fixture(item) -> bool:
-        defs = getattr(item, "_fixtureinfo", None)
-        return defs is not None and any(d.scope in ("module", "package") for fixture_defs in
-                                        defs.name2fixturedefs.values() for d in fixture_defs)
+    # A module fixture outside TOGETHER would be set up on both workers, once each: say so at once.
+    shared = {_module(item) for item in items
+              if any(d.scope in ("module", "package") for defs in item._fixtureinfo.name2fixturedefs.values()
+                     for d in defs)}
+    if shared - TOGETHER:
+        raise pytest.UsageError(f"tests/conftest.py: add {sorted(shared - TOGETHER)} to TOGETHER "
+                                "(their tests share a module-scoped fixture)")
 
-    for item in items:
-        if shares_a_module_fixture(item):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
-
-    def rank(item) -> tuple[int, int]:
-        name = item.module.__name__.rsplit(".", 1)[-1]
-        heavy = HEAVIEST_FIRST.index(name) if name in HEAVIEST_FIRST else len(HEAVIEST_FIRST)
-        return ("e2e" not in item.keywords, heavy)
+    def rank(item) -> tuple[bool, int]:
+        name = _module(item)
+        return ("e2e" not in item.keywords,
+                HEAVIEST_FIRST.index(name) if name in HEAVIEST_FIRST else len(HEAVIEST_FIRST))
 
     items.sort(key=rank)  # stable: a module keeps its own order
+
+
+def pytest_xdist_make_scheduler(config, log):
+    # xdist's own `loadgroup` marks groups by rewriting the node id, which pytest 9.2 no longer allows.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedFixturesTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return nodeid.split("::", 1)[0] if _module(nodeid) in TOGETHER else nodeid
+
+    return SharedFixturesTogether(config, log)

@@ -323,8 +323,10 @@ def test_a_lost_node_is_a_rank_death_and_a_retry_that_cannot_be_placed_fails_cle
     """Last: it kills the second node's raylet. The lost node is detected as a death of the rank it held;
     the retry cannot place two ranks on one node, so the run fails saying so, and leaves nothing."""
     cluster, env, work, states = ray_env
+    # The first start may share the 2 cores with another test (`make test` runs two at once): 60 s was
+    # once too short. The retry's placement fails at once whatever the deadline.
     proc, log = txflow(cluster, env, work, "ray-lost", states, "--steps", "500", "--train-retries", "1",
-                       "--startup-timeout", "60", "--checkpoints", str(work / "ckpt"))
+                       "--startup-timeout", "180", "--checkpoints", str(work / "ckpt"))
     metrics = states / "ray-lost" / "metrics.jsonl"
     try:
         wait_until(lambda: metrics.exists() and metrics.read_text().strip(), proc, log, "training to start")
