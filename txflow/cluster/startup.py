@@ -22,6 +22,10 @@ def child_env(cfg: RunConfig, database_url: str) -> dict[str, str]:
            # An explicit JAX_COMPILATION_CACHE_DIR (or "" to switch it off) wins.
            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
                                                        str(cache_dir() / "jax-compilation")),
+           # Every program, not only those that took 1 s or more: a rank runs ~300 small ones (collectives,
+           # random seeds, staging) and compiled each again on every start. An explicit value wins.
+           "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                                                                        "0"),
            # glibc gives threads up to 8 malloc arenas per core, and XLA's thread pool fragments them: a
            # rank's RSS then grows with every step (+320-350 MiB while training 100 SFT steps here, +70 MiB
            # with 2 arenas), and 2 arenas cost no step time we could measure. An explicit MALLOC_ARENA_MAX wins.

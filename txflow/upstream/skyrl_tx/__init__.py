@@ -4,7 +4,7 @@ Its modules follow the upstream process each patch changes: `api` (the Tinker
 API server: points 1, 2, 10, 11, 14 and its end of 12 and 13, with
 `tinker_compat` for 10, `result_wait` for 11 and `lora_config` for 14), `engine`
 (rank 0: 8, 9 and its end of 12), `worker` (ranks > 0: 8), `ranks` (what every
-rank gets: 6 and 13 installed, 7), `checkpoint_io` (6), `losses` (13, both
+rank gets: 6 and 13 installed, 7, 15), `checkpoint_io` (6), `losses` (13, both
 ends), `layout` (5) and `launch` (3, 4 and the command line of each process);
 `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This
 module holds the names and numbers of the pinned version and its guard.
@@ -118,6 +118,15 @@ workaround can go:
     and MLP whatever the client asked. The API passes them on, and refuses what
     the engine cannot train (nothing at all; the unembedding of a base model
     that ties it to its embeddings). Can go when upstream passes them on.
+15. Compilation cache (JAX 0.10.2, which upstream pins; `ranks`): JAX writes the
+    persistent compilation cache from process 0 only, and a rank's cache keys
+    are its own, so rank 1 and up compiled every program again on every start:
+    ~270 on a 2-process cluster of the tiny model, 27 s to ready and a 15 s
+    first step against 12 s and 4 s once they write their own entries. Every
+    rank writes under JAX's own conditions; `startup.child_env` also caches
+    programs that compile in under 1 s (most of those 270). Can go when JAX
+    writes the cache from every process (tests/test_compilation_cache.py's
+    control then fails).
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the

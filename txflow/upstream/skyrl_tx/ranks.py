@@ -1,5 +1,6 @@
 """What every rank process gets before upstream's entry point runs: txflow's checkpoint I/O (point 6),
-the default SIGTERM action after `jax.distributed.initialize` (point 7) and Tinker's losses (point 13)."""
+the default SIGTERM action after `jax.distributed.initialize` (point 7), Tinker's losses (point 13) and
+the compilation cache written by every rank (point 15)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,29 @@ def default_sigterm_after_distributed_init() -> None:
     jax.distributed.initialize = initialize_then_default_sigterm
 
 
+def compilation_cache_written_by_every_rank() -> None:
+    """Let ranks > 0 write their programs to the persistent compilation cache, as rank 0 does (point 15)."""
+    import warnings
+
+    from jax._src import compilation_cache, compiler, config, distributed
+
+    write = compiler._cache_write
+
+    def write_on_every_rank(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks):
+        if distributed.global_state.process_id == 0:
+            return write(cache_key, compile_time_secs, module_name, backend, executable, host_callbacks)
+        # JAX's own conditions, without its "process 0 only"; a rank's keys are its own, so no two
+        # ranks write one entry.
+        if host_callbacks or compile_time_secs < config.persistent_cache_min_compile_time_secs.value:
+            return
+        try:
+            compilation_cache.put_executable_and_time(cache_key, module_name, executable, backend,
+                                                      int(compile_time_secs))
+        except Exception as error:  # a cache that cannot be written costs time, never the run
+            warnings.warn(f"txflow: compilation cache entry for {module_name!r} not written: "
+                          f"{type(error).__name__}: {error}")
+
+    compiler._cache_write = write_on_every_rank
 
 
 def run(module: str, argv: list[str], patch=None) -> None:
@@ -35,6 +59,7 @@ def run(module: str, argv: list[str], patch=None) -> None:
     entry = importlib.import_module(module)  # the slow part (~8 s), before any gate
     install_checkpoint_io()
     default_sigterm_after_distributed_init()
+    compilation_cache_written_by_every_rank()
     losses.install_backend()
     if patch is not None:
         patch(entry)
