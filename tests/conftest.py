@@ -124,8 +124,8 @@ def s3_env(moto, txflow_env, monkeypatch):
 
 
 
-# `make test` runs the end-to-end tests on two pytest-xdist workers: most of an end-to-end test's time
-# is one process importing, compiling or waiting, so two at once fill the machine's two cores (measured:
+# `make test` runs every test but the `timed` ones on two pytest-xdist workers: most of an end-to-end
+# test's time is one process importing, compiling or waiting, so two at once fill the machine's two cores (measured:
 # two 1-process SFT runs at once took 71 s, one alone 57 s). The tests of a module in TOGETHER share a
 # module-scoped fixture (one run, one server, one Ray cluster, one S3 server; some rely on the order of
 # the module) and go to one worker, so it is set up once; every other test is scheduled on its own.
@@ -134,6 +134,10 @@ def s3_env(moto, txflow_env, monkeypatch):
 TOGETHER = {"test_deployments_e2e", "test_ray_e2e", "test_s3_e2e", "test_lifecycle_e2e", "test_sft_e2e",
             "test_security_e2e", "test_ray_cluster_infra", "test_export", "test_checkpoint_io",
             "test_concurrency_guard", "test_losses", "test_sft_data", "test_discovery"}
+# Unit tests that assert on wall-clock times (sub-second margins some of them): `make test` runs them
+# first and alone, so that nothing else shares the CPU with them. Marked `timed`.
+TIMED = {"test_bad_input", "test_lifeline", "test_monitor", "test_processes", "test_progress", "test_result_wait",
+         "test_wake"}
 HEAVIEST_FIRST = ("test_deployments_e2e", "test_ray_e2e", "test_s3_e2e", "test_fault_e2e", "test_rl_custom_e2e",
                   "test_sdk_matrix_e2e", "test_lifecycle_e2e", "test_sft_e2e", "test_cluster_e2e",
                   "test_restore_negative_e2e", "test_security_e2e")
@@ -142,6 +146,11 @@ HEAVIEST_FIRST = ("test_deployments_e2e", "test_ray_e2e", "test_s3_e2e", "test_f
 def _module(item_or_nodeid) -> str:
     nodeid = getattr(item_or_nodeid, "nodeid", item_or_nodeid)
     return Path(nodeid.split("::", 1)[0]).stem
+
+
+def pytest_itemcollected(item):
+    if _module(item) in TIMED:  # here, before `-m` selects
+        item.add_marker(pytest.mark.timed)
 
 
 def pytest_collection_modifyitems(config, items):
