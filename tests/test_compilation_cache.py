@@ -9,11 +9,12 @@ against 12 s and 4 s with the patch)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+from txflow.processes.ports import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,12 +32,6 @@ RANK = textwrap.dedent("""
     print("broadcast", multihost_utils.broadcast_one_to_all(value).tolist(), flush=True)
 """)
 MISS = "PERSISTENT COMPILATION CACHE MISS"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_pair(cache: Path, patched: bool) -> list[str]:
