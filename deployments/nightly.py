@@ -20,10 +20,14 @@ from prefect import flow
 
 from deployments.defaults import NIGHTLY_RL, NIGHTLY_SFT
 from flows.train import RunFailed, train_flow
+from tasks.launch_workers import launch_workers
+from tasks.provision_coordinator import provision_coordinator
+from tasks.save_checkpoint import save_checkpoint
 from txflow.cluster.launchers import stop_cluster
 from txflow.config import NIGHTLY_HISTORY_DIR, RunConfig, new_run_id
 from txflow.log import get_logger
 from txflow.reporting import history
+from txflow.reporting.report import RunReport
 
 ARTIFACT_KEY = "nightly-validation"
 HISTORY_DIR = NIGHTLY_HISTORY_DIR
@@ -58,15 +62,15 @@ def _stop_subflow_clusters(flow, flow_run, state) -> None:
                      + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_text}" for r in records) or "nothing recorded"))
 
 
-def figures_of_run(mode: str, report: dict) -> dict[str, float]:
+def figures_of_run(mode: str, report: RunReport) -> dict[str, float]:
     """The figures one run contributes to the night's record (`<mode>.<figure>`)."""
-    timings, restore = report["timings_s"], report["restore"] or {}
+    restore = report.restore or {}
     values = {
         "restore_abs_diff": restore.get("abs_diff"),
-        "startup_s": timings.get("provision-coordinator", 0) + timings.get("launch-workers", 0) or None,
-        "median_step_s": history.step_median(report["metrics"]),
-        "save_s": timings.get("save-checkpoint"),
-        "total_s": timings.get("total"),
+        "startup_s": report.seconds(provision_coordinator, launch_workers) or None,
+        "median_step_s": history.step_median(report.metrics),
+        "save_s": report.timings_s.get(save_checkpoint.name),
+        "total_s": report.timings_s.get("total"),
     }
     keys = {"sft": ("final_eval_loss", "eval_loss_gain"),
             "rl": ("eval_reward", "base_eval_reward", "reward_gain", "clip_fraction")}[mode]
@@ -114,9 +118,9 @@ def nightly_validation(
         result = {"run_id": cfg.run_id, "status": "failed", "error": None, "report": None}
         try:
             report = train_flow.with_options(flow_run_name=cfg.run_id)(config=cfg)
-            result.update(status=report["status"], report=report)
+            result.update(status=report.status, report=report)
         except RunFailed as failed:
-            result.update(error=failed.report["error"], report=failed.report)
+            result.update(error=failed.report.error, report=failed.report)
         except Exception as exc:  # preflight or any other failure of the subflow
             result["error"] = "".join(traceback.format_exception_only(exc)).strip()
         log.info(f"nightly {name} run {cfg.run_id}: {result['status']}"

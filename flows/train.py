@@ -17,16 +17,16 @@ from __future__ import annotations
 import time
 import traceback
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 from prefect import flow
 from prefect.concurrency.sync import concurrency
 
-from tasks.approve import wait_for_approval
+from tasks.approve import approval
 from tasks.discover_artifacts import discover_artifacts
 from tasks.evaluate_restore import evaluate_restore
 from tasks.export_adapter import export_adapter
 from tasks.launch_workers import launch_workers
+from tasks.preflight import preflight
 from tasks.promote import promote
 from tasks.provision_coordinator import provision_coordinator
 from tasks.prune_checkpoints import prune_checkpoints
@@ -43,18 +43,19 @@ from txflow.cluster.monitor import Failure, NoProgress
 from txflow.cluster.records import as_json
 from txflow.config import RunConfig
 from txflow.log import get_logger, register_run_secrets
-from txflow.preflight import PreflightError, prepare
+from txflow.preflight import PreflightError
 from txflow.processes.umask import private_files
 from txflow.reporting import report as run_report
-from txflow.reporting.metrics import metrics_path, read_metrics
-from txflow.results import Discovered, Exported, Pruned, RestoreCheck, Saved, Trained
+from txflow.reporting.metrics import metrics_path
+from txflow.reporting.report import RunReport
+from txflow.results import Progress
 
 
 class RunFailed(RuntimeError):
     """The run finished but a step or the restore check failed; the report says which."""
 
-    def __init__(self, report: dict):
-        super().__init__(f"run {report['run_id']} {report['status']}: {report['error']}")
+    def __init__(self, report: RunReport):
+        super().__init__(f"run {report.run_id} {report.status}: {report.error}")
         self.report = report
 
 
@@ -127,52 +128,20 @@ def _warn_once(message: str) -> None:
         get_logger().warning(message)
 
 
-class Timings(dict):
-    """Seconds per step; a step that runs on several clusters adds up."""
-
-    def run(self, name, fn, *args, **kwargs):
-        start = time.monotonic()
-        try:
-            return fn(*args, **kwargs)
-        finally:
-            self[name] = round(self.get(name, 0.0) + time.monotonic() - start, 3)
-
-
-@dataclass
-class Progress:
-    """What the steps have produced so far; a retry runs only the steps still missing."""
-
-    trained: Trained | None = None
-    saved: Saved | None = None
-    discovered: Discovered | None = None
-    restore: RestoreCheck | None = None
-    exported: Exported | None = None
-    pruned: Pruned | None = None
-    promoted: Promotion | None = None
-    step: str | None = None  # the step running now
-    train_runs: int = 0
-    failures: list[Failure] = field(default_factory=list)
-
-    def run(self, timings: Timings, name: str, fn, *args):
-        self.step = name
-        return timings.run(name, fn, *args)
-
-
-def _steps(cfg: RunConfig, handle: ClusterHandle, data, done: Progress, timings: Timings) -> None:
+def _steps(cfg: RunConfig, handle: ClusterHandle, data, done: Progress) -> None:
     """The steps after the cluster is up, skipping those an earlier attempt finished."""
     if done.trained is None:
         done.train_runs += 1
-        done.trained = done.run(timings, "train", train, cfg, handle, data, done.train_runs)
+        done.trained = done.run(train, cfg, handle, data, done.train_runs)
     if done.saved is None:
-        done.saved = done.run(timings, "save-checkpoint", save_checkpoint, cfg, handle, done.trained, data)
+        done.saved = done.run(save_checkpoint, cfg, handle, done.trained)
     if done.discovered is None:
-        done.discovered = done.run(timings, "discover-artifacts", discover_artifacts, cfg, done.saved)
-    done.restore = done.run(timings, "evaluate-restore", evaluate_restore, cfg, handle, done.trained.metrics,
-                            done.saved, data)
+        done.discovered = done.run(discover_artifacts, cfg, done.saved)
+    done.restore = done.run(evaluate_restore, cfg, handle, done.trained.metrics, done.saved, data)
 
 
 @flow(name="train", on_cancellation=[_stop_cluster_hook], on_crashed=[_stop_cluster_hook])
-def train_flow(config: RunConfig = RunConfig()) -> dict:
+def train_flow(config: RunConfig = RunConfig()) -> RunReport:
     """Fine-tune a LoRA adapter on a SkyRL-tx cluster and prove the checkpoint restores."""
     from prefect.context import FlowRunContext
 
@@ -181,36 +150,32 @@ def train_flow(config: RunConfig = RunConfig()) -> dict:
         return _train(cfg)
 
 
-def _train(cfg: RunConfig) -> dict:
+def _train(cfg: RunConfig) -> RunReport:
     """The body of `train_flow`, with the run config resolved."""
     log = get_logger()
     register_run_secrets(cfg)
     log.info(f"run {cfg.run_id}: mode {cfg.mode}, {cfg.processes} processes on the {cfg.launcher} launcher, "
              f"root {cfg.run_root}, state {cfg.state_dir}")
-    timings = Timings()
+    done = Progress()
     began = time.monotonic()
-    data = timings.run("preflight", prepare, cfg)
+    data = done.time(preflight, cfg)
     # The run root says the run is running (for `txflow prune`, maybe elsewhere) until it ends.
     with lease.held(cfg.run_root, cfg.run_id, cfg.plain_storage_options()):
-        return _run(cfg, data, timings, began)
+        return _run(cfg, data, done, began)
 
 
-def _run(cfg: RunConfig, data, timings: Timings, began: float) -> dict:
+def _run(cfg: RunConfig, data, done: Progress, began: float) -> RunReport:
     """The steps after pre-flight, the report, and the run's verdict."""
     log = get_logger()
     launcher = get_launcher(cfg)
-    done = Progress()
     error = None
-    ranks: list[dict] = []
     with cluster_slots(cfg):
         for attempt in range(cfg.train_retries + 1):
             handle = None
             try:
-                done.step = "provision-coordinator"
-                handle = timings.run("provision-coordinator", provision_coordinator, cfg, launcher)
-                done.step = "launch-workers"
-                timings.run("launch-workers", launch_workers, cfg, handle)
-                _steps(cfg, handle, data, done, timings)
+                handle = done.run(provision_coordinator, cfg, launcher)
+                done.run(launch_workers, cfg, handle)
+                _steps(cfg, handle, data, done)
                 error = None
             except Exception as exc:
                 error = "".join(traceback.format_exception_only(exc)).strip()
@@ -225,70 +190,63 @@ def _run(cfg: RunConfig, data, timings: Timings, began: float) -> dict:
                             f"continuing on a fresh cluster ({attempt + 1}/{cfg.train_retries})")
             finally:
                 try:
-                    ranks = timings.run("teardown", teardown, handle, cfg.state_dir)
+                    done.ranks = done.time(teardown, handle, cfg.state_dir)
                 except BaseException:
-                    ranks = as_json(handle.stop() if handle is not None else stop_cluster(cfg.state_dir))
+                    done.ranks = as_json(handle.stop() if handle is not None else stop_cluster(cfg.state_dir))
             if error is None:
                 break
             _note_resume_point(cfg, done)
     if error is None and done.restore and not done.restore.passed:
         error = "checks failed: " + "; ".join(done.restore.failed_checks)
     if error is None and done.restore and done.restore.passed and cfg.export:
-        error = _export(cfg, done, timings)
-    metrics = done.trained.metrics if done.trained else read_metrics(cfg.state_dir)
+        error = _export(cfg, done)
     if error is None and done.restore and done.restore.passed:
-        error = _lifecycle(cfg, done, timings, metrics)
-    timings["total"] = round(time.monotonic() - began, 3)
+        error = _lifecycle(cfg, done)
+    done.timings["total"] = round(time.monotonic() - began, 3)
 
-    status = "passed" if error is None and done.restore and done.restore.passed else "failed"
-    report = run_report.build(cfg, status, error, dict(timings), metrics, done.trained, done.saved, done.discovered,
-                              done.restore, ranks, done.failures, done.exported.result if done.exported else None,
-                              done.pruned, done.promoted)
+    report = run_report.build(cfg, done, error)
     path = metrics_path(cfg.state_dir)
     run_report.write(cfg, report, path.read_text() if path.exists() else "")
     run_report.publish_artifacts(report)
-    log.info(f"run {cfg.run_id} {status}; report {cfg.run_root}/report.json")
-    if status != "passed":
+    log.info(f"run {cfg.run_id} {report.status}; report {cfg.run_root}/report.json")
+    if not report.passed:
         raise RunFailed(report)
     return report
 
 
-def _export(cfg: RunConfig, done: Progress, timings: Timings) -> str | None:
+def _export(cfg: RunConfig, done: Progress) -> str | None:
     """export-adapter, once the cluster is gone; the run's error when it fails (its check or itself)."""
     try:
-        done.exported = done.run(timings, "export-adapter", export_adapter, cfg, done.restore)
+        done.exported = done.run(export_adapter, cfg, done.restore)
     except Exception as exc:
-        get_logger().error(f"run {cfg.run_id} failed in export-adapter: {exc}")
+        get_logger().error(f"run {cfg.run_id} failed in {done.step}: {exc}")
         return "".join(traceback.format_exception_only(exc)).strip()
     done.discovered = done.exported.discovered
     problem = export_failure(done.exported.result)
     return f"export check failed: {problem}" if problem else None
 
 
-def _lifecycle(cfg: RunConfig, done: Progress, timings: Timings, metrics: list[dict]) -> str | None:
+def _lifecycle(cfg: RunConfig, done: Progress) -> str | None:
     """A passed run: prune-checkpoints (keep_last), then approval (approve) and promote (promote_as). The
     run's error when a step fails; a rejection or an approval that never came is no error."""
-    step = "prune-checkpoints"
+    metrics = run_report.run_metrics(cfg, done)
     try:
         if cfg.keep_last:
-            done.pruned = done.run(timings, step, prune_checkpoints, cfg, done.discovered)
+            done.pruned = done.run(prune_checkpoints, cfg, done.discovered)
             done.discovered = done.pruned.discovered
         if not cfg.promote_as:
             return None
         verdict, comment = "approved", None
         if cfg.approve:
-            step = "approval"
             summary = run_report.approval_markdown(cfg, metrics, done.restore, done.exported.result)
-            verdict, comment = timings.run("approval", wait_for_approval, cfg, summary)
+            verdict, comment = done.run(approval, cfg, summary)
         if verdict != "approved":
             done.promoted = Promotion(name=cfg.promote_as, status=verdict, comment=comment)
             return None
-        step = "promote"
-        done.promoted = done.run(timings, step, promote, cfg, done.saved, done.restore, done.exported.result,
-                                 metrics, comment)
+        done.promoted = done.run(promote, cfg, done.saved, done.restore, done.exported.result, metrics, comment)
     except Exception as exc:
-        get_logger().error(f"run {cfg.run_id} failed in {step}: {exc}")
-        if step == "promote":
+        get_logger().error(f"run {cfg.run_id} failed in {done.step}: {exc}")
+        if done.step == promote.name:
             done.promoted = Promotion(name=cfg.promote_as, status="failed")
         return "".join(traceback.format_exception_only(exc)).strip()
     return None
@@ -298,13 +256,13 @@ def _note_resume_point(cfg: RunConfig, done: Progress) -> None:
     """Record on the last failure where the retry picks up."""
     failure = done.failures[-1]
     if done.trained is None:
-        failure.resumed_at = "train"
+        failure.resumed_at = train.name
         if cfg.mode != "custom":
             latest = storage.latest_state(cfg.run_root, cfg.plain_storage_options())
             failure.resumed_from_step = storage.step_of(latest.path) if latest else 0
     else:
-        failure.resumed_at = "save-checkpoint" if done.saved is None else (
-            "discover-artifacts" if done.discovered is None else "evaluate-restore")
+        failure.resumed_at = (save_checkpoint if done.saved is None else
+                              discover_artifacts if done.discovered is None else evaluate_restore).name
 
 
 def _cluster_fault(handle: ClusterHandle | None, exc: Exception) -> Failure | None:

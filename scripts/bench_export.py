@@ -11,7 +11,6 @@ step's own seconds from the report.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -20,10 +19,16 @@ import tempfile
 import time
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tasks.export_adapter import export_adapter  # noqa: E402
+from txflow.reporting.report import RunReport  # noqa: E402
+
 TARGET = 1.15
 
 
-def demo(work: Path, env: dict, name: str, export: bool) -> tuple[float, dict]:
+def demo(work: Path, env: dict, name: str, export: bool) -> tuple[float, RunReport]:
     """Wall seconds of one `txflow run sft` and its report."""
     began = time.monotonic()
     result = subprocess.run([sys.executable, "-m", "txflow.cli", "run", "sft", "--run-id", name,
@@ -33,7 +38,7 @@ def demo(work: Path, env: dict, name: str, export: bool) -> tuple[float, dict]:
     seconds = time.monotonic() - began
     if result.returncode != 0:
         raise SystemExit(f"run {name} failed:\n{result.stderr[-3000:]}")
-    return seconds, json.loads(result.stdout)
+    return seconds, RunReport.read(result.stdout)
 
 
 def main() -> int:
@@ -53,8 +58,8 @@ def main() -> int:
         for export in order:
             seconds[export], report = demo(work, env, f"{'export' if export else 'plain'}-{pair}", export)
             if export:
-                export_steps.append(report["timings_s"]["export-adapter"])
-                assert report["export"]["passed"], report["export"]
+                export_steps.append(report.seconds(export_adapter))
+                assert report.export.passed, report.export
         ratios.append(seconds[True] / seconds[False])
         print(f"pair {pair + 1}: with export {seconds[True]:.1f} s, without {seconds[False]:.1f} s, ratio "
               f"{ratios[-1]:.3f} (export-adapter step {export_steps[-1]:.1f} s)", flush=True)

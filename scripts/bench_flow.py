@@ -36,9 +36,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from txflow.processes.procfs import proc_stats# noqa: E402
-from txflow.training.datasets import bundled_dataset# noqa: E402
-from txflow.upstream.tiny_model import build_tiny_model# noqa: E402
+from tasks.discover_artifacts import discover_artifacts  # noqa: E402
+from tasks.evaluate_restore import evaluate_restore  # noqa: E402
+from tasks.launch_workers import launch_workers  # noqa: E402
+from tasks.preflight import preflight  # noqa: E402
+from tasks.provision_coordinator import provision_coordinator  # noqa: E402
+from tasks.save_checkpoint import save_checkpoint  # noqa: E402
+from tasks.teardown import teardown  # noqa: E402
+from tasks.train import train  # noqa: E402
+from txflow.processes.procfs import proc_stats  # noqa: E402
+from txflow.reporting.report import RunReport  # noqa: E402
+from txflow.training.datasets import bundled_dataset  # noqa: E402
+from txflow.upstream.tiny_model import build_tiny_model  # noqa: E402
 
 TICKS = os.sysconf("SC_CLK_TCK")
 JOB = {"processes": 2, "batch_size": 4, "lora_rank": 32, "learning_rate": 2e-2}
@@ -142,15 +151,13 @@ def flow(steps: int, env: dict, work: Path, run_id: str) -> dict:
            "--learning-rate", str(JOB["learning_rate"]), "--lora-rank", str(JOB["lora_rank"]),
            "--run-id", run_id, "--state-dir", str(work / run_id), "--checkpoints", str(work / "ckpt"), "--json"]
     wall, out, peaks, cpu = run_side(cmd, env, work)
-    report = json.loads(out)
-    t = report["timings_s"]
-    return {"wall": wall, "outside": wall - t["total"] + t.get("preflight", 0.0),
-            "cluster_up": t["provision-coordinator"] + t["launch-workers"], "train": t["train"],
-            "save_restore": t["save-checkpoint"] + t["discover-artifacts"] + t["evaluate-restore"],
-            "teardown": t["teardown"], "steps": len(report["metrics"]),
-            "step_seconds": [m["seconds"] for m in report["metrics"]], "losses": [m["nll"] for m in report["metrics"]],
-            "rss": peaks, "cpu": cpu,
-            "restore_passed": report["restore"]["passed"]}
+    report = RunReport.read(out)
+    return {"wall": wall, "outside": wall - report.timings_s["total"] + report.seconds(preflight),
+            "cluster_up": report.seconds(provision_coordinator, launch_workers), "train": report.seconds(train),
+            "save_restore": report.seconds(save_checkpoint, discover_artifacts, evaluate_restore),
+            "teardown": report.seconds(teardown), "steps": len(report.metrics),
+            "step_seconds": [m["seconds"] for m in report.metrics], "losses": [m["nll"] for m in report.metrics],
+            "rss": peaks, "cpu": cpu, "restore_passed": report.restore["passed"]}
 
 
 def loss_gap(hand: dict, txflow: dict) -> float:

@@ -14,7 +14,6 @@ existing cluster is. Prints the medians and their ratio (target <= 1.2).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -25,7 +24,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tasks.launch_workers import launch_workers  # noqa: E402
+from tasks.provision_coordinator import provision_coordinator  # noqa: E402
 from tests.ray_cluster import running_cluster  # noqa: E402
+from txflow.reporting.report import RunReport  # noqa: E402
 
 
 def start_up(cluster, env: dict, work: Path, launcher: str, index: int) -> float:
@@ -37,8 +39,8 @@ def start_up(cluster, env: dict, work: Path, launcher: str, index: int) -> float
     if proc.wait(timeout=900) != 0:
         raise SystemExit(f"{launcher} run failed; see {log}")
     text = log.read_text()
-    report = json.loads(text[text.find('{\n  "run_id"'):text.rindex("}") + 1])
-    return report["timings_s"]["provision-coordinator"] + report["timings_s"]["launch-workers"]
+    report = RunReport.read(text[text.find('{\n  "run_id"'):text.rindex("}") + 1])
+    return report.seconds(provision_coordinator, launch_workers)
 
 
 def main() -> int:

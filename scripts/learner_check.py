@@ -74,7 +74,7 @@ RUN = textwrap.dedent("""
             report = train_flow(config=cfg)
         except RunFailed as failed:
             report = failed.report
-    print("REPORT " + json.dumps({"status": report["status"], "restore": report["restore"], "error": report["error"]}))
+    print("REPORT " + json.dumps({"status": report.status, "restore": report.restore, "error": report.error}))
 """)
 
 FIGURES = {"sft": ("eval_loss_gain", "held-out loss gain over the base model (nats)"),

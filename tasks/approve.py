@@ -23,7 +23,7 @@ class Approval(RunInput):
     comment: str = Field(default="", description="Why (kept in promotion.json and the report)")
 
 
-def wait_for_approval(cfg: RunConfig, summary: str) -> tuple[str, str | None]:
+def approval(cfg: RunConfig, summary: str) -> tuple[str, str | None]:
     """("approved" | "rejected" | "not approved in time", the approver's comment)."""
     from prefect.flow_runs import pause_flow_run
 

@@ -19,6 +19,7 @@ from tests.helpers import LOAD_PEFT_AND_GREEDY, until_eos
 from txflow.checkpoints import export, storage
 from txflow.checkpoints.discovery import discover
 from txflow.checkpoints.markers import COMMIT_SUFFIX
+from txflow.export import proof, writer
 from txflow.upstream.tiny_model import resolve_base_model
 
 RANK, ALPHA = 8, 32.0
@@ -126,7 +127,7 @@ def _peft_dir(skyrl_sampler, tmp_path) -> tuple[Path, dict]:
 
 
 def _check(skyrl_sampler, peft_dir: Path) -> tuple[float, bool, list[str]]:
-    found, _ = export.prove(skyrl_sampler["base"], peft_dir, skyrl_sampler["reference"])
+    found, _ = proof.prove(skyrl_sampler["base"], peft_dir, skyrl_sampler["reference"])
     reference = skyrl_sampler["reference"]
     return (export.max_abs_diff(found.logprobs, reference.logprobs), found.greedy_tokens == reference.greedy_tokens,
             found.unapplied)
@@ -134,7 +135,7 @@ def _check(skyrl_sampler, peft_dir: Path) -> tuple[float, bool, list[str]]:
 
 def test_the_adapter_skyrl_trained_differs_from_the_base_model(skyrl_sampler):
     # Else matching figures would prove nothing: the reference is not the base model's.
-    from txflow.checkpoints.export import figures, load_base
+    from txflow.export.proof import figures, load_base
 
     base = figures(load_base(skyrl_sampler["base"]), skyrl_sampler["reference"])
     assert export.max_abs_diff(base.logprobs, skyrl_sampler["reference"].logprobs) > 0.1
@@ -185,7 +186,7 @@ def test_a_dropped_module_fails_the_check(skyrl_sampler, tmp_path):
 
 def test_export_commits_a_proven_peft_adapter_and_merged_model_that_discovery_lists(skyrl_sampler, tmp_path):
     dest = str(tmp_path / "out")
-    result = export.export(skyrl_sampler["reference"], dest, {}, skyrl_sampler["base"], {"run_id": "r1"}, merged=True)
+    result = writer.export(skyrl_sampler["reference"], dest, {}, skyrl_sampler["base"], {"run_id": "r1"}, merged=True)
     assert result.passed and export.failure(result) is None
     assert result.merged_max_abs_logprob_diff <= export.LOGPROB_BOUND and result.merged_greedy_tokens_match
     assert result.peft_url == f"{dest}/peft" and result.merged_url == f"{dest}/merged"
@@ -209,7 +210,7 @@ def test_export_commits_a_proven_peft_adapter_and_merged_model_that_discovery_li
 
 def test_a_failed_proof_writes_nothing(skyrl_sampler, tmp_path):
     wrong = skyrl_sampler["reference"].model_copy(update={"greedy_tokens": [[0] * 8, [0] * 8]})
-    result = export.export(wrong, str(tmp_path / "out"), {}, skyrl_sampler["base"], {})
+    result = writer.export(wrong, str(tmp_path / "out"), {}, skyrl_sampler["base"], {})
     assert not result.passed and export.failure(result) == "PEFT adapter: greedy tokens differ from SkyRL's"
     assert result.peft_url is None and not (tmp_path / "out").exists()
 

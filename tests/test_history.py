@@ -3,6 +3,7 @@ regression rule on synthetic histories, and the artifacts built from them."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 from datetime import datetime, timedelta, timezone
@@ -221,7 +222,7 @@ def test_corrupt_records_are_reported_and_skipped(root):
     tampered["record"]["figures"]["rl.eval_reward"] = 0.9  # changed after its checksum was computed
     schema = json.loads(history.encode(night(2)))
     schema["record"]["extra"] = 1
-    schema["sha256"] = history.hashlib.sha256(
+    schema["sha256"] = hashlib.sha256(
         json.dumps(schema["record"], sort_keys=True, separators=(",", ":")).encode()).hexdigest()
     future = json.loads(history.encode(night(3)))
     future["format"] = 99

@@ -20,10 +20,13 @@ FLOORS: list[tuple[str, ...]] = [
     ("txflow", "txflow.config", "txflow.log", "txflow.data"),  # the run's contract, logging with redaction
     ("txflow.processes",),  # process groups, /proc, ports, logs, the lifeline
     ("txflow.upstream",),  # SkyRL-tx and the Tinker SDKs: every patch, numbered
-    ("txflow.checkpoints",),  # markers, durable storage, discovery
+    ("txflow.checkpoints",),  # markers, durable storage, discovery, the export's records and files
+    ("txflow.export",),  # the export proven in transformers + peft: the room that loads models
     ("txflow.cluster",),  # cluster.json, launchers, handle, monitor, the embedded Prefect server
-    ("txflow.results",),  # what the steps hand each other
-    ("txflow.training", "txflow.reporting"),
+    ("txflow.results",),  # what the steps hand each other, and the run's progress
+    ("txflow.reporting",),  # report.json, metrics, the training bar, the nightly history
+    # the loop, the checkpoints it saves, the restore check and the verdict; what becomes of a run's artifacts
+    ("txflow.training", "txflow.lifecycle"),
     ("txflow.preflight",),
     ("tasks.*",),
     ("flows",),
@@ -145,6 +148,19 @@ def test_every_import_runs_down_the_floors_and_none_in_a_circle():
     assert layering_problems(REPO) == []
 
 
+def thick_steps(root: Path) -> list[str]:
+    """Every pipeline step that reaches into the SkyRL-tx adapter itself: a step wraps a call into txflow's
+    rooms, which know the adapter (`tasks/` stays thin)."""
+    modules = find_modules(root)
+    return [f"{name} imports {target}: a step calls txflow's rooms, never txflow.upstream"
+            for name, path in sorted(modules.items()) if name.startswith("tasks.")
+            for target in sorted(imports_of(name, path, modules)) if target.startswith("txflow.upstream")]
+
+
+def test_no_step_imports_the_upstream_adapter():
+    assert thick_steps(REPO) == []
+
+
 def test_upstream_imports_only_processes_config_and_log():
     modules = find_modules(REPO)
     allowed = ("txflow.upstream", "txflow.processes", "txflow.config", "txflow.log")
@@ -160,7 +176,8 @@ def _write(root: Path, files: dict[str, str]) -> None:
         (root / relative).write_text(text)
 
 
-def test_the_check_finds_an_upward_import_a_sideways_one_a_step_borrowing_from_a_step_and_a_circle(tmp_path):
+def test_the_check_finds_an_upward_import_a_sideways_one_a_step_borrowing_from_a_step_a_thick_step_and_a_circle(
+        tmp_path):
     _write(tmp_path, {
         "txflow/__init__.py": "",
         "txflow/config.py": "",
@@ -169,21 +186,31 @@ def test_the_check_finds_an_upward_import_a_sideways_one_a_step_borrowing_from_a
         "txflow/cluster/__init__.py": "",
         "txflow/cluster/handle.py": "from ..processes import groups\n",  # relative, resolved: a circle
         "txflow/training/__init__.py": "",
-        "txflow/training/sft.py": "from txflow.reporting.report import build\n",  # sideways, same floor
         "txflow/reporting/__init__.py": "",
         "txflow/reporting/report.py": "from txflow.config import RunConfig\n",
+        "txflow/results.py": "from txflow.reporting.report import build\n",  # upward
+        "deployments/__init__.py": "",
+        "deployments/nightly.py": "from txflow.cli import main\n",  # sideways, same floor
+        "txflow/cli.py": "",
         "txflow/stray.py": "",  # on no floor
         "tasks/__init__.py": "",
         "tasks/save_checkpoint.py": "from tasks.train import training_client_at\n",  # a step borrowing
-        "tasks/train.py": "from txflow.config import RunConfig\n",
+        "tasks/train.py": "from txflow.config import RunConfig\nfrom txflow.upstream.skyrl_tx import losses\n",
+        "txflow/upstream/__init__.py": "",
+        "txflow/upstream/skyrl_tx/__init__.py": "",
+        "txflow/upstream/skyrl_tx/losses.py": "",
     })
     problems = "\n".join(layering_problems(tmp_path))
     assert "txflow.processes.groups (room txflow.processes, floor 1) imports txflow.cluster.handle, on a higher " \
            "floor" in problems
-    assert "txflow.training.sft (room txflow.training, floor 6) imports txflow.reporting.report, on its own " \
-           "floor" in problems
-    assert "tasks.save_checkpoint (room tasks.save_checkpoint, floor 8) imports tasks.train, on its own floor" \
+    assert "txflow.results (room txflow.results, floor 6) imports txflow.reporting.report, on a higher floor" \
+           in problems
+    assert "deployments.nightly (room deployments, floor 12) imports txflow.cli, on its own floor" in problems
+    assert "tasks.save_checkpoint (room tasks.save_checkpoint, floor 10) imports tasks.train, on its own floor" \
            in problems
     assert "import circle: txflow.cluster.handle -> txflow.processes.groups" in problems
     assert "txflow.stray is on no floor" in problems
-    assert len(problems.splitlines()) == 5, problems  # and nothing else: downward imports are fine
+    assert len(problems.splitlines()) == 6, problems  # and nothing else: downward imports are fine
+    # tasks.train's import of the adapter runs down the floors, and is still a step that is not thin.
+    assert thick_steps(tmp_path) == ["tasks.train imports txflow.upstream.skyrl_tx.losses: a step calls "
+                                     "txflow's rooms, never txflow.upstream"]

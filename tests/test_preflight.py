@@ -500,3 +500,26 @@ def test_the_txflow_command_hands_over_its_output_and_exit_code(tmp_path):
     assert (artifact["kind"], artifact["complete"], artifact["bytes"]) == ("sampler", False, 11)
     assert tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"] == {
         "txflow": "txflow.cli:entry"}
+
+
+def test_what_txflow_run_prepared_ahead_serves_only_the_same_config_secrets_included(cfg_for, monkeypatch):
+    calls = []
+    monkeypatch.setattr(preflight, "_prepare", lambda cfg: calls.append(cfg) or object())
+    cfg = cfg_for(api_key="tml-one")
+    ahead = preflight.prepare_ahead(cfg)
+    # Another key is another run: it is checked afresh, and does not take the first one's data.
+    other = preflight.prepare(cfg_for(api_key="tml-two"))
+    assert other is not ahead and len(calls) == 2
+    assert preflight.prepare(cfg) is ahead and len(calls) == 2  # the same config: the flow's call, served
+    assert preflight.prepare(cfg) is not ahead and len(calls) == 3  # once: later calls check again
+
+
+def test_a_report_txflow_cannot_read_still_keeps_its_run_id(cfg_for):
+    cfg = cfg_for(run_id="garbled")
+    report = Path(cfg.run_root) / "report.json"
+    report.parent.mkdir(parents=True)
+    report.write_bytes(b'{"status": "pass')
+    with pytest.raises(PreflightError, match=r"Run garbled ran under .* before \(its report.json is unreadable: "
+                                             r".*\); its checkpoints are kept. Use another --run-id"):
+        preflight.check_run_root(cfg)
+    assert report.read_bytes() == b'{"status": "pass'

@@ -19,12 +19,12 @@ WRONG_STATE = textwrap.dedent("""
     import json, sys
     from txflow.cluster import embedded_prefect
     from txflow.checkpoints import storage
-    import tasks.save_checkpoint as step
+    from txflow.training import saving as step
 
     real = step.save_model_checkpoints
 
-    def with_the_state_of_step_1(cfg, handle, trained, data):
-        saved = real(cfg, handle, trained, data)
+    def with_the_state_of_step_1(cfg, handle, trained):
+        saved = real(cfg, handle, trained)
         first = min((a for a in storage.discover(cfg.run_root) if a.kind == "state"),
                     key=lambda a: storage.step_of(a.path))
         saved.checkpoints[0] = saved.checkpoints[0].model_copy(update={"url": first.url})
@@ -41,7 +41,7 @@ WRONG_STATE = textwrap.dedent("""
             train_flow(config=cfg)
             report = None
         except RunFailed as failed:
-            report = failed.report
+            report = failed.report.model_dump(mode="json")
     print(json.dumps(report))
 """)
 

@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from fastapi.routing import APIRoute
 
-from txflow.upstream.skyrl_tx import tinker_compat
+from txflow.upstream.skyrl_tx import protobuf, tinker_compat
 
 # ForwardBackwardRequest(model_id="model_ab12", seq_id=3, loss_fn="ppo",
 #   loss_fn_config={"clip_low_threshold": 0.8}, forward_only=True,
@@ -38,7 +38,7 @@ SDK_FORWARD_BACKWARD_OUTPUT = bytes.fromhex(
 def test_a_protobuf_forward_only_request_of_sdk_038_reads_as_upstreams_json_request():
     from tx.tinker import api
 
-    request, forward_only = tinker_compat.parse_forward_backward(SDK_FORWARD_ONLY_REQUEST)
+    request, forward_only = protobuf.parse_forward_backward(SDK_FORWARD_ONLY_REQUEST)
 
     assert forward_only is True
     assert request["model_id"] == "model_ab12"
@@ -54,44 +54,44 @@ def test_a_protobuf_forward_only_request_of_sdk_038_reads_as_upstreams_json_requ
 
 def test_a_forward_backward_request_is_not_forward_only_unless_it_says_so():
     body = bytes.fromhex("0a036d2d31220d63726f73735f656e74726f7079")  # model_id "m-1", loss_fn "cross_entropy"
-    request, forward_only = tinker_compat.parse_forward_backward(body)
+    request, forward_only = protobuf.parse_forward_backward(body)
     assert forward_only is False
     assert request["model_id"] == "m-1" and request["forward_backward_input"]["loss_fn"] == "cross_entropy"
     assert request["forward_backward_input"]["loss_fn_config"] is None
 
 
 def _request_with_datum(datum: bytes) -> bytes:
-    return tinker_compat._field(3, datum)  # ForwardBackwardRequest.data
+    return protobuf._field(3, datum)  # ForwardBackwardRequest.data
 
 
 def test_an_image_chunk_is_refused_by_name():
-    image_chunk = tinker_compat._field(2, b"")  # Chunk.image
+    image_chunk = protobuf._field(2, b"")  # Chunk.image
     with pytest.raises(ValueError, match="only text model inputs are supported"):
-        tinker_compat.parse_forward_backward(_request_with_datum(tinker_compat._field(1, image_chunk)))
+        protobuf.parse_forward_backward(_request_with_datum(protobuf._field(1, image_chunk)))
 
 
 def test_a_sparse_loss_input_is_refused_by_name():
-    tensor = tinker_compat._field(2, tinker_compat._field(1, b"\x00"))  # Tensor.sparse_csr
-    entry = tinker_compat._field(1, "weights") + tinker_compat._field(2, tensor)
+    tensor = protobuf._field(2, protobuf._field(1, b"\x00"))  # Tensor.sparse_csr
+    entry = protobuf._field(1, "weights") + protobuf._field(2, tensor)
     with pytest.raises(ValueError, match="sparse tensors are not supported"):
-        tinker_compat.parse_forward_backward(_request_with_datum(tinker_compat._field(2, entry)))
+        protobuf.parse_forward_backward(_request_with_datum(protobuf._field(2, entry)))
 
 
 def test_a_text_valued_loss_config_is_refused_by_name():
-    value = tinker_compat._field(2, "x")  # LossConfigValue.text
-    entry = tinker_compat._field(1, "mode") + tinker_compat._field(2, value)
+    value = protobuf._field(2, "x")  # LossConfigValue.text
+    entry = protobuf._field(1, "mode") + protobuf._field(2, value)
     with pytest.raises(ValueError, match="'mode' is text"):
-        tinker_compat.parse_forward_backward(tinker_compat._field(7, entry))
+        protobuf.parse_forward_backward(protobuf._field(7, entry))
 
 
 def test_a_truncated_body_is_refused():
     with pytest.raises(ValueError, match="truncated"):
-        tinker_compat.parse_forward_backward(SDK_FORWARD_ONLY_REQUEST[:-5])
+        protobuf.parse_forward_backward(SDK_FORWARD_ONLY_REQUEST[:-5])
 
 
 def test_a_sample_result_is_written_as_the_sdk_writes_a_sample_response():
     result = {"sequences": [{"stop_reason": "length", "tokens": [42], "logprobs": [-1.5]}], "prompt_logprobs": None}
-    assert tinker_compat.encode_sample_output(result) == SDK_SAMPLE_RESPONSE
+    assert protobuf.encode_sample_output(result) == SDK_SAMPLE_RESPONSE
 
 
 def test_a_forward_backward_result_is_written_as_the_sdk_writes_its_output():
@@ -102,7 +102,7 @@ def test_a_forward_backward_result_is_written_as_the_sdk_writes_its_output():
         {"elementwise_loss": {"data": [1.0], "dtype": "float32", "shape": [1]},
          "logprobs": {"data": [-1.0], "dtype": "float32", "shape": [1]}},
     ]}
-    assert tinker_compat.encode_forward_backward_output(result) == SDK_FORWARD_BACKWARD_OUTPUT
+    assert protobuf.encode_forward_backward_output(result) == SDK_FORWARD_BACKWARD_OUTPUT
 
 
 def _routes(app: FastAPI) -> dict[tuple[str, str], object]:

@@ -234,17 +234,17 @@ def run(args) -> int:
         print(f"txflow: invalid options: {redact(str(exc))}", file=sys.stderr)
         return 2
     from txflow.log import register_run_secrets, scrub
-    from txflow.preflight import PreflightError, prepare
+    from txflow.preflight import PreflightError, prepare_ahead
 
     register_run_secrets(config)  # before anything can print a URL or a backend's error
     try:
-        prepare(config)  # bad input: one line and exit 2, before anything starts
+        prepare_ahead(config)  # bad input: one line and exit 2, before anything starts
     except PreflightError as exc:
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
     print(f"txflow: run {config.run_id}, state directory {config.state_dir}", file=sys.stderr)
     signal.signal(signal.SIGTERM, _on_sigterm)
-    from txflow.reporting.progress import PROGRESS_ENV
+    from txflow.reporting.bar import PROGRESS_ENV
 
     if sys.stderr.isatty():
         os.environ.setdefault(PROGRESS_ENV, "1")
@@ -262,12 +262,11 @@ def run(args) -> int:
         except RunFailed as failed:
             report, code = failed.report, 1
     if args.json:
-        json.dump(report, sys.stdout, indent=2)
-        print()
+        print(report.to_json())
     else:
-        why = f" ({report['error'].splitlines()[0]})" if report["error"] else ""
-        print(f"txflow: run {report['run_id']} {report['status']}{why}; report at "
-              f"{report['checkpoint_root']}/report.json", file=sys.stderr)
+        why = f" ({report.error.splitlines()[0]})" if report.error else ""
+        print(f"txflow: run {report.run_id} {report.status}{why}; report at {report.checkpoint_root}/report.json",
+              file=sys.stderr)
     return code
 
 
@@ -294,6 +293,7 @@ def export_cmd(args) -> int:
     """`txflow export URL --to DIR`: 0 when the export is written and proven, 1 when its proof fails (nothing
     is written), 2 on bad input (nothing is started)."""
     from txflow.checkpoints import export
+    from txflow.export import writer
     from txflow.upstream.tiny_model import resolve_base_model
 
     try:
@@ -306,7 +306,7 @@ def export_cmd(args) -> int:
             reference.base_model = resolve_base_model("tiny")  # rebuilt here when this machine lacks it
         else:
             reference.base_model = export.available_base_model(reference.base_model)
-        result = export.export(reference, args.to, options, reference.base_model, run, merged=args.merged,
+        result = writer.export(reference, args.to, options, reference.base_model, run, merged=args.merged,
                                force=args.force, log=lambda line: print(f"txflow: {line}", file=sys.stderr))
     except (export.ExportError, ValueError) as exc:
         print(f"txflow: {redact(str(exc))}", file=sys.stderr)
@@ -327,17 +327,18 @@ def _run_of(run_root: str, options: dict) -> dict:
     """What a run's report.json says of it, for the model card ({} without a report)."""
     import fsspec
 
+    from txflow.reporting.report import RunReport
+
     fs, path = fsspec.core.url_to_fs(run_root, **options)
     try:
-        report = json.loads(fs.cat_file(f"{path.rstrip('/')}/report.json"))
+        report = RunReport.read(fs.cat_file(f"{path.rstrip('/')}/report.json"))
     except (FileNotFoundError, ValueError):
         return {}
-    restore = report.get("restore") or {}
+    restore = report.restore or {}
     quality = {k: v for k, v in restore.items() if k.endswith(("_gain", "eval_loss", "eval_reward", "_p"))}
-    return {"run_id": report.get("run_id"), "mode": report.get("mode"), "steps": len(report.get("metrics") or []),
-            "base_model": report.get("base_model"),
-            "dataset": report.get("dataset") or f"txflow's bundled {report.get('mode')} dataset", "quality": quality,
-            "base_model_source": "tiny" if report.get("base_model") == "tiny" else "user"}
+    return {"run_id": report.run_id, "mode": report.mode, "steps": len(report.metrics), "base_model": report.base_model,
+            "dataset": report.dataset or f"txflow's bundled {report.mode} dataset", "quality": quality,
+            "base_model_source": "tiny" if report.base_model == "tiny" else "user"}
 
 
 def main(argv: list[str] | None = None) -> int:

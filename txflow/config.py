@@ -272,6 +272,11 @@ class RunConfig(BaseModel, extra="forbid"):
                 f"mesh.tp={self.mesh.tp} spans processes; SkyRL-tx fails forward/backward with tensor parallelism "
                 f"across processes. Keep tp <= devices_per_process ({self.devices_per_process})"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _options_agree(self) -> RunConfig:
+        """Options that only make sense together."""
         if self.max_lora_rank is not None and self.lora_rank > self.max_lora_rank:
             raise ValueError(f"lora_rank {self.lora_rank} is above max_lora_rank {self.max_lora_rank}")
         if self.promote_as and not self.export:

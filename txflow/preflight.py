@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -10,11 +11,13 @@ import subprocess
 from pathlib import Path
 
 import fsspec
+from pydantic import SecretStr
 
 from txflow.checkpoints import storage
 from txflow.cluster import embedded_prefect
 from txflow.config import TINY_MODEL, RunConfig
 from txflow.log import get_logger, redact, register_run_secrets, scrub
+from txflow.reporting.report import Outcome
 from txflow.training import custom, rl, sft
 from txflow.training.datasets import REQUIRED_KEYS, bundled_dataset, load_jsonl
 from txflow.training.rewards import load_reward
@@ -22,9 +25,9 @@ from txflow.training.tokenizer import load_tokenizer
 from txflow.upstream import skyrl_tx
 from txflow.upstream.tiny_model import resolve_base_model
 
-# What `prepare` last returned for a config in this process: `txflow run` checks before it starts
-# Prefect, and the flow's own call right after (the one deployment runs rely on) costs nothing.
-_prepared: dict[str, object] = {}
+# What `prepare_ahead` prepared, by the config's digest: `txflow run` checks before it starts Prefect, and
+# the flow's own call right after (the one deployment runs rely on) takes it instead of checking again.
+_ahead: dict[str, object] = {}
 
 
 class PreflightError(ValueError):
@@ -75,7 +78,7 @@ def check_run_root(cfg: RunConfig) -> None:
         raise PreflightError(f"--checkpoints {cfg.checkpoints}: not a usable fsspec URL ({exc})") from None
     try:
         if fs.exists(f"{root}/report.json") and not cfg.resume_from:
-            raise PreflightError(_earlier_run(cfg, json.loads(fs.cat_file(f"{root}/report.json"))))
+            raise PreflightError(_earlier_run(cfg, _outcome(fs, f"{root}/report.json")))
         fs.makedirs(root, exist_ok=True)
         probe = f"{root}/.txflow-write-probe"
         fs.pipe_file(probe, b"ok")
@@ -91,17 +94,29 @@ def _earlier_status(cfg: RunConfig) -> str | None:
     """The status in the report.json of an earlier run with this run id, or None."""
     fs, root = fsspec.core.url_to_fs(cfg.run_root, **cfg.plain_storage_options())
     try:
-        return json.loads(fs.cat_file(f"{root}/report.json")).get("status")
+        return _outcome(fs, f"{root}/report.json").status
     except FileNotFoundError:
         return None
 
 
-def _earlier_run(cfg: RunConfig, report: dict) -> str:
-    """What is true of the run that used this run id before: it passed, or it failed (and how to go on)."""
-    if report.get("status") == "passed":
+def _outcome(fs, path: str) -> Outcome:
+    """How the earlier run ended; a report.json that says no status still means the run id was used."""
+    try:
+        return Outcome.read(fs.cat_file(path))
+    except ValueError as exc:
+        return Outcome(status="unknown", error=f"its report.json is unreadable: {_first_line(exc)}")
+
+
+def _earlier_run(cfg: RunConfig, report: Outcome) -> str:
+    """What is true of the run that used this run id before: it passed, it failed (and how to go on), or
+    its report cannot be read (the id is taken all the same)."""
+    if report.status == "passed":
         return (f"Run {cfg.run_id} already completed under {cfg.run_root} (it passed); its checkpoints are kept. "
                 f"Use another --run-id, or --resume-from {cfg.run_root} with more --steps to continue it")
-    error = (report.get("error") or "its checks failed").splitlines()[0]
+    if report.status != "failed":
+        return (f"Run {cfg.run_id} ran under {cfg.run_root} before ({report.error or 'status ' + report.status}); "
+                f"its checkpoints are kept. Use another --run-id")
+    error = (report.error or "its checks failed").splitlines()[0]
     return (f"Run {cfg.run_id} failed under {cfg.run_root} ({error}); its checkpoints are kept. Continue it from its "
             f"last committed state with --resume-from {cfg.run_root}, or use another --run-id")
 
@@ -166,15 +181,30 @@ def prepare(cfg: RunConfig):
     """Validate everything a run needs, before any process starts; returns the prepared data of its
     mode (`sft.SFTData`, `rl.RLData` or `custom.CustomData`). Bad input raises PreflightError with a
     sentence that says what to change."""
-    key = cfg.model_dump_json()
-    if key in _prepared:  # checked a moment ago by `txflow run`: used once, then checked afresh
-        return _prepared.pop(key)
+    ahead = _ahead.pop(_digest(cfg), None)
+    if ahead is not None:  # checked a moment ago by `txflow run`, in this process: used once
+        return ahead
     register_run_secrets(cfg)  # a message may quote a URL or a backend's error: no credential may show
     try:
-        _prepared[key] = data = _prepare(cfg)
+        return _prepare(cfg)
     except PreflightError as exc:
         raise PreflightError(scrub(str(exc))) from None
+
+
+def prepare_ahead(cfg: RunConfig):
+    """`prepare`, before the flow starts, keeping the result for the flow's own `prepare` of the same config."""
+    data = prepare(cfg)
+    _ahead[_digest(cfg)] = data
     return data
+
+
+def _digest(cfg: RunConfig) -> str:
+    """The whole config, secrets included (a config that differs only in a key or password is another run),
+    as a digest: the secrets themselves are not kept."""
+    values = cfg.model_dump(mode="python")
+    text = json.dumps(values, sort_keys=True,
+                      default=lambda v: v.get_secret_value() if isinstance(v, SecretStr) else str(v))
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def check_approval(cfg: RunConfig) -> None:

@@ -1,21 +1,24 @@
-"""What the pipeline steps hand each other, typed.
+"""What the pipeline steps hand each other, typed, and the run's `Progress` that holds them.
 
 train -> `Trained`; save-checkpoint -> `Saved`; discover-artifacts ->
-`Discovered`; evaluate-restore -> `RestoreCheck`; export-adapter -> `ExportResult`
-(`txflow.checkpoints.export`); prune-checkpoints -> `Pruned`; promote -> `Promotion`
-(`txflow.checkpoints.promotion`). The report is built from them.
+`Discovered`; evaluate-restore -> `RestoreCheck`; export-adapter -> `Exported`;
+prune-checkpoints -> `Pruned`; promote -> `Promotion`
+(`txflow.checkpoints.promotion`). The report is built from `Progress`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
 from txflow.checkpoints.discovery import Artifact, discover, write_manifest
 from txflow.checkpoints.export import ExportReference, ExportResult
+from txflow.checkpoints.promotion import Promotion
 from txflow.checkpoints.retention import Deletion
+from txflow.cluster.monitor import Failure
 
 
 class Checkpoint(BaseModel):
@@ -38,9 +41,6 @@ class LiveReference(BaseModel):
     examples: list[tuple[list[int], list[float]]]
     logprobs: list[list[float]] = Field(default_factory=list,
                                         description="The live sampler's per-token logprobs of the examples")
-    from_committed_state: bool = Field(
-        default=False, description="Taken from the committed final state: no record of the live model was left "
-        "(a run of an older txflow continued past its last step)")
 
 
 @dataclass(eq=False)
@@ -114,3 +114,42 @@ class Pruned(BaseModel):
     def as_report(self) -> dict:
         return {"keep_last": self.keep_last, "bytes_freed": self.bytes_freed,
                 "deleted": [d.model_dump() for d in self.deletions]}
+
+
+def step_name(step) -> str:
+    """The name a step is known by in the UI, the timings and the report: a Prefect task's own name, else the
+    function's name with dashes (`approval`)."""
+    return getattr(step, "name", None) or step.__name__.replace("_", "-")
+
+
+@dataclass
+class Progress:
+    """What the steps of one run have produced so far, the step running now and the seconds of each: a retry
+    runs only the steps still missing, and the report is built from it."""
+
+    trained: Trained | None = None
+    saved: Saved | None = None
+    discovered: Discovered | None = None
+    restore: RestoreCheck | None = None
+    exported: Exported | None = None
+    pruned: Pruned | None = None
+    promoted: Promotion | None = None
+    step: str | None = None  # the step running now, or the last one that ran
+    train_runs: int = 0
+    failures: list[Failure] = field(default_factory=list)
+    timings: dict[str, float] = field(default_factory=dict)  # seconds per step; a step on several clusters adds up
+    ranks: list[dict] = field(default_factory=list)  # each process of the last cluster, as teardown left it
+
+    def run(self, step, *args, **kwargs):
+        """Run `step` (a Prefect task or a function) as the run's current step, and time it."""
+        self.step = step_name(step)
+        return self.time(step, *args, **kwargs)
+
+    def time(self, step, *args, **kwargs):
+        """Run `step` and add its seconds to its timing, leaving the current step as it is (teardown)."""
+        name = step_name(step)
+        start = time.monotonic()
+        try:
+            return step(*args, **kwargs)
+        finally:
+            self.timings[name] = round(self.timings.get(name, 0.0) + time.monotonic() - start, 3)

@@ -1,5 +1,7 @@
-"""The trained adapter as the rest of the world reads it: a Hugging Face PEFT adapter and, on request, the
-merged model, each proven to be the model SkyRL-tx trained.
+"""The exported adapter's records and files: the reference figures an export must reproduce
+(`ExportReference`), the export's outcome (`ExportResult`), the conversion of SkyRL-tx's sampler tarball
+into a Hugging Face PEFT adapter, the model card, and where an export goes. Loading models to prove or
+merge it is `txflow.export`'s.
 
 SkyRL-tx 0.3.0's sampler tarball is PEFT-shaped but not PEFT-correct: its `adapter_config.json` says
 `"target_modules": null`, so PEFT falls back to its default for the architecture (`q_proj`, `v_proj` for
@@ -8,7 +10,7 @@ path. `peft_adapter` writes the same weights with a config that lists exactly th
 weights (embedding LoRA renamed and transposed to PEFT's layout), the rank and alpha SkyRL scales by
 (alpha / rank, as PEFT does), and the base model as the user named it.
 
-The proof (`prove`): transformers + peft, on the CPU in float32, must reproduce what SkyRL-tx's restored
+The proof (`txflow.export.proof`): transformers + peft, on the CPU in float32, must reproduce what SkyRL-tx's restored
 sampler computed while the cluster was up (`ExportReference`, recorded by evaluate-restore): the
 per-token logprobs of fixed sequences within `LOGPROB_BOUND`, and the greedy tokens of fixed prompts
 exactly. The merged model must match the PEFT model the same way. An export is written to local staging
@@ -21,14 +23,12 @@ from __future__ import annotations
 import json
 import re
 import tarfile
-import tempfile
 import time
 from pathlib import Path
 
 import fsspec
 from pydantic import BaseModel, Field
 
-from txflow.checkpoints import storage
 from txflow.checkpoints.markers import COMMIT_SUFFIX
 
 REFERENCE_NAME = "export-reference.json"
@@ -191,71 +191,11 @@ def serving_notes(config: dict, base_model: str, base_model_path: str) -> list[s
     return notes
 
 
-# --- the proof -------------------------------------------------------------------------------------------
-
-
-def load_base(base_model_path: str):
-    """The base model in float32 on the CPU, as transformers loads it (offline when it is a directory)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
-
-
-def load_peft(base_model_path: str, peft_dir: Path):
-    """Base model + the adapter in `peft_dir`, as `PeftModel.from_pretrained` gives it to any user."""
-    from peft import PeftModel
-
-    return PeftModel.from_pretrained(load_base(base_model_path), str(peft_dir))
-
-
-def unapplied_tensors(model, peft_dir: Path) -> list[str]:
-    """Adapter tensors in the file that the loaded model has no parameter for (PEFT drops them without a
-    word), and LoRA parameters the file did not fill."""
-    from safetensors import safe_open
-
-    with safe_open(str(peft_dir / "adapter_model.safetensors"), "pt") as f:
-        in_file = set(f.keys())
-    in_model = {name.replace(".default", "") for name, _ in model.named_parameters() if ".lora_" in name}
-    return sorted(in_file ^ in_model)
-
-
-def figures(model, reference: ExportReference) -> Figures:
-    """The model's per-token logprobs of the reference's sequences and its greedy continuation of each
-    reference prompt, as many tokens as the sampler gave."""
-    import torch
-
-    logprobs, tokens = [], []
-    with torch.no_grad():
-        for sequence in reference.sequences:
-            ids = torch.tensor([sequence])
-            logits = model(input_ids=ids).logits[0, :-1].float()
-            logprobs.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
-        for prompt, sampled in zip(reference.prompts, reference.greedy_tokens):
-            ids = list(prompt)
-            for _ in sampled:
-                ids.append(int(torch.argmax(model(input_ids=torch.tensor([ids])).logits[0, -1])))
-            tokens.append(ids[len(prompt):])
-    return Figures(logprobs=logprobs, greedy_tokens=tokens)
-
-
 def max_abs_diff(a: list[list[float]], b: list[list[float]]) -> float:
     """Largest |difference| between two sets of per-token logprobs (inf when their shapes differ)."""
     if [len(x) for x in a] != [len(y) for y in b]:
         return float("inf")
     return max((abs(x - y) for xs, ys in zip(a, b) for x, y in zip(xs, ys)), default=0.0)
-
-
-def prove(base_model_path: str, peft_dir: Path, reference: ExportReference) -> tuple[Figures, object]:
-    """The PEFT model's figures on the reference (and the model, for a merge)."""
-    model = load_peft(base_model_path, peft_dir)
-    model.eval()
-    found = figures(model, reference)
-    found.unapplied = unapplied_tensors(model, peft_dir)
-    return found, model
-
-
-# --- the export ------------------------------------------------------------------------------------------
 
 
 def model_card(result: ExportResult, run: dict, merged: bool) -> str:
@@ -335,71 +275,6 @@ def _exported_from(fs, path: str) -> str | None:
         return json.loads(fs.cat_file(f"{path}/{PEFT_DIR}/{PROVENANCE_NAME}"))["sampler_url"]
     except (FileNotFoundError, KeyError, ValueError):
         return None
-
-
-def export(reference: ExportReference, dest: str, options: dict, base_model_path: str, run: dict,
-           merged: bool = False, force: bool = False, keep_others: bool = False, log=print) -> ExportResult:
-    """Export the sampler checkpoint of `reference` to `<dest>/peft` (and `<dest>/merged`), proven against
-    the reference; committed only when the proof holds. `run` describes the run for the model card."""
-    began = time.monotonic()
-    kept = prepare_destination(dest, options, force, reference.sampler_url, keep_others)
-    if kept:
-        log(f"export: the earlier export at {dest} (of another sampler checkpoint) is kept at {kept}")
-    with tempfile.TemporaryDirectory(prefix="txflow-export-") as tmp:
-        staging = Path(tmp)
-        tarball = staging / "sampler.tar.gz"
-        storage.download(reference.sampler_url, tarball, options, directory=False)
-        peft_dir = staging / PEFT_DIR
-        config = peft_adapter(extract_sampler(tarball, staging / "sampler"), peft_dir, reference.base_model)
-        found, model = prove(base_model_path, peft_dir, reference)
-        result = ExportResult(
-            sampler_url=reference.sampler_url, base_model=reference.base_model,
-            target_modules=config["target_modules"], r=config["r"], lora_alpha=config["lora_alpha"],
-            max_abs_logprob_diff=max_abs_diff(found.logprobs, reference.logprobs),
-            greedy_tokens_match=found.greedy_tokens == reference.greedy_tokens,
-            notes=serving_notes(config, reference.base_model, base_model_path), passed=False)
-        if found.unapplied:
-            result.problem = (f"PEFT does not apply {len(found.unapplied)} adapter tensors as written: "
-                              f"{', '.join(found.unapplied[:4])}")
-        log(f"export: PEFT adapter of {reference.sampler_url}: max |Δ logprob| {result.max_abs_logprob_diff:.2e} "
-            f"(bound {LOGPROB_BOUND:g}), greedy tokens match {result.greedy_tokens_match}")
-        merged_dir = staging / MERGED_DIR
-        if merged:
-            _merge(model, base_model_path, merged_dir, config)
-            again = figures(load_base(str(merged_dir)).eval(), reference)
-            result.merged_max_abs_logprob_diff = max_abs_diff(again.logprobs, found.logprobs)
-            result.merged_greedy_tokens_match = again.greedy_tokens == found.greedy_tokens
-            log(f"export: merged model: max |Δ logprob| {result.merged_max_abs_logprob_diff:.2e} against the PEFT "
-                f"model, greedy tokens match {result.merged_greedy_tokens_match}")
-        result.passed = failure(result) is None
-        if not result.passed:
-            result.seconds = round(time.monotonic() - began, 3)
-            return result  # a wrong export is never written where a user would find it
-        dest = dest.rstrip("/")
-        result.peft_url = f"{dest}/{PEFT_DIR}"
-        result.merged_url = f"{dest}/{MERGED_DIR}" if merged else None
-        for directory, is_merged in ((peft_dir, False), *(((merged_dir, True),) if merged else ())):
-            (directory / "README.md").write_text(model_card(result, run, is_merged))
-            (directory / PROVENANCE_NAME).write_text(json.dumps(
-                {"sampler_url": reference.sampler_url, "run": run, "proof": result.model_dump(exclude={"seconds"})},
-                indent=1) + "\n")
-            storage.upload(directory, f"{dest}/{directory.name}", options,
-                           "the merged model" if is_merged else "the PEFT adapter")
-    result.seconds = round(time.monotonic() - began, 3)
-    return result
-
-
-def _merge(peft_model, base_model_path: str, out: Path, config: dict) -> None:
-    """Base + LoRA merged, saved with its config and tokenizer so that `from_pretrained(out)` alone loads it."""
-    from transformers import AutoTokenizer
-
-    if peft_model.config.tie_word_embeddings and {"embed_tokens", "lm_head"} & set(config["target_modules"]):
-        # Merging into a tied matrix would change the embeddings and the output head at once.
-        raise ExportError("the base model ties its embeddings to its output head, and the adapter trains one of "
-                          "them: a merged model cannot keep both; export the PEFT adapter only")
-    merged = peft_model.merge_and_unload()
-    merged.save_pretrained(str(out), safe_serialization=True)
-    AutoTokenizer.from_pretrained(base_model_path).save_pretrained(str(out))
 
 
 def locate(url: str, options: dict) -> tuple[str, ExportReference]:

@@ -1,4 +1,6 @@
-"""What every process of the cluster starts with, and the wait for the API to answer."""
+"""The start-up sequence of a cluster: provision (the Tinker API server, then rank 0, the engine, which hosts
+the JAX coordinator), launch-workers (ranks 1..N-1 once rank 0's process exists, then a readiness
+request that every rank takes part in), what every process starts with, and the waits between."""
 
 from __future__ import annotations
 
@@ -8,11 +10,15 @@ from pathlib import Path
 
 import httpx
 
+from txflow.checkpoints.storage import fresh_staging
 from txflow.cluster.handle import ClusterHandle
+from txflow.cluster.launcher import Launcher
 from txflow.cluster.monitor import NoProgress
+from txflow.cluster.records import Cluster
 from txflow.config import RunConfig
-from txflow.upstream.skyrl_tx import DATABASE_URL_ENV
-from txflow.upstream.tiny_model import cache_dir
+from txflow.log import get_logger, register_secret
+from txflow.upstream.skyrl_tx import DATABASE_URL_ENV, launch
+from txflow.upstream.tiny_model import cache_dir, resolve_base_model
 
 
 def child_env(cfg: RunConfig, database_url: str) -> dict[str, str]:
@@ -51,3 +57,122 @@ def wait_for_api(handle: ClusterHandle, timeout_s: float) -> None:
     api = next(p for p in cluster.processes if p.role == "api")
     raise NoProgress(f"The Tinker API server did not answer on {cluster.base_url} within {timeout_s:.0f} s. "
                      f"Last lines of {api.log}:\n{handle.launcher.tail(api)}")
+
+
+def provision(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
+    """Start the API server, then rank 0, without waiting for either (`launch_workers` proves them ready);
+    each is in cluster.json as soon as it exists, and a monitor watches them from the start. A failure
+    stops what this call started, so that a retry starts from nothing."""
+    log = get_logger()
+    state_dir = Path(cfg.state_dir)
+    (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+    db_url = cfg.resolved_database_url()
+    cluster = Cluster(
+        run_id=cfg.run_id,
+        launcher=cfg.launcher,
+        state_dir=str(state_dir),
+        host=cfg.host,
+        api_port=0,
+        coordinator_port=None,
+        num_processes=cfg.processes,
+        base_model_path=resolve_base_model(cfg.base_model),
+        checkpoints_base=fresh_staging(cfg),
+        **({"api_key": cfg.api_key} if cfg.api_key is not None else {}),
+    )
+    register_secret(cluster.api_key.get_secret_value())
+    handle = None
+    try:
+        launcher.place(cluster, cfg.host)
+        handle = ClusterHandle.watch(cluster, launcher)
+        engine_argv = launch.engine_args(cfg, cluster.base_model_path, cluster.checkpoints_base,
+                                         cluster.coordinator_address)
+        env = child_env(cfg, db_url) | launch.wake_env()  # the API and the engine wake each other
+        # The API first (it creates the database tables), then rank 0 without waiting for it: the
+        # engine waits for the tables itself after its imports (adapter point 8). The API alone gets
+        # the run's key, which it checks on every request (adapter point 15).
+        api_env = env | launch.api_key_env(cluster.api_key.get_secret_value())
+        api = launcher.start(cluster, "api", None, launch.api_command(engine_argv, cluster.host, cluster.api_port),
+                             api_env, {"http": cluster.api_port}, "api")
+        log.info(f"Tinker API server pid {api.pid} on {cluster.base_url}, log {api.log}")
+        ports = {"coordinator": cluster.coordinator_port} if cluster.coordinator_port else {}
+        rank0_env = env | launch.coordinator_env(cluster.coordinator_address)
+        rank0 = launcher.start(cluster, "coordinator", 0, launch.engine_command(engine_argv), rank0_env,
+                               ports, "rank0")
+        log.info(
+            f"rank 0 (engine{', JAX coordinator ' + cluster.coordinator_address if cluster.coordinator_port else ''}) "
+            f"pid {rank0.pid}, log {rank0.log}; command: {' '.join(launch.engine_command(engine_argv))}"
+        )
+    except BaseException:
+        # A retry must start from nothing: stop what this attempt started.
+        if handle is not None:
+            handle.stop()
+        else:
+            launcher.stop(cluster)
+        raise
+    return handle
+
+
+GREEDY_TOKENS = 8
+
+
+def greedy_params(seed: int = 0):
+    """The sampling of every evaluation: greedy, GREEDY_TOKENS tokens, with the prompt's logprobs. One shape,
+    so the engine compiles one program for them all, the readiness sample included."""
+    import tinker
+
+    return tinker.types.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, seed=seed)
+
+
+def missing_ranks(handle: ClusterHandle) -> list[str]:
+    """Ranks whose log lacks the line they print once they take part in collectives."""
+    missing = []
+    for record in handle.cluster.processes:
+        if record.role == "api":
+            continue
+        marker = launch.RANK_READY_MARKERS["engine" if record.rank == 0 else "worker"]
+        log_text = handle.launcher.tail(record, lines=10_000)
+        if marker not in log_text:
+            missing.append(f"rank {record.rank} (pid {record.pid}); last lines of {record.log}:\n"
+                           + "\n".join(log_text.splitlines()[-30:]))
+    return missing
+
+
+def prove_ready(handle: ClusterHandle, timeout_s: float) -> float:
+    """A greedy sample from the base model: every rank takes part in it. It has the shape of the
+    greedy samples the restore check takes later, so the program it compiles is compiled once."""
+    import tinker
+
+    started = time.monotonic()
+    client = handle.service_client()
+    try:
+        sampler = client.create_sampling_client(base_model=handle.cluster.base_model_path)
+        future = sampler.sample(prompt=tinker.types.ModelInput.from_ints([1, 2, 3]), num_samples=1,
+                                sampling_params=greedy_params(), include_prompt_logprobs=True)
+        handle.wait(future, "the readiness sample", timeout_s)
+    except NoProgress as exc:
+        missing = missing_ranks(handle)
+        detail = "\n".join(missing) if missing else "every rank logged that it joined; the engine did not answer"
+        raise NoProgress(f"Cluster not ready within {timeout_s:.0f} s. Not ready: {detail}") from exc
+    return time.monotonic() - started
+
+
+def launch_workers(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
+    """Start every rank > 0 now that rank 0's process exists, then prove the whole cluster serves a request."""
+    log = get_logger()
+    cluster = handle.cluster
+    handle.monitor.raise_if_failed()
+    if cfg.processes > 1:
+        # The gate is rank 0's process; each worker then waits after its imports until rank 0's
+        # coordinator accepts connections (adapter point 8), instead of leaning on JAX's retries.
+        log.info(f"rank 0 pid {cluster.rank(0).pid} runs; starting ranks 1..{cfg.processes - 1}, each joining "
+                 f"once the coordinator {cluster.coordinator_address} accepts connections")
+        env = child_env(cfg, cfg.resolved_database_url())
+        for rank in range(1, cfg.processes):
+            cmd = launch.worker_command(cluster.coordinator_address, cfg.processes, rank,
+                                               cfg.startup_timeout_s)
+            record = handle.launcher.start(cluster, "worker", rank, cmd, env, {}, f"rank{rank}")
+            log.info(f"rank {rank} (JAX worker) pid {record.pid}, log {record.log}")
+    wait_for_api(handle, cfg.startup_timeout_s)
+    seconds = prove_ready(handle, cfg.startup_timeout_s)
+    log.info(f"cluster ready: all {cfg.processes} ranks served a greedy sample ({seconds:.1f} s)")
+    return handle

@@ -1,56 +1,119 @@
-"""The run report: report.json and metrics.jsonl in the run root, Prefect artifacts."""
+"""The run report: `RunReport` (report.json), metrics.jsonl in the run root, Prefect artifacts."""
 
 from __future__ import annotations
 
 import base64
 import io
-import json
 import time
+from typing import Any, Literal
 
 import fsspec
+from pydantic import BaseModel, Field
 
+from txflow.checkpoints.discovery import Artifact
 from txflow.checkpoints.export import ExportResult, load_instructions
 from txflow.checkpoints.promotion import Promotion
-from txflow.cluster.monitor import Failure
 from txflow.config import RunConfig
 from txflow.log import scrub
-from txflow.results import Discovered, Pruned, RestoreCheck, Saved, Trained
+from txflow.reporting.metrics import read_metrics
+from txflow.results import Progress, RestoreCheck, Saved, step_name
 
 
-def build(cfg: RunConfig, status: str, error: str | None, timings: dict, metrics: list[dict],
-          trained: Trained | None, saved: Saved | None, discovered: Discovered | None,
-          restore: RestoreCheck | None, ranks: list[dict], failures: list[Failure],
-          exported: ExportResult | None = None, pruned: Pruned | None = None,
-          promoted: Promotion | None = None) -> dict:
-    """The report of one run; every key is always present (None when the step did not run)."""
-    return {
-        "run_id": cfg.run_id,
-        "mode": cfg.mode,
-        "status": status,
-        "error": scrub(error) if error else None,
-        "num_processes": cfg.processes,
-        "launcher": cfg.launcher,
-        "base_model": cfg.base_model,
-        "dataset": cfg.dataset,
-        "checkpoint_root": cfg.run_root,
-        "state_dir": cfg.state_dir,
-        "resumed_from_step": trained.resumed_from_step if trained else 0,
-        "client_runs": trained.client_runs if trained and cfg.mode == "custom" else None,
-        "metrics": metrics,
-        "checkpoints": checkpoints_block(saved),
-        "manifest": discovered.manifest if discovered else None,
-        "artifacts": [a.model_dump() for a in discovered.artifacts] if discovered else [],
-        "restore": restore.as_report() if restore else None,
-        "live_reference_from_committed_state": saved.live.from_committed_state if saved and saved.live else None,
-        "export": exported.model_dump() if exported else None,
-        "retention": pruned.as_report() if pruned else None,
-        "promotion": promoted.model_dump() if promoted else None,
-        "timings_s": timings,
-        "cluster": {"ranks": ranks},
-        "failures": [{**f.as_dict(), "message": scrub(f.message)} for f in failures],
-        "plot": None,
-        "finished_at": time.time(),
-    }
+class RunReport(BaseModel):
+    """What one run did, as report.json holds it and `txflow run --json` prints it: every key is always
+    present (None, or empty, when its step did not run). Readers parse it with `RunReport.read`."""
+
+    run_id: str
+    mode: str
+    status: Literal["passed", "failed"]
+    error: str | None = Field(description="Why the run failed, credentials masked; None when it passed")
+    num_processes: int
+    launcher: str
+    base_model: str
+    dataset: str | None
+    checkpoint_root: str
+    state_dir: str
+    resumed_from_step: int = 0
+    client_runs: int | None = Field(default=None, description="custom mode: how many times the client ran")
+    metrics: list[dict[str, Any]]
+    checkpoints: dict[str, Any] | None = Field(description="The last state and sampler checkpoint, and `all`")
+    manifest: str | None
+    artifacts: list[Artifact]
+    restore: dict[str, Any] | None = Field(description="evaluate-restore's checks, the quality figures flattened in")
+    export: ExportResult | None
+    retention: dict[str, Any] | None
+    promotion: Promotion | None
+    timings_s: dict[str, float] = Field(description="Seconds per step, by the step's name, and `total`")
+    cluster: dict[str, list[dict[str, Any]]] = Field(description="`ranks`: each process as teardown left it")
+    failures: list[dict[str, Any]]
+    plot: str | None = None
+    finished_at: float
+
+    @classmethod
+    def read(cls, text: str | bytes) -> RunReport:
+        return cls.model_validate_json(text)
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+    def seconds(self, *steps) -> float:
+        """The seconds the given steps (Prefect tasks, functions or names) took, added up (0 for one that did
+        not run)."""
+        return sum(self.timings_s.get(s if isinstance(s, str) else step_name(s), 0.0) for s in steps)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+
+class Outcome(BaseModel):
+    """How a run ended, as every report.json says it, whatever else it holds (a report of another txflow
+    version, or a partial one): what pre-flight needs to refuse a run id that was used."""
+
+    status: str
+    error: str | None = None
+
+    @classmethod
+    def read(cls, text: str | bytes) -> Outcome:
+        return cls.model_validate_json(text)
+
+
+def run_metrics(cfg: RunConfig, progress: Progress) -> list[dict]:
+    """The metrics of every step trained, by this attempt or, when training did not finish, from the state dir."""
+    return progress.trained.metrics if progress.trained else read_metrics(cfg.state_dir)
+
+
+def build(cfg: RunConfig, progress: Progress, error: str | None) -> RunReport:
+    """The report of one run from what its steps produced; it passed when nothing failed and the restore
+    check passed."""
+    trained, saved, discovered, restore = progress.trained, progress.saved, progress.discovered, progress.restore
+    passed = error is None and restore is not None and restore.passed
+    return RunReport(
+        run_id=cfg.run_id,
+        mode=cfg.mode,
+        status="passed" if passed else "failed",
+        error=scrub(error) if error else None,
+        num_processes=cfg.processes,
+        launcher=cfg.launcher,
+        base_model=cfg.base_model,
+        dataset=cfg.dataset,
+        checkpoint_root=cfg.run_root,
+        state_dir=cfg.state_dir,
+        resumed_from_step=trained.resumed_from_step if trained else 0,
+        client_runs=trained.client_runs if trained and cfg.mode == "custom" else None,
+        metrics=run_metrics(cfg, progress),
+        checkpoints=checkpoints_block(saved),
+        manifest=discovered.manifest if discovered else None,
+        artifacts=discovered.artifacts if discovered else [],
+        restore=restore.as_report() if restore else None,
+        export=progress.exported.result if progress.exported else None,
+        retention=progress.pruned.as_report() if progress.pruned else None,
+        promotion=progress.promoted,
+        timings_s=dict(progress.timings),
+        cluster={"ranks": progress.ranks},
+        failures=[{**f.as_dict(), "message": scrub(f.message)} for f in progress.failures],
+        finished_at=time.time(),
+    )
 
 
 def checkpoints_block(saved: Saved | None) -> dict | None:
@@ -92,7 +155,7 @@ def curve_png(metrics: list[dict]) -> bytes | None:
     return buffer.getvalue()
 
 
-def write(cfg: RunConfig, report: dict, metrics_text: str) -> str:
+def write(cfg: RunConfig, report: RunReport, metrics_text: str) -> str:
     """Write report.json, metrics.jsonl and the curve into the run root; returns the report URL.
 
     A report.json already there (a run continued with --resume-from) is kept as report-<time>.json.
@@ -102,24 +165,25 @@ def write(cfg: RunConfig, report: dict, metrics_text: str) -> str:
     fs.makedirs(path, exist_ok=True)
     if fs.exists(f"{path}/report.json"):
         fs.copy(f"{path}/report.json", f"{path}/report-{int(time.time())}.json")
-    png = curve_png(report["metrics"])
+    png = curve_png(report.metrics)
     if png is not None:
         fs.pipe_file(f"{path}/curve.png", png)
-        report["plot"] = f"{cfg.run_root}/curve.png"
+        report.plot = f"{cfg.run_root}/curve.png"
     fs.pipe_file(f"{path}/metrics.jsonl", metrics_text.encode())
-    fs.pipe_file(f"{path}/report.json", json.dumps(report, indent=2).encode())
+    fs.pipe_file(f"{path}/report.json", report.to_json().encode())
     return f"{cfg.run_root}/report.json"
 
 
-def markdown(report: dict) -> str:
-    restore = report["restore"] or {}
-    metrics = report["metrics"]
+def markdown(report: RunReport) -> str:
+    """The run report as the Prefect UI shows it."""
+    restore = report.restore or {}
+    metrics = report.metrics
     lines = [
-        f"# txflow run `{report['run_id']}`: {report['status']}",
+        f"# txflow run `{report.run_id}`: {report.status}",
         "",
-        f"- mode: **{report['mode']}**, {report['num_processes']} processes, base model `{report['base_model']}`",
-        f"- steps: {len(metrics)}" + (f", resumed from step {report['resumed_from_step']}"
-                                      if report["resumed_from_step"] else ""),
+        f"- mode: **{report.mode}**, {report.num_processes} processes, base model `{report.base_model}`",
+        f"- steps: {len(metrics)}" + (f", resumed from step {report.resumed_from_step}"
+                                      if report.resumed_from_step else ""),
     ]
     if metrics and "nll" in metrics[0]:
         lines.append(f"- loss (NLL/token): {metrics[0]['nll']:.4f} -> {metrics[-1]['nll']:.4f}")
@@ -139,54 +203,54 @@ def markdown(report: dict) -> str:
                      f"**{'passed' if restore['passed'] else 'FAILED'}**")
         lines += [f"  - {c['kind']} `{c['tinker_path']}`: {'ok' if c['passed'] else 'FAILED ' + c.get('error', '')}"
                   for c in restore["checks"]]
-    if report["checkpoints"]:
-        for ckpt in report["checkpoints"]["all"]:
+    if report.checkpoints:
+        for ckpt in report.checkpoints["all"]:
             lines.append(f"- {ckpt['kind']} checkpoint: `{ckpt['tinker_path']}` at `{ckpt['url']}`")
-    if report["manifest"]:
-        lines.append(f"- manifest: `{report['manifest']}` ({len(report['artifacts'])} artifacts)")
-    if report.get("plot"):
-        lines.append(f"- curve: `{report['plot']}`")
+    if report.manifest:
+        lines.append(f"- manifest: `{report.manifest}` ({len(report.artifacts)} artifacts)")
+    if report.plot:
+        lines.append(f"- curve: `{report.plot}`")
     png = curve_png(metrics)
     if png is not None:  # inline: the Prefect UI shows a data URI, and cannot open a path in the run root
         lines += ["", f"![{CURVES[_curve_key(metrics)]}](data:image/png;base64,{base64.b64encode(png).decode()})"]
-    lines += export_markdown(report.get("export"))
+    lines += export_markdown(report.export)
     lines += lifecycle_markdown(report)
-    if (report.get("client_runs") or 0) > 1:
-        lines.append(f"- the custom client ran {report['client_runs']} times: a cluster fault re-ran it from the start")
-    if report["failures"]:
+    if (report.client_runs or 0) > 1:
+        lines.append(f"- the custom client ran {report.client_runs} times: a cluster fault re-ran it from the start")
+    if report.failures:
         lines += ["", "## Failures recovered or not", ""]
-        for f in report["failures"]:
+        for f in report.failures:
             who = f"rank {f['rank']} ({f['role']})" if f["rank"] is not None else f["role"]
             when = time.strftime('%H:%M:%S', time.localtime(f['detected_at']))
             lines.append(f"- {who}, exit code {f['exit_code']}, detected at {when}"
                          + (f" during {f['step']}" if f.get("step") else "")
                          + (f"; the retry resumed at {f['resumed_at']}" if f.get("resumed_at") else "")
                          + (f" from step {f['resumed_from_step']}" if f["resumed_from_step"] is not None else ""))
-    if report["error"]:
-        lines += ["", "## Error", "", "```", report["error"][-3000:], "```"]
-    lines += ["", "## Timings (s)", ""] + [f"- {k}: {v:.1f}" for k, v in report["timings_s"].items()]
+    if report.error:
+        lines += ["", "## Error", "", "```", report.error[-3000:], "```"]
+    lines += ["", "## Timings (s)", ""] + [f"- {k}: {v:.1f}" for k, v in report.timings_s.items()]
     return "\n".join(lines)
 
 
-def lifecycle_markdown(report: dict) -> list[str]:
+def lifecycle_markdown(report: RunReport) -> list[str]:
     """What prune-checkpoints deleted and what became of the promotion."""
     lines = []
-    retention = report.get("retention")
+    retention = report.retention
     if retention:
         lines += ["", "## Retention", "",
                   f"- kept the newest {retention['keep_last']} periodic states; {len(retention['deleted'])} deleted, "
                   f"{retention['bytes_freed']:,} bytes freed"]
         lines += [f"  - `{d['url']}` ({d['bytes']:,} bytes): {d['reason']}" for d in retention["deleted"]]
-    promoted = report.get("promotion")
+    promoted = report.promotion
     if promoted:
         lines += ["", "## Promotion", ""]
-        if promoted["status"] == "promoted":
-            lines += [f"- promoted as **{promoted['name']}**: `{promoted['url']}` (pointer `{promoted['pointer']}`; "
-                      f"`txflow promoted <checkpoints> {promoted['name']}` shows it)"]
+        if promoted.status == "promoted":
+            lines += [f"- promoted as **{promoted.name}**: `{promoted.url}` (pointer `{promoted.pointer}`; "
+                      f"`txflow promoted <checkpoints> {promoted.name}` shows it)"]
         else:
-            lines += [f"- **not promoted** as {promoted['name']}: {promoted['status']}"]
-        if promoted.get("comment"):
-            lines.append(f"- approver's comment: {promoted['comment']}")
+            lines += [f"- **not promoted** as {promoted.name}: {promoted.status}"]
+        if promoted.comment:
+            lines.append(f"- approver's comment: {promoted.comment}")
     return lines
 
 
@@ -202,40 +266,40 @@ def approval_markdown(cfg: RunConfig, metrics: list[dict], restore: RestoreCheck
                       "", f"Adapter: `{exported.peft_url}`; report: `{cfg.run_root}/report.json`"])
 
 
-def export_markdown(block: dict | None) -> list[str]:
+def export_markdown(block: ExportResult | None) -> list[str]:
     """The export's figures in the markdown report, and how to load what it wrote."""
     if not block:
         return []
-    verdict = "passed" if block["passed"] else "FAILED"
+    verdict = "passed" if block.passed else "FAILED"
     lines = ["", "## Exported adapter", "",
              f"- proof: **{verdict}**: transformers + peft reproduce SkyRL's restored sampler with max |Δ logprob| "
-             f"{block['max_abs_logprob_diff']:.2e} (bound {block['logprob_bound']:g}), greedy tokens match: "
-             f"{block['greedy_tokens_match']}",
-             f"- source: `{block['sampler_url']}`; LoRA r {block['r']}, alpha {block['lora_alpha']:g} on "
-             f"{', '.join(block['target_modules'])}"]
-    if block.get("problem"):
-        lines.append(f"- problem: {block['problem']}")
-    if block.get("peft_url"):
-        lines.append(f"- PEFT adapter: `{block['peft_url']}`")
-    if block.get("merged_url"):
-        lines.append(f"- merged model: `{block['merged_url']}` (max |Δ logprob| "
-                     f"{block['merged_max_abs_logprob_diff']:.2e} against the PEFT model, greedy tokens match: "
-                     f"{block['merged_greedy_tokens_match']})")
-    lines += [f"- note: {note}" for note in block.get("notes") or []]
-    if block.get("peft_url"):
+             f"{block.max_abs_logprob_diff:.2e} (bound {block.logprob_bound:g}), greedy tokens match: "
+             f"{block.greedy_tokens_match}",
+             f"- source: `{block.sampler_url}`; LoRA r {block.r}, alpha {block.lora_alpha:g} on "
+             f"{', '.join(block.target_modules)}"]
+    if block.problem:
+        lines.append(f"- problem: {block.problem}")
+    if block.peft_url:
+        lines.append(f"- PEFT adapter: `{block.peft_url}`")
+    if block.merged_url:
+        lines.append(f"- merged model: `{block.merged_url}` (max |Δ logprob| "
+                     f"{block.merged_max_abs_logprob_diff:.2e} against the PEFT model, greedy tokens match: "
+                     f"{block.merged_greedy_tokens_match})")
+    lines += [f"- note: {note}" for note in block.notes or []]
+    if block.peft_url:
         lines += ["", "Load the adapter (the directory copied locally):", "",
-                  load_instructions(block["base_model"], merged=False)]
+                  load_instructions(block.base_model, merged=False)]
     return lines
 
 
-def publish_artifacts(report: dict) -> None:
+def publish_artifacts(report: RunReport) -> None:
     """Markdown summary and per-step metrics table on the Prefect flow run (when there is one)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
     from prefect.context import FlowRunContext
 
     if FlowRunContext.get() is None:
         return
-    key = report["run_id"].lower().replace("_", "-")
+    key = report.run_id.lower().replace("_", "-")
     create_markdown_artifact(markdown(report), key=f"report-{key}", description="txflow run report")
-    if report["metrics"]:
-        create_table_artifact(report["metrics"], key=f"metrics-{key}", description="Per-step training metrics")
+    if report.metrics:
+        create_table_artifact(report.metrics, key=f"metrics-{key}", description="Per-step training metrics")

@@ -6,11 +6,9 @@ from __future__ import annotations
 import httpx
 
 from txflow.cluster.handle import ClusterHandle
+from txflow.cluster.startup import greedy_params
 from txflow.results import LiveReference
 from txflow.training import clients, sft
-
-GREEDY_TOKENS = 8
-
 
 def eval_loss(training_client, examples: list[sft.Example], handle: ClusterHandle, timeout_s: float) -> float:
     """Mean NLL per completion token of `examples` under the client's weights (forward only)."""
@@ -29,14 +27,6 @@ def rollout_examples(prompts: list[list[int]], completions: list[list[int]]) -> 
     # An empty completion (EOS first) still compares the models on its prompt tokens.
     return [(p + c, [0.0] * len(p) + [1.0] * len(c)) if c else (p, [0.0] + [1.0] * (len(p) - 1))
             for p, c in zip(prompts, completions)]
-
-
-def greedy_params(seed: int = 0):
-    """The sampling of every evaluation: greedy, GREEDY_TOKENS tokens, with the prompt's logprobs. One shape,
-    so the engine compiles one program for them all (the readiness sample included)."""
-    import tinker
-
-    return tinker.types.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, seed=seed)
 
 
 def greedy_tokens(sampling_client, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float,

@@ -2,8 +2,8 @@
 
 Its modules follow the upstream process each patch changes: `api` (the Tinker
 API server: points 1, 2, 10, 11, 14 and its end of 12 and 13, with
-`tinker_compat` for 10, `result_wait` for 11 and `lora_config` for 14), `engine`
-(rank 0: 8, 9 and its end of 12), `worker` (ranks > 0: 8), `ranks` (what every
+`tinker_compat` for 10 and `protobuf` for its wire format, `result_wait` for 11
+and `lora_config` for 14), `engine` (rank 0: 8, 9 and its end of 12), `worker` (ranks > 0: 8), `ranks` (what every
 rank gets: 6 and 13 installed, 7, 15), `checkpoint_io` (6), `losses` (13, both
 ends), `layout` (5) and `launch` (3, 4 and the command line of each process);
 `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This

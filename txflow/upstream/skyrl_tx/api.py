@@ -14,9 +14,8 @@ def serve_api(argv: list[str]) -> None:
     import asyncio
 
     import uvicorn
-    from sqlmodel import SQLModel
     from sqlalchemy.ext.asyncio import create_async_engine
-
+    from sqlmodel import SQLModel
     from tx.tinker import api
     from tx.tinker.config import EngineConfig, add_model
     from tx.tinker.db_models import enable_sqlite_wal, get_async_database_url

@@ -8,7 +8,6 @@ from typing import Any
 
 from txflow.upstream.wake import say_once
 
-
 RESULT_TIMEOUT_S = 300.0  # upstream's
 RESULT_POLL_MIN_S, RESULT_POLL_MAX_S, RESULT_POLL_FRACTION = 0.01, 0.25, 0.1
 

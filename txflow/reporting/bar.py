@@ -1,4 +1,4 @@
-"""Training progress: a terminal bar for the CLI, a progress artifact in Prefect.
+"""The training bar: a terminal progress bar for the CLI, a progress artifact in Prefect.
 
 The artifact is updated off the training loop's critical path: a request to the
 Prefect API per step would add its latency to every step, so a background
@@ -18,7 +18,7 @@ PROGRESS_ENV = "TXFLOW_PROGRESS"
 MIN_INTERVAL_S = 1.0
 
 
-class StepProgress:
+class TrainingBar:
     """Reports `done / total` steps to every surface that is available."""
 
     def __init__(self, total: int, initial: int, run_id: str):

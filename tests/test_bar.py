@@ -1,4 +1,4 @@
-"""The progress artifact's sender (txflow.reporting.progress): updates coalesce, at most one a second, and the
+"""The progress artifact's sender (txflow.reporting.bar): updates coalesce, at most one a second, and the
 last value always arrives when the bar closes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 import prefect.artifacts
 import prefect.context
 
-from txflow.reporting import progress
+from txflow.reporting import bar as progress
 
 
 def test_updates_coalesce_and_the_last_one_arrives_at_close(monkeypatch):
@@ -17,7 +17,7 @@ def test_updates_coalesce_and_the_last_one_arrives_at_close(monkeypatch):
     monkeypatch.setattr(prefect.artifacts, "create_progress_artifact", lambda **kwargs: "artifact-id")
     monkeypatch.setattr(prefect.artifacts, "update_progress_artifact",
                         lambda artifact_id, progress: sent.append((time.monotonic(), progress)))
-    bar = progress.StepProgress(total=40, initial=0, run_id="coalesce")
+    bar = progress.TrainingBar(total=40, initial=0, run_id="coalesce")
     for done in range(1, 41):  # 40 steps in about 0.4 s
         bar.update(done)
         time.sleep(0.01)

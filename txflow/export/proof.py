@@ -1,0 +1,78 @@
+"""The proof of an export: transformers + peft, on the CPU, load the base model and the adapter as any user
+would and compute what SkyRL-tx's restored sampler computed (`ExportReference`); and the merge of the
+adapter into the base model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from txflow.checkpoints.export import ExportError, ExportReference, Figures
+
+
+def load_base(base_model_path: str):
+    """The base model in float32 on the CPU, as transformers loads it (offline when it is a directory)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(base_model_path, dtype=torch.float32)
+
+
+def load_peft(base_model_path: str, peft_dir: Path):
+    """Base model + the adapter in `peft_dir`, as `PeftModel.from_pretrained` gives it to any user."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_base(base_model_path), str(peft_dir))
+
+
+def unapplied_tensors(model, peft_dir: Path) -> list[str]:
+    """Adapter tensors in the file that the loaded model has no parameter for (PEFT drops them without a
+    word), and LoRA parameters the file did not fill."""
+    from safetensors import safe_open
+
+    with safe_open(str(peft_dir / "adapter_model.safetensors"), "pt") as f:
+        in_file = set(f.keys())
+    in_model = {name.replace(".default", "") for name, _ in model.named_parameters() if ".lora_" in name}
+    return sorted(in_file ^ in_model)
+
+
+def figures(model, reference: ExportReference) -> Figures:
+    """The model's per-token logprobs of the reference's sequences and its greedy continuation of each
+    reference prompt, as many tokens as the sampler gave."""
+    import torch
+
+    logprobs, tokens = [], []
+    with torch.no_grad():
+        for sequence in reference.sequences:
+            ids = torch.tensor([sequence])
+            logits = model(input_ids=ids).logits[0, :-1].float()
+            logprobs.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
+        for prompt, sampled in zip(reference.prompts, reference.greedy_tokens):
+            ids = list(prompt)
+            for _ in sampled:
+                ids.append(int(torch.argmax(model(input_ids=torch.tensor([ids])).logits[0, -1])))
+            tokens.append(ids[len(prompt):])
+    return Figures(logprobs=logprobs, greedy_tokens=tokens)
+
+
+def prove(base_model_path: str, peft_dir: Path, reference: ExportReference) -> tuple[Figures, object]:
+    """The PEFT model's figures on the reference (and the model, for a merge)."""
+    model = load_peft(base_model_path, peft_dir)
+    model.eval()
+    found = figures(model, reference)
+    found.unapplied = unapplied_tensors(model, peft_dir)
+    return found, model
+
+
+def merge(peft_model, base_model_path: str, out: Path, config: dict) -> None:
+    """Base + LoRA merged, saved with its config and tokenizer so that `from_pretrained(out)` alone loads it."""
+    from transformers import AutoTokenizer
+
+    if peft_model.config.tie_word_embeddings and {"embed_tokens", "lm_head"} & set(config["target_modules"]):
+        # Merging into a tied matrix would change the embeddings and the output head at once.
+        raise ExportError("the base model ties its embeddings to its output head, and the adapter trains one of "
+                          "them: a merged model cannot keep both; export the PEFT adapter only")
+    merged = peft_model.merge_and_unload()
+    merged.save_pretrained(str(out), safe_serialization=True)
+    AutoTokenizer.from_pretrained(base_model_path).save_pretrained(str(out))
+
+

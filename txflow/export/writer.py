@@ -1,0 +1,67 @@
+"""`export`: a run's sampler checkpoint as a Hugging Face PEFT adapter (and, on request, the merged model),
+converted, proven against SkyRL-tx's figures, and committed only when the proof holds."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from txflow.checkpoints import storage
+from txflow.checkpoints.export import (LOGPROB_BOUND, MERGED_DIR, PEFT_DIR, PROVENANCE_NAME, ExportReference,
+                                       ExportResult, extract_sampler, failure, max_abs_diff, model_card,
+                                       peft_adapter, prepare_destination, serving_notes)
+from txflow.export.proof import figures, load_base, merge, prove
+
+
+def export(reference: ExportReference, dest: str, options: dict, base_model_path: str, run: dict,
+           merged: bool = False, force: bool = False, keep_others: bool = False, log=print) -> ExportResult:
+    """Export the sampler checkpoint of `reference` to `<dest>/peft` (and `<dest>/merged`), proven against
+    the reference; committed only when the proof holds. `run` describes the run for the model card."""
+    began = time.monotonic()
+    kept = prepare_destination(dest, options, force, reference.sampler_url, keep_others)
+    if kept:
+        log(f"export: the earlier export at {dest} (of another sampler checkpoint) is kept at {kept}")
+    with tempfile.TemporaryDirectory(prefix="txflow-export-") as tmp:
+        staging = Path(tmp)
+        tarball = staging / "sampler.tar.gz"
+        storage.download(reference.sampler_url, tarball, options, directory=False)
+        peft_dir = staging / PEFT_DIR
+        config = peft_adapter(extract_sampler(tarball, staging / "sampler"), peft_dir, reference.base_model)
+        found, model = prove(base_model_path, peft_dir, reference)
+        result = ExportResult(
+            sampler_url=reference.sampler_url, base_model=reference.base_model,
+            target_modules=config["target_modules"], r=config["r"], lora_alpha=config["lora_alpha"],
+            max_abs_logprob_diff=max_abs_diff(found.logprobs, reference.logprobs),
+            greedy_tokens_match=found.greedy_tokens == reference.greedy_tokens,
+            notes=serving_notes(config, reference.base_model, base_model_path), passed=False)
+        if found.unapplied:
+            result.problem = (f"PEFT does not apply {len(found.unapplied)} adapter tensors as written: "
+                              f"{', '.join(found.unapplied[:4])}")
+        log(f"export: PEFT adapter of {reference.sampler_url}: max |Δ logprob| {result.max_abs_logprob_diff:.2e} "
+            f"(bound {LOGPROB_BOUND:g}), greedy tokens match {result.greedy_tokens_match}")
+        merged_dir = staging / MERGED_DIR
+        if merged:
+            merge(model, base_model_path, merged_dir, config)
+            again = figures(load_base(str(merged_dir)).eval(), reference)
+            result.merged_max_abs_logprob_diff = max_abs_diff(again.logprobs, found.logprobs)
+            result.merged_greedy_tokens_match = again.greedy_tokens == found.greedy_tokens
+            log(f"export: merged model: max |Δ logprob| {result.merged_max_abs_logprob_diff:.2e} against the PEFT "
+                f"model, greedy tokens match {result.merged_greedy_tokens_match}")
+        result.passed = failure(result) is None
+        if not result.passed:
+            result.seconds = round(time.monotonic() - began, 3)
+            return result  # a wrong export is never written where a user would find it
+        dest = dest.rstrip("/")
+        result.peft_url = f"{dest}/{PEFT_DIR}"
+        result.merged_url = f"{dest}/{MERGED_DIR}" if merged else None
+        for directory, is_merged in ((peft_dir, False), *(((merged_dir, True),) if merged else ())):
+            (directory / "README.md").write_text(model_card(result, run, is_merged))
+            (directory / PROVENANCE_NAME).write_text(json.dumps(
+                {"sampler_url": reference.sampler_url, "run": run, "proof": result.model_dump(exclude={"seconds"})},
+                indent=1) + "\n")
+            storage.upload(directory, f"{dest}/{directory.name}", options,
+                           "the merged model" if is_merged else "the PEFT adapter")
+    result.seconds = round(time.monotonic() - began, 3)
+    return result
