@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from typing import Callable
 
 RewardFn = Callable[[str, str, list[int], dict], float]
@@ -21,6 +22,22 @@ def low_token_ids(prompt: str, completion_text: str, completion_tokens: list[int
     if not completion_tokens:
         return 0.0
     return sum(t < LOW_TOKEN_ID for t in completion_tokens) / len(completion_tokens)
+
+
+_NUMBER = re.compile(r"-?\d+")
+
+
+def first_number(text: str) -> int | None:
+    """The first integer in `text` (a sign directly before it counts), or None."""
+    found = _NUMBER.search(text.replace(",", ""))
+    return int(found.group()) if found else None
+
+
+def exact_answer(prompt: str, completion_text: str, completion_tokens: list[int], row: dict) -> float:
+    """1 when the completion's first number is the row's `answer`, else 0: the bundled arithmetic task's
+    reward (as the tinker-cookbook's arithmetic environment scores)."""
+    expected = first_number(str(row["answer"]))
+    return float(expected is not None and first_number(completion_text) == expected)
 
 
 class RewardError(ValueError):
