@@ -41,7 +41,7 @@ from txflow.cluster.handle import ClusterHandle
 from txflow.cluster.launchers import get_launcher, stop_cluster
 from txflow.cluster.monitor import Failure, NoProgress
 from txflow.cluster.records import as_json
-from txflow.config import RunConfig
+from txflow.config import SECRET_FIELDS, RunConfig
 from txflow.log import get_logger, register_run_secrets
 from txflow.preflight import PreflightError
 from txflow.processes.umask import private_files
@@ -73,7 +73,12 @@ def _stop_cluster_hook(flow, flow_run, state) -> None:
     from prefect.logging.loggers import flow_run_logger
 
     config = flow_run.parameters.get("config") or {}
-    cfg = RunConfig.model_validate(config) if isinstance(config, dict) else config
+    if isinstance(config, dict):
+        # Prefect keeps a secret parameter as "**********", which would fail validation; the stop needs
+        # only where the run's state lives, never a secret.
+        cfg = RunConfig.model_validate({k: v for k, v in config.items() if k not in SECRET_FIELDS})
+    else:
+        cfg = config
     cfg = _with_run_id(cfg, flow_run).resolved()
     records = stop_cluster(cfg.state_dir)
     flow_run_logger(flow_run, flow).info(

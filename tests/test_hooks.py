@@ -60,3 +60,19 @@ def test_the_hook_with_nothing_recorded_says_so(tmp_path, caplog):
         _stop_cluster_hook(train_flow, flow_run, Cancelling())
     assert any("Cancelling hook: stopped the cluster" in r.getMessage() and r.getMessage().endswith("nothing recorded")
                for r in caplog.records)
+
+
+def test_the_hook_stops_the_cluster_when_prefect_masked_the_run_secrets(tmp_path, caplog, reaper):
+    # TINKER_API_KEY, a database URL and storage options reach Prefect as secrets: it keeps "**********".
+    state = reaper.watch(tmp_path / "state")
+    subprocess.run([sys.executable, "-c", FLOW_PROCESS, str(state)], check=True, timeout=60)
+    records = json.loads((state / "cluster.json").read_text())["processes"]
+    masked = "*" * 10
+    flow_run = FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="masked-run",
+                       parameters={"config": {"mode": "sft", "run_id": "masked", "state_dir": str(state),
+                                              "api_key": masked, "database_url": masked,
+                                              "storage_options": {"key": masked}}})
+    caplog.set_level(logging.INFO)
+    with temporary_settings(updates={PREFECT_LOGGING_TO_API_ENABLED: False}):
+        _stop_cluster_hook(train_flow, flow_run, Crashed())
+    assert not any(is_alive(r["pid"], r["start_time"]) for r in records)

@@ -19,7 +19,7 @@ import pytest
 
 from tests.helpers import BUCKET, HoldingProxy, alive_pids, bucket_keys, run_txflow, txflow_cmd
 from txflow.checkpoints.names import step_of
-from txflow.reporting.report import markdown
+from txflow.reporting.report import RunReport, markdown
 
 pytestmark = pytest.mark.e2e
 
@@ -89,7 +89,8 @@ def test_two_passing_runs_promote_in_turn_and_a_reader_never_sees_a_mix(tmp_path
     assert sorted(step_of(a["path"]) for a in report_a["artifacts"] if a["kind"] == "state") == [8, 10]
     assert report_a["promotion"]["status"] == "promoted"
     id_a = report_a["promotion"]["id"]
-    assert "promoted as **prod**" in markdown(report_a) and "## Retention" in markdown(report_a)
+    text = markdown(RunReport.model_validate(report_a))
+    assert "promoted as **prod**" in text and "## Retention" in text
 
     # Run B replaces it while a reader loops over promoted/prod.
     reads, stop = tmp_path / "reads.jsonl", tmp_path / "stop-reading"
@@ -155,7 +156,7 @@ def test_a_run_that_fails_its_checks_leaves_the_promotion_and_names_the_check(tm
     moved, gain = restore["failed_checks"]
     assert moved.startswith("the trained model's greedy tokens are the base model's") and \
         gain.startswith("SFT held-out gain"), restore["failed_checks"]
-    assert f"- failed check: **{gain}**" in markdown(report)
+    assert f"- failed check: **{gain}**" in markdown(RunReport.model_validate(report))
     assert report["promotion"] is None and pointer() == before
     assert sorted(state_steps("life-c")) == [2, 4, 6]
     assert alive_pids(state) == []

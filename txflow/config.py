@@ -320,3 +320,7 @@ class RunConfig(BaseModel, extra="forbid"):
 
     def plain_storage_options(self) -> dict[str, str]:
         return {k: v.get_secret_value() for k, v in self.storage_options.items()}
+
+
+# The fields that hold credentials: never logged, and never needed to find or stop a run's processes.
+SECRET_FIELDS = frozenset(name for name, field in RunConfig.model_fields.items() if "SecretStr" in str(field.annotation))
