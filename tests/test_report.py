@@ -69,3 +69,15 @@ def test_progress_times_a_step_under_its_name_and_remembers_the_current_one():
         progress.time(lambda: 1 / 0)  # timed even when it fails, and not the current step
     assert progress.step == "approval" and set(progress.timings) == {"approval", "<lambda>"}
     assert step_name(train) == "train" == train.name  # a Prefect task: its own name
+
+
+def test_the_answers_before_and_after_training_are_shown_with_their_accuracy():
+    report = RunReport.read(BEFORE.read_text())
+    assert run_report.answers_text(report) == [] and "## Answers" not in run_report.markdown(report)
+    report.restore |= {"answers": [{"prompt": "What is 12 + 7?", "expected": "19", "base": "9", "trained": "19"}],
+                       "base_accuracy": 0.25, "accuracy": 0.75}
+    text = run_report.markdown(report)
+    assert "Held-out accuracy: **25%** base model, **75%** trained" in text
+    assert "| What is 12 + 7? | 19 | 9 | 19 |" in text
+    assert run_report.answers_text(report) == ["  'What is 12 + 7?' (expected 19): base model '9', trained '19'",
+                                               "  held-out accuracy: 25% base model -> 75% trained"]

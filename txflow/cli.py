@@ -264,7 +264,12 @@ def run(args) -> int:
     if args.json:
         print(report.to_json())
     else:
+        from txflow.reporting.report import answers_text
+
         why = f" ({report.error.splitlines()[0]})" if report.error else ""
+        shown = answers_text(report)
+        if shown:
+            print("txflow: held-out prompts, before and after training:", *shown, sep="\n", file=sys.stderr)
         print(f"txflow: run {report.run_id} {report.status}{why}; report at {report.checkpoint_root}/report.json",
               file=sys.stderr)
     return code

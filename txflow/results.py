@@ -87,6 +87,8 @@ class RestoreCheck(BaseModel):
     restored_tokens: list[list[int]] | None = None
     quality: dict[str, float | bool] = Field(default_factory=dict, description="The mode's quality figures")
     checks: list[dict] | None = None  # custom mode: one per client checkpoint
+    answers: list[dict] | None = Field(default=None, description="Held-out prompts with the base model's and the "
+                                       "trained model's greedy answers (and the expected one, where known)")
     reference: ExportReference | None = Field(default=None, description="What the export must reproduce")
     failed_checks: list[str] = Field(default_factory=list,
                                      description="Each check missed, with the value found and its bound")

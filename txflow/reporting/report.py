@@ -213,6 +213,7 @@ def markdown(report: RunReport) -> str:
     png = curve_png(metrics)
     if png is not None:  # inline: the Prefect UI shows a data URI, and cannot open a path in the run root
         lines += ["", f"![{CURVES[_curve_key(metrics)]}](data:image/png;base64,{base64.b64encode(png).decode()})"]
+    lines += answers_markdown(restore)
     lines += export_markdown(report.export)
     lines += lifecycle_markdown(report)
     if (report.client_runs or 0) > 1:
@@ -230,6 +231,35 @@ def markdown(report: RunReport) -> str:
         lines += ["", "## Error", "", "```", report.error[-3000:], "```"]
     lines += ["", "## Timings (s)", ""] + [f"- {k}: {v:.1f}" for k, v in report.timings_s.items()]
     return "\n".join(lines)
+
+
+def answers_markdown(restore: dict) -> list[str]:
+    """Held-out prompts with the base model's and the trained model's answers, and their accuracy."""
+    shown = restore.get("answers")
+    if not shown:
+        return []
+    lines = ["", "## Answers before and after training", ""]
+    if "accuracy" in restore:
+        lines += [f"Held-out accuracy: **{restore['base_accuracy']:.0%}** base model, **{restore['accuracy']:.0%}** "
+                  f"trained (greedy, exact answer).", ""]
+    expected = all("expected" in a for a in shown)
+    lines += ["| prompt |" + (" expected |" if expected else "") + " base model | trained |",
+              "|---|" + ("---|" if expected else "") + "---|---|"]
+    for a in shown:
+        cells = [a["prompt"], *([a["expected"]] if expected else []), a["base"], a["trained"]]
+        lines.append("| " + " | ".join(c.replace("|", "\\|").replace("\n", " ") for c in cells) + " |")
+    return lines
+
+
+def answers_text(report: RunReport) -> list[str]:
+    """The same for a terminal: one line a prompt, then the accuracy."""
+    restore = report.restore or {}
+    lines = [f"  {a['prompt']!r}" + (f" (expected {a['expected']})" if "expected" in a else "")
+             + f": base model {a['base']!r}, trained {a['trained']!r}" for a in restore.get("answers") or []]
+    if "accuracy" in restore:
+        lines.append(f"  held-out accuracy: {restore['base_accuracy']:.0%} base model -> {restore['accuracy']:.0%} "
+                     f"trained")
+    return lines
 
 
 def lifecycle_markdown(report: RunReport) -> list[str]:

@@ -13,7 +13,7 @@ from txflow.cluster.handle import ClusterHandle
 from txflow.config import RunConfig
 from txflow.log import get_logger, scrub
 from txflow.results import RestoreCheck, Saved
-from txflow.training import evaluation, rl, verdict
+from txflow.training import answers, evaluation, rl, verdict
 from txflow.training.clients import LORA_MODULES, lora_client
 from txflow.upstream.skyrl_tx import layout
 
@@ -142,6 +142,9 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
                                      tokens)
         quality = (verdict.sft_quality(metrics, base_loss, live.eval_loss) if cfg.mode == "sft"
                    else rl_quality(cfg, handle, client, sampler, metrics, data))
+        rows = data.eval_rows if cfg.mode == "sft" else data.rows
+        shown, accuracy = answers.side_by_side(data.tokenizer, rows, live.base_tokens, tokens)
+        quality.update(accuracy)
     finally:
         evaluation.unload(handle, slot.model_id)
 
@@ -154,7 +157,7 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
     result = RestoreCheck(passed=not failed, loss_before=live.eval_loss, loss_after=loss_after, abs_diff=abs_diff,
                           sampler_tokens_match=tokens_match, tokens_differ_from_base=moved,
                           sampler_logprob_diff=logprob_diff, live_tokens=live.greedy_tokens, restored_tokens=tokens,
-                          quality=quality, reference=reference, failed_checks=failed)
+                          quality=quality, answers=shown, reference=reference, failed_checks=failed)
     passed = result.passed
     figures = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in quality.items())
     log.info(f"restore check: loss {live.eval_loss:.6f} -> {loss_after:.6f} (|diff| {abs_diff:.2e}), "

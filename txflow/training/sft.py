@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # tinker is imported where a Datum is built: it imports torch (~4 s), and pre-flight must stay fast.
 
@@ -13,6 +13,8 @@ Example = tuple[list[int], list[int]]  # tokens, per-token loss weights
 class SFTData:
     train: list[Example]
     eval: list[Example]
+    eval_rows: list[dict] = field(default_factory=list)  # the rows of `eval`: the answers a report shows
+    tokenizer: object = None
 
 
 def encode(row: dict, tokenizer, max_len: int, where: str) -> Example:
@@ -29,7 +31,8 @@ def prepare(rows: list[dict], tokenizer, max_len: int, url: str) -> SFTData:
     """Tokenize every row; the last tenth is held out for evaluation (`split`)."""
     examples = [encode(row, tokenizer, max_len, f"{url} line {i + 1}") for i, row in enumerate(rows)]
     train, held_out = split(examples)
-    return SFTData(train=train, eval=held_out or train[:1])
+    held_rows = split(rows)[1] or rows[:1]
+    return SFTData(train=train, eval=held_out or train[:1], eval_rows=held_rows, tokenizer=tokenizer)
 
 
 def split(items: list) -> tuple[list, list]:
