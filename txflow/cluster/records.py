@@ -35,10 +35,14 @@ class ProcessRecord(BaseModel):
     exit_code: int | None = None
     exit_unknown: bool = Field(default=False, description="Gone, but its exit code could not be learned (another "
                                "process started it, or its node or actor was lost)")
+    unstoppable: bool = Field(default=False, description="Still there after SIGKILL (a process in uninterruptible "
+                              "sleep): left behind, and named in the report")
 
     @property
     def exit_text(self) -> str:
-        """Its exit code as a log line says it: a number, `unknown`, or `running`."""
+        """Its exit code as a log line says it: a number, `unknown`, `running`, or that SIGKILL did not take."""
+        if self.unstoppable:
+            return "still running after SIGKILL (uninterruptible sleep?)"
         if self.exit_unknown:
             return "unknown"
         return "running" if self.exit_code is None else str(self.exit_code)
@@ -109,5 +113,5 @@ def describe_exit(record: ProcessRecord, code: int | None, log_tail: str, cause:
 def as_json(records: list[ProcessRecord]) -> list[dict]:
     """What the report says of each process: rank, role, pid, exit code and its node."""
     return [{"rank": r.rank, "role": r.role, "pid": r.pid, "exit_code": r.exit_code,
-             "exit_unknown": r.exit_unknown, "node_id": r.node_id,
+             "exit_unknown": r.exit_unknown, "unstoppable": r.unstoppable, "node_id": r.node_id,
              "node_ip": r.host} for r in records]

@@ -67,7 +67,13 @@ class LocalLauncher(Launcher):
         for record in cluster.processes:
             proc = self._popen.pop(record.pid, None)
             if proc is not None:
-                record.exit_code = proc.wait(timeout=5)
+                try:
+                    record.exit_code = proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    # SIGKILL takes a process only when it leaves the kernel: one in uninterruptible sleep (a
+                    # hung disk or mount) stays. Name it and go on, so the run still ends with its report.
+                    self._popen[record.pid] = proc
+                    record.unstoppable = True
             elif record.exit_code is None and not procfs.is_alive(record.pid, record.start_time):
                 record.exit_unknown = True  # only its parent could have learned it
         cluster.save()
