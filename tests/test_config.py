@@ -220,3 +220,15 @@ def test_client_python_belongs_to_custom_mode():
 @pytest.mark.parametrize("field, value", [("mode", "dpo"), ("loss", "reinforce")])
 def test_unknown_mode_or_loss_is_rejected(field, value):
     assert field in error_text(**{field: value})
+
+
+def test_the_api_key_comes_from_tinker_api_key_however_the_run_starts(monkeypatch):
+    # A deployment's worker resolves the config inside the flow: its environment's key is the run's.
+    monkeypatch.setenv("TINKER_API_KEY", "tml-from-the-environment")
+    assert RunConfig().resolved().api_key.get_secret_value() == "tml-from-the-environment"
+    assert RunConfig(api_key="tml-given").resolved().api_key.get_secret_value() == "tml-given"  # given wins
+    monkeypatch.setenv("TINKER_API_KEY", "not-a-tinker-key")
+    with pytest.raises(ValueError, match="api_key must start with 'tml-'"):
+        RunConfig().resolved()
+    monkeypatch.delenv("TINKER_API_KEY")
+    assert RunConfig().resolved().api_key is None  # the cluster makes a random one

@@ -27,7 +27,7 @@ import typing
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from txflow.config import PROMOTION_NAME_PATTERN, RunConfig
+from txflow.config import API_KEY_ENV, PROMOTION_NAME_PATTERN, RunConfig
 from txflow.log import redact
 from txflow.processes import umask
 
@@ -40,7 +40,6 @@ FLAG_NAMES = {
 }
 # Fields given as the positional argument, not as a flag.
 POSITIONAL = {"mode"}
-API_KEY_ENV = "TINKER_API_KEY"
 
 
 def flag_of(name: str) -> str:
@@ -213,9 +212,6 @@ def config_values(args: argparse.Namespace) -> dict:
         for parent in parents:
             target = target.setdefault(parent, {})
         target[leaf] = value
-    if "api_key" not in values and os.environ.get(API_KEY_ENV):
-        # The standard Tinker variable, so the key stays off the command line.
-        values["api_key"] = os.environ[API_KEY_ENV]
     return values
 
 

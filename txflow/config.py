@@ -7,6 +7,7 @@ documentation the Prefect UI shows next to each form field.
 
 from __future__ import annotations
 
+import os
 import re
 import secrets
 import time
@@ -297,6 +298,10 @@ class RunConfig(BaseModel, extra="forbid"):
             # Ranks may run in another working directory: pass them an absolute path.
             checkpoints = str(Path(checkpoints).expanduser().absolute())
         defaults = {k: v for k, v in MODE_DEFAULTS[self.mode].items() if getattr(self, k) is None}
+        if self.api_key is None and os.environ.get(API_KEY_ENV):
+            # The standard Tinker variable, however the run starts (txflow run, a deployment's worker): the
+            # key stays off command lines and out of the parameters Prefect stores.
+            defaults["api_key"] = self._tinker_key_prefix(SecretStr(os.environ[API_KEY_ENV]))
         return self.model_copy(
             update={"run_id": run_id, "state_dir": str(Path(state_dir).absolute()), "checkpoints": checkpoints,
                     **defaults}
@@ -321,6 +326,8 @@ class RunConfig(BaseModel, extra="forbid"):
     def plain_storage_options(self) -> dict[str, str]:
         return {k: v.get_secret_value() for k, v in self.storage_options.items()}
 
+
+API_KEY_ENV = "TINKER_API_KEY"  # the Tinker SDK's own variable
 
 # The fields that hold credentials: never logged, and never needed to find or stop a run's processes.
 SECRET_FIELDS = frozenset(name for name, field in RunConfig.model_fields.items() if "SecretStr" in str(field.annotation))
