@@ -139,3 +139,29 @@ def test_a_skipped_shim_leaves_the_upstream_route_alone(monkeypatch):
     assert routes[("POST", "/api/v1/asample")] is upstream_asample
     assert ("POST", "/api/v1/client/config") not in routes
     assert routes[("POST", "/api/v1/forward_backward")] is tinker_compat.forward_backward
+
+
+def test_a_field_of_the_wrong_wire_type_is_refused_without_allocating_it():
+    # Field 1 (model_id, text) sent as a varint of 2^40: read as bytes it would be bytes(2**40).
+    with pytest.raises(ValueError, match="field 1 has the wrong wire type"):
+        protobuf.parse_forward_backward(protobuf._int(1, 1 << 40))
+    with pytest.raises(ValueError, match="wrong wire type"):
+        protobuf.parse_forward_backward(protobuf._int(3, 7))  # data: a message, sent as a number
+    with pytest.raises(ValueError, match="varint longer than 64 bits"):
+        protobuf.parse_forward_backward(b"\x08" + b"\xff" * 11 + b"\x01")
+
+
+def test_any_malformed_body_is_a_value_error_so_the_api_answers_400():
+    import random
+
+    valid = SDK_FORWARD_ONLY_REQUEST  # what tinker 0.38 sends
+    protobuf.parse_forward_backward(valid)
+    rng = random.Random(0)
+    for _ in range(20_000):
+        body = bytearray(valid)
+        for _ in range(rng.randrange(1, 4)):
+            body[rng.randrange(len(body))] = rng.randrange(256)
+        try:
+            protobuf.parse_forward_backward(bytes(body))
+        except ValueError:
+            pass  # anything else would be a 500

@@ -22,6 +22,8 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
     while True:
         if pos >= len(buf):
             raise ValueError("truncated varint")
+        if shift >= 64:  # a varint is at most 10 bytes: anything longer is not protobuf (and unbounded)
+            raise ValueError("varint longer than 64 bits")
         byte = buf[pos]
         pos += 1
         value |= (byte & 0x7F) << shift
@@ -54,12 +56,34 @@ def _parse(buf: bytes) -> dict[int, list]:
 
 
 def _one(fields: dict, number: int, default=None):
+    """A singular field (proto3: its last value wins), of the wire kind its default says: bytes or an int. A
+    sender's other kind is an error, never a value used as the other (bytes(n) would allocate n bytes)."""
     values = fields.get(number)
-    return values[-1] if values else default  # proto3: the last value of a singular field wins
+    if not values:
+        return default
+    value = values[-1]
+    if default is not None and isinstance(value, int) != isinstance(default, int):
+        raise ValueError(f"field {number} has the wrong wire type")
+    return value
+
+
+def _messages(fields: dict, number: int) -> list[dict[int, list]]:
+    """A repeated message field, each parsed."""
+    values = fields.get(number, [])
+    if any(isinstance(v, int) for v in values):
+        raise ValueError(f"field {number} has the wrong wire type")
+    return [_parse(v) for v in values]
+
+
+def _read_double(fields: dict, number: int) -> float:
+    value = _one(fields, number, bytes(8))
+    if len(value) != 8:
+        raise ValueError(f"field {number} is not a double")
+    return struct.unpack("<d", value)[0]
 
 
 def _text(fields: dict, number: int) -> str:
-    return bytes(_one(fields, number, b"")).decode()
+    return _one(fields, number, b"").decode()
 
 
 def _tensor(buf: bytes) -> dict:
@@ -72,15 +96,23 @@ def _tensor(buf: bytes) -> dict:
     return {"data": np.frombuffer(_one(tensor, 1, b""), dtype=dtype).tolist()}
 
 
+def _raw(fields: dict, number: int) -> list[bytes]:
+    """A repeated message field, unparsed."""
+    values = fields.get(number, [])
+    if any(isinstance(v, int) for v in values):
+        raise ValueError(f"field {number} has the wrong wire type")
+    return values
+
+
 def _datum(buf: bytes) -> dict:
     datum = _parse(buf)
     chunks = []
-    for chunk in map(_parse, datum.get(1, [])):
+    for chunk in _messages(datum, 1):
         if 1 not in chunk:
             raise ValueError("only text model inputs are supported (no image or audio chunks)")
-        chunks.append({"tokens": np.frombuffer(_one(_parse(_one(chunk, 1)), 1, b""), dtype="<i4").tolist()})
+        chunks.append({"tokens": np.frombuffer(_one(_parse(_one(chunk, 1, b"")), 1, b""), dtype="<i4").tolist()})
     inputs = {}
-    for entry in map(_parse, datum.get(2, [])):
+    for entry in _messages(datum, 2):
         inputs[_text(entry, 1)] = _tensor(_one(entry, 2, b""))
     return {"model_input": {"chunks": chunks}, "loss_fn_inputs": inputs}
 
@@ -89,16 +121,16 @@ def parse_forward_backward(body: bytes) -> tuple[dict, bool]:
     """A protobuf ForwardBackwardRequest as upstream's JSON request, and its `forward_only` flag."""
     msg = _parse(body)
     config: dict[str, float] = {}
-    for entry in map(_parse, msg.get(5, [])):
-        config[_text(entry, 1)] = struct.unpack("<d", _one(entry, 2, bytes(8)))[0]
-    for entry in map(_parse, msg.get(7, [])):  # v2 config: numbers, or text that this server has no use for
+    for entry in _messages(msg, 5):
+        config[_text(entry, 1)] = _read_double(entry, 2)
+    for entry in _messages(msg, 7):  # v2 config: numbers, or text that this server has no use for
         value = _parse(_one(entry, 2, b""))
         if 2 in value:
             raise ValueError(f"loss_fn_config {_text(entry, 1)!r} is text; this server takes numbers only")
-        config[_text(entry, 1)] = struct.unpack("<d", _one(value, 1, bytes(8)))[0]
+        config[_text(entry, 1)] = _read_double(value, 1)
     request = {
         "model_id": _text(msg, 1),
-        "forward_backward_input": {"data": [_datum(d) for d in msg.get(3, [])], "loss_fn": _text(msg, 4),
+        "forward_backward_input": {"data": [_datum(d) for d in _raw(msg, 3)], "loss_fn": _text(msg, 4),
                                    "loss_fn_config": config or None},
     }
     return request, bool(_one(msg, 6, 0))
