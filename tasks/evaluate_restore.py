@@ -14,6 +14,7 @@ from txflow.cluster.handle import ClusterHandle
 from txflow.cluster.monitor import retry_unless_cluster_fault
 from txflow.config import RunConfig
 from txflow.log import get_logger, scrub
+from txflow.processes.holds import hold_point
 from txflow.results import LiveReference, RestoreCheck, Saved
 from txflow.training import evaluation, rl
 from txflow.training.clients import LORA_MODULES, lora_client
@@ -182,6 +183,7 @@ def evaluate_restore(cfg: RunConfig, handle: ClusterHandle, metrics: list[dict],
     """Restore the state into a fresh training client and sample from the saved sampler weights."""
     log = get_logger()
     log.info(f"evaluate-restore: loading the committed checkpoints of run {cfg.run_id} from {cfg.run_root}")
+    hold_point("evaluate-restore")  # a test's fault lands here (txflow.processes.holds)
     with handle.deaths_first():
         if cfg.mode == "custom":
             result = verify_client_checkpoints(cfg, handle, saved, data)
