@@ -28,7 +28,7 @@ from txflow.config import RunConfig
 from txflow.processes.ports import free_port
 from txflow.processes.procfs import is_alive
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(1)]
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_DEADLINE_S = 600

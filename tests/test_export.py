@@ -21,6 +21,8 @@ from txflow.checkpoints.discovery import discover
 from txflow.checkpoints.markers import COMMIT_SUFFIX
 from txflow.upstream.tiny_model import resolve_base_model
 
+pytestmark = [pytest.mark.together]
+
 RANK, ALPHA = 8, 32.0
 TXFLOW = [sys.executable, "-m", "txflow.cli"]
 

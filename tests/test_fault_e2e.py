@@ -19,7 +19,7 @@ from txflow.checkpoints import storage
 from txflow.processes.procfs import is_alive
 from txflow.reporting.metrics import read_metrics
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy(4)]
 
 
 def start_run(tmp_path: Path, env: dict, run_id: str, *extra: str,

@@ -18,6 +18,8 @@ from txflow.cluster.launchers.local import LocalLauncher
 from txflow.cluster.monitor import NoProgress, RankDied, RankMonitor
 from txflow.cluster.records import Cluster, ProcessRecord
 
+pytestmark = [pytest.mark.timed]
+
 SLEEPER = [sys.executable, "-c", "print('rank alive', flush=True); import time; time.sleep(60)"]
 
 

@@ -26,7 +26,7 @@ from tests.ray_cluster import running_cluster
 from txflow.processes.ports import free_port
 from txflow.processes.procfs import is_alive
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(2)]
 
 STORAGE_MARKER = "ray-storage-option-MARKER-91c2"
 BUCKET = "txflow-ray"

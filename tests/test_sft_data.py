@@ -13,6 +13,8 @@ import pytest
 from txflow.training import datasets, sft
 from txflow.training.datasets import REQUIRED_KEYS, DatasetError, bundled_dataset, load_jsonl
 
+pytestmark = [pytest.mark.together]
+
 
 @pytest.fixture(scope="module")
 def tokenizer():

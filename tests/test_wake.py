@@ -23,6 +23,8 @@ from txflow.upstream import wake
 from txflow.upstream.skyrl_tx import api as txflow_api
 from txflow.upstream.skyrl_tx import engine, launch, result_wait
 
+pytestmark = [pytest.mark.timed]
+
 LONG_S = 30.0  # a sleep that a wake must cut short
 
 
