@@ -10,6 +10,7 @@ from txflow.cluster.handle import ClusterHandle
 from txflow.cluster.monitor import retry_unless_cluster_fault
 from txflow.config import RunConfig
 from txflow.log import get_logger
+from txflow.processes.holds import hold_point
 from txflow.results import RestoreCheck, Saved
 from txflow.training import restore
 
@@ -20,6 +21,7 @@ def evaluate_restore(cfg: RunConfig, handle: ClusterHandle, metrics: list[dict],
                      data) -> RestoreCheck:
     """Restore the state into a fresh training client and sample from the saved sampler weights."""
     get_logger().info(f"evaluate-restore: loading the committed checkpoints of run {cfg.run_id} from {cfg.run_root}")
+    hold_point("evaluate-restore")  # a test's fault lands here (txflow.processes.holds)
     with handle.deaths_first():
         if cfg.mode == "custom":
             return restore.verify_client_checkpoints(cfg, handle, saved, data)

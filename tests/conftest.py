@@ -3,6 +3,9 @@ reaper that stops every cluster process a test started, also when it fails."""
 
 from __future__ import annotations
 
+import ast
+import functools
+import math
 import os
 import shutil
 import subprocess
@@ -126,46 +129,44 @@ def s3_env(moto, txflow_env, monkeypatch):
 
 # `make test` runs every test but the `timed` ones on two pytest-xdist workers: most of an end-to-end
 # test's time is one process importing, compiling or waiting, so two at once fill the machine's two cores (measured:
-# two 1-process SFT runs at once took 71 s, one alone 57 s). The tests of a module in TOGETHER share a
-# module-scoped fixture (one run, one server, one Ray cluster, one S3 server; some rely on the order of
-# the module) and go to one worker, so it is set up once; every other test is scheduled on its own.
-# Longest work first, so that neither worker is left with a long test while the other has finished
-# (the order from a full run's times).
-TOGETHER = {"test_deployments_e2e", "test_ray_e2e", "test_s3_e2e", "test_lifecycle_e2e", "test_sft_e2e",
-            "test_security_e2e", "test_ray_cluster_infra", "test_export", "test_checkpoint_io",
-            "test_concurrency_guard", "test_losses", "test_sft_data", "test_discovery"}
-# Unit tests that assert on wall-clock times (sub-second margins some of them): `make test` runs them
-# first and alone, so that nothing else shares the CPU with them. Marked `timed`.
-TIMED = {"test_bad_input", "test_lifeline", "test_monitor", "test_processes", "test_progress", "test_result_wait",
-         "test_wake"}
-HEAVIEST_FIRST = ("test_deployments_e2e", "test_ray_e2e", "test_s3_e2e", "test_fault_e2e", "test_rl_custom_e2e",
-                  "test_sdk_matrix_e2e", "test_lifecycle_e2e", "test_sft_e2e", "test_cluster_e2e",
-                  "test_restore_negative_e2e", "test_security_e2e")
+# two 1-process SFT runs at once took 71 s, one alone 57 s). What the schedule must know, each test module says
+# itself in its `pytestmark` (the markers are registered in pyproject.toml):
+#   together  its tests share a module-scoped fixture (one run, one server, one Ray cluster, one S3 server; some
+#             rely on the order of the module): they go to one worker, so it is set up once. Every other test is
+#             scheduled on its own. A module with such a fixture and without the mark fails collection.
+#   heavy(n)  a module of long end-to-end tests: the end-to-end tests run first, the heavy modules first of them,
+#             heavy(1) first, so that neither worker is left with a long test while the other has finished (the
+#             ranks from a full run's times).
+#   timed     unit tests that assert on wall-clock times (sub-second margins some of them): `make test` runs them
+#             first and alone, so that nothing else shares the CPU with them.
 
 
-def _module(item_or_nodeid) -> str:
-    nodeid = getattr(item_or_nodeid, "nodeid", item_or_nodeid)
-    return Path(nodeid.split("::", 1)[0]).stem
-
-
-def pytest_itemcollected(item):
-    if _module(item) in TIMED:  # here, before `-m` selects
-        item.add_marker(pytest.mark.timed)
+@functools.cache
+def declared_marks(path: Path) -> frozenset[str]:
+    """The marks a test module declares in its `pytestmark`, read from its source: xdist's controller
+    schedules from node ids alone and never imports the tests."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "pytestmark"
+                                                 for t in node.targets):
+            return frozenset(n.attr for n in ast.walk(node.value)
+                             if isinstance(n, ast.Attribute) and ast.unparse(n.value) == "pytest.mark")
+    return frozenset()
 
 
 def pytest_collection_modifyitems(config, items):
-    # A module fixture outside TOGETHER would be set up on both workers, once each: say so at once.
-    shared = {_module(item) for item in items
+    # A module fixture outside a `together` module would be set up on both workers, once each: say so at once
+    # (read from the source, as the scheduler reads it).
+    shared = {item.path for item in items
               if any(d.scope in ("module", "package") for defs in item._fixtureinfo.name2fixturedefs.values()
                      for d in defs)}
-    if shared - TOGETHER:
-        raise pytest.UsageError(f"tests/conftest.py: add {sorted(shared - TOGETHER)} to TOGETHER "
-                                "(their tests share a module-scoped fixture)")
+    unmarked = sorted(path.name for path in shared if "together" not in declared_marks(path))
+    if unmarked:
+        raise pytest.UsageError(f"{', '.join(unmarked)}: their tests share a module-scoped fixture; add "
+                                "`pytestmark = [pytest.mark.together]` (tests/conftest.py)")
 
-    def rank(item) -> tuple[bool, int]:
-        name = _module(item)
-        return ("e2e" not in item.keywords,
-                HEAVIEST_FIRST.index(name) if name in HEAVIEST_FIRST else len(HEAVIEST_FIRST))
+    def rank(item) -> tuple[bool, float]:
+        heavy = item.get_closest_marker("heavy")
+        return "e2e" not in item.keywords, heavy.args[0] if heavy else math.inf
 
     items.sort(key=rank)  # stable: a module keeps its own order
 
@@ -176,6 +177,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class SharedFixturesTogether(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            return nodeid.split("::", 1)[0] if _module(nodeid) in TOGETHER else nodeid
+            module = nodeid.split("::", 1)[0]
+            return module if "together" in declared_marks(config.rootpath / module) else nodeid
 
     return SharedFixturesTogether(config, log)

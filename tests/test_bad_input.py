@@ -15,6 +15,8 @@ from txflow.preflight import PreflightError
 from txflow.processes.ports import free_port
 from txflow.training.rewards import RewardError, score
 
+pytestmark = [pytest.mark.timed]
+
 
 def write(path: Path, text: str) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,8 +7,11 @@ import time
 
 import prefect.artifacts
 import prefect.context
+import pytest
 
 from txflow.reporting import bar as progress
+
+pytestmark = [pytest.mark.timed]
 
 
 def test_updates_coalesce_and_the_last_one_arrives_at_close(monkeypatch):

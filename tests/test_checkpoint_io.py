@@ -12,6 +12,8 @@ import pytest
 from txflow.upstream.skyrl_tx import checkpoint_io, layout
 from txflow.upstream.tiny_model import resolve_base_model
 
+pytestmark = [pytest.mark.together]
+
 
 @pytest.fixture(scope="module")
 def backend():

@@ -22,7 +22,7 @@ from tests.helpers import alive_pids, cluster_pids, descendants, run_txflow, txf
 from txflow.cluster.launchers.local import LocalLauncher
 from txflow.config import RunConfig
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy(9)]
 
 
 def listening_addresses(port: int) -> set[str]:

@@ -16,6 +16,8 @@ from flows.train import cluster_slots
 from txflow.config import RunConfig
 from txflow.preflight import PreflightError
 
+pytestmark = [pytest.mark.together]
+
 
 @pytest.fixture(scope="module")
 def prefect_api():

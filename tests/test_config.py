@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+from txflow import config
 from txflow.config import RunConfig
 from txflow.upstream.skyrl_tx.launch import backend_config
 
@@ -102,8 +103,13 @@ def test_resolved_fills_a_run_id_that_starts_with_the_mode(mode):
     assert RunConfig(run_id=cfg.run_id).run_id == cfg.run_id
 
 
-def test_resolved_run_ids_are_unique():
-    assert RunConfig().resolved().run_id != RunConfig().resolved().run_id
+def test_resolved_run_ids_of_one_second_differ_by_their_random_suffix(monkeypatch):
+    # The clock and the random source fixed: two draws of the real ones could collide (1 in 65536).
+    monkeypatch.setattr(config.time, "strftime", lambda fmt: "20261129-174501")
+    suffixes = iter(["3f2a", "91c0"])
+    monkeypatch.setattr(config.secrets, "token_hex", lambda nbytes: next(suffixes))
+    first, second = RunConfig().resolved().run_id, RunConfig().resolved().run_id
+    assert (first, second) == ("sft-20261129-174501-3f2a", "sft-20261129-174501-91c0")
 
 
 def test_resolved_keeps_a_given_run_id():

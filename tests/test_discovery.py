@@ -21,6 +21,8 @@ from txflow.checkpoints.discovery import discover, write_manifest
 from txflow.checkpoints.markers import COMMIT_SUFFIX, commit_record, write_commit
 from txflow.upstream.skyrl_tx.layout import STATE_FILE
 
+pytestmark = [pytest.mark.together]
+
 
 # --- fixtures and helpers ------------------------------------------------------
 

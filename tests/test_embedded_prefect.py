@@ -172,3 +172,12 @@ os._exit(0)  # as cli.entry leaves
     finally:
         server.stop()
     assert "the last line of the run" in [entry["message"] for entry in logs], result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, 120.0), ("", 120.0), ("45", 45.0)])
+def test_the_embedded_prefect_server_gets_120_s_to_start_unless_told(monkeypatch, preset, expected):
+    # Prefect's 20 s default failed a run on a busy machine while the server migrated its new database.
+    monkeypatch.delenv(embedded_prefect.STARTUP_TIMEOUT_ENV, raising=False)
+    if preset is not None:
+        monkeypatch.setenv(embedded_prefect.STARTUP_TIMEOUT_ENV, preset)
+    assert embedded_prefect.startup_timeout_s() == expected

@@ -22,6 +22,8 @@ from txflow.checkpoints.markers import COMMIT_SUFFIX
 from txflow.export import proof, writer
 from txflow.upstream.tiny_model import resolve_base_model
 
+pytestmark = [pytest.mark.together]
+
 RANK, ALPHA = 8, 32.0
 TXFLOW = [sys.executable, "-m", "txflow.cli"]
 

@@ -19,11 +19,14 @@ from txflow.checkpoints import storage
 from txflow.processes.procfs import is_alive
 from txflow.reporting.metrics import read_metrics
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy(4)]
 
 
-def start_run(tmp_path: Path, env: dict, run_id: str, *extra: str) -> tuple[subprocess.Popen, Path, object]:
+def start_run(tmp_path: Path, env: dict, run_id: str, *extra: str,
+              hold_at: str = "") -> tuple[subprocess.Popen, Path, object]:
+    """`txflow run sft` in the background; `hold_at`: the hold points (txflow.processes.holds) it stops at."""
     state = tmp_path / run_id
+    env = env | {"TXFLOW_HOLD_AT": hold_at, "TXFLOW_HOLD_DIR": str(tmp_path)}
     out = open(tmp_path / f"{run_id}.json", "w")
     err = open(tmp_path / f"{run_id}.log", "w")
     # No export: these runs prove recovery, which ends at evaluate-restore (test_sft_e2e proves the export).
@@ -53,6 +56,15 @@ def wait_for(proc: subprocess.Popen, log: Path, ready, what: str, timeout: float
         assert proc.poll() is None, log.read_text()[-4000:]
         assert time.monotonic() < deadline, f"{what}: not within {timeout} s"
         time.sleep(0.2)
+
+
+def held(proc: subprocess.Popen, log: Path, tmp_path: Path, point: str) -> None:
+    """Wait until the run is held at `point`: nothing of the step after it has run."""
+    wait_for(proc, log, lambda: (tmp_path / f"{point}.held").exists(), f"the hold at {point}")
+
+
+def release(tmp_path: Path, point: str) -> None:
+    (tmp_path / f"{point}.release").touch()
 
 
 def kill_rank(state: Path, rank: int) -> tuple[int, float]:
@@ -93,6 +105,8 @@ def test_killed_ranks_are_detected_and_the_run_resumes_on_a_fresh_cluster_each_t
     reaper.watch(state)
     clusters, kills, at_kill = [], [], []
     try:
+        # No hold point here: the kills are meant to land mid-request, and each leaves 5 or more steps of
+        # training, so where in `train` they land does not change what is asserted.
         wait_for(proc, log, lambda: last_step(state) >= 6, "step 6 on the first cluster")
         clusters.append(cluster_pids(state))
         at_kill.append((committed_step(tmp_path, run_id), last_step(state)))
@@ -155,14 +169,14 @@ def test_a_fault_during_evaluate_restore_does_not_train_again(tmp_path, txflow_e
     run_id, log = "late-fault", tmp_path / "late-fault.log"
     # One process: which rank dies does not matter to where the run resumes (the kill test above kills both).
     proc, state, files = start_run(tmp_path, txflow_env, run_id, "--steps", "6", "--save-every", "3",
-                                   "--train-retries", "1", "--processes", "1")
+                                   "--train-retries", "1", "--processes", "1", hold_at="evaluate-restore")
     reaper.watch(state)
     try:
-        wait_for(proc, log, lambda: "evaluate-restore: loading the committed checkpoints" in log.read_text(),
-                 "evaluate-restore to start")
+        held(proc, log, tmp_path, "evaluate-restore")
         first_cluster = cluster_pids(state)
         pid, killed_at = kill_rank(state, 0)
     finally:
+        release(tmp_path, "evaluate-restore")  # after the kill; or at once when the test failed before it
         code = finish(proc, files)
     text, report = passed_run(code, log, tmp_path, run_id)
     assert report["restore"]["passed"]
@@ -180,30 +194,25 @@ def test_a_fault_during_evaluate_restore_does_not_train_again(tmp_path, txflow_e
 
 
 def test_a_fault_during_save_checkpoint_is_checked_against_the_live_model(tmp_path, txflow_env, reaper):
-    """Rank 1 is stopped once the final state is committed and killed once save-checkpoint has begun, so the
-    fault lands in save-checkpoint, always: the retry writes the sampler on a fresh cluster from the committed
-    final state, and the restore check still compares the durable copies with the live model's figures,
-    recorded by the train step before its final commit (never the committed state with itself)."""
+    """Rank 0 is killed while save-checkpoint is held before its sampler save, so the fault lands in
+    save-checkpoint, always: the retry writes the sampler on a fresh cluster from the committed final state,
+    and the restore check still compares the durable copies with the live model's figures, recorded by the
+    train step before its final commit (never the committed state with itself)."""
     run_id, log = "save-fault", tmp_path / "save-fault.log"
-    # Two processes: the stopped rank 1 holds the engine's sampler save until the kill (on one process the
-    # save can finish between the log line and the stop, and the fault would land in evaluate-restore).
     proc, state, files = start_run(tmp_path, txflow_env, run_id, "--steps", "4", "--save-every", "0",
-                                   "--train-retries", "1")
+                                   "--train-retries", "1", "--processes", "1", hold_at="save-checkpoint")
     reaper.watch(state)
     live_file = tmp_path / "ckpt" / run_id / "live-reference.json"
     try:
-        wait_for(proc, log, lambda: "saved state at step 4" in log.read_text(), "the final commit")
-        pid = next(p["pid"] for p in json.loads((state / "cluster.json").read_text())["processes"] if p["rank"] == 1)
-        os.kill(pid, signal.SIGSTOP)  # save-checkpoint cannot finish before the kill below
+        held(proc, log, tmp_path, "save-checkpoint")
         recorded = json.loads(live_file.read_text())
-        wait_for(proc, log, lambda: "save-checkpoint: saving the sampler weights of step 4" in log.read_text(),
-                 "save-checkpoint to start")
-        os.kill(pid, signal.SIGKILL)
+        kill_rank(state, 0)
     finally:
+        release(tmp_path, "save-checkpoint")  # after the kill; or at once when the test failed before it
         code = finish(proc, files)
     text, report = passed_run(code, log, tmp_path, run_id)
     [failure] = report["failures"]
-    assert (failure["rank"], failure["step"], failure["resumed_at"]) == (1, "save-checkpoint", "save-checkpoint")
+    assert (failure["rank"], failure["step"], failure["resumed_at"]) == (0, "save-checkpoint", "save-checkpoint")
     assert "save-checkpoint resumes on a fresh cluster from the committed final state of step 4" in text
     assert len(re.findall(r"step 4/4 ", text)) == 1  # nothing trained twice
     # The restore check compared with the live model's figures, recorded before the fault.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
 import threading
 from datetime import datetime, timedelta, timezone
 
@@ -182,11 +183,21 @@ def test_unknown_fields_and_naive_times_are_rejected():
         NightlyRecord(started_at=datetime(2026, 3, 1), versions=VERSIONS)
 
 
-def test_current_versions_name_the_installed_packages():
-    versions = history.current_versions()
+def test_current_versions_name_the_installed_packages_and_the_checkouts_commit(tmp_path):
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    git = ["git", "-C", str(checkout), "-c", "user.name=t", "-c", "user.email=t@example.invalid"]
+    subprocess.run(git + ["init", "-q"], check=True)
+    subprocess.run(git + ["commit", "-q", "--allow-empty", "-m", "one"], check=True)
+    head = subprocess.run(git + ["rev-parse", "HEAD"], check=True, capture_output=True, text=True).stdout.strip()
+    versions = history.current_versions(checkout)
     assert versions.skyrl_tx == "0.3.0" and versions.tinker == "0.13.1"
     assert versions.jax != "unknown"
-    assert versions.txflow_commit == "unknown" or len(versions.txflow_commit) == 40
+    assert versions.txflow_commit == head
+
+
+def test_the_commit_is_unknown_outside_a_git_checkout(tmp_path):
+    assert history.current_versions(tmp_path).txflow_commit == "unknown"
 
 
 # --- the store ---------------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from tests.helpers import BUCKET, HoldingProxy, alive_pids, bucket_keys, run_txf
 from txflow.checkpoints.names import step_of
 from txflow.reporting.report import RunReport, markdown
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(7)]
 
 ROOT = f"s3://{BUCKET}/life"
 RUN = ["run", "sft", "--processes", "1", "--checkpoints", ROOT, "--json"]

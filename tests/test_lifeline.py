@@ -15,6 +15,8 @@ import pytest
 
 from txflow.processes import lifeline, procfs
 
+pytestmark = [pytest.mark.timed]
+
 # A parent that starts `child_code` the way the launchers do (its own session, the lifeline
 # variable set), from a worker thread that then ends, as Prefect's task threads do; it prints
 # the child's pid and start time, then sleeps until killed.

@@ -18,6 +18,8 @@ import torch
 
 from txflow.upstream.skyrl_tx import losses
 
+pytestmark = [pytest.mark.together]
+
 # Token 0 is a prompt token (weight 0, sampling logprob 0.0, no advantage), as the SDKs send it.
 # Ratios exp(target - sampling) of the sampled tokens: 1.22, 0.67, 1.0, 18.2, 0.99.
 TARGET = [-0.7, -1.0, -0.5, -2.0, -0.1, -1.31]

@@ -3,16 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import tomllib
 import uuid
 from pathlib import Path
 
 import fsspec
 import pytest
 
-from tests.helpers import run_txflow
-from txflow import cli, preflight
+from txflow import preflight
 from txflow.config import RunConfig
 from txflow.preflight import PreflightError
 from txflow.training.sft import SFTData
@@ -316,139 +313,7 @@ def test_prepare_with_checkpoints_under_a_file_names_the_checkpoints_path(cfg_fo
     assert no_cluster_started(cfg)
 
 
-# --- the CLI -------------------------------------------------------------------------
-
-
-def cli_exit(argv: list[str]) -> int:
-    """Exit status of `txflow ARGV` run in-process, as the shell would see it."""
-    try:
-        return cli.main(argv)
-    except SystemExit as exc:
-        return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-
-
-@pytest.fixture
-def cli_env(monkeypatch):
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")  # main() sets it; restore the environment afterwards
-
-
-@pytest.mark.parametrize(
-    ("options", "names"),
-    [
-        (["--processes", "0"], "processes must be at least 1"),
-        (["--processes", "-2"], "processes must be at least 1"),
-        (["--steps", "0"], "steps must be at least 1"),
-        (["--run-id", "../x"], "run_id"),
-        (["--lora-rank", "0"], "lora_rank"),
-        (["--processes", "two"], "processes"),
-    ],
-)
-def test_cli_rejects_invalid_options_with_exit_2_before_any_run(capsys, cli_env, tmp_path, options, names):
-    state = tmp_path / "state"
-    assert cli_exit(["run", "sft", "--state-dir", str(state), *options]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("txflow: invalid options: ")
-    assert names in err
-    assert "state directory" not in err  # no run was announced
-    assert not state.exists()
-
-
-def test_cli_rejects_a_storage_option_without_a_value_with_exit_2(capsys, cli_env, tmp_path):
-    assert cli_exit(["run", "sft", "--state-dir", str(tmp_path / "s"), "--storage-option", "novalue"]) == 2
-
-
-# Two real `txflow` subprocesses (~15 s each: imports and Prefect's temporary server) prove that a
-# preflight failure inside the flow reaches the shell as exit 2 with the preflight message.
-
-
-def txflow_line(stderr: str) -> str:
-    """The CLI's own final message (Prefect logs the traceback too; this is the line meant for the user)."""
-    lines = [line for line in stderr.splitlines() if line.startswith("txflow: ") and " state directory " not in line]
-    assert lines, stderr
-    return lines[-1]
-
-
-def test_txflow_run_with_a_missing_base_model_exits_2_before_starting_anything(tmp_path, txflow_env, reaper):
-    state = reaper.watch(tmp_path / "state")
-    result = run_txflow(["run", "sft", "--base-model", "/nonexistent/dir", "--run-id", "nomodel",
-                         "--state-dir", str(state), "--checkpoints", str(tmp_path / "ckpt")],
-                        env=txflow_env, cwd=tmp_path, timeout=300)
-    assert result.returncode == 2, result.stderr
-    assert txflow_line(result.stderr).startswith("txflow: --base-model /nonexistent/dir: no such directory")
-    assert not (state / "cluster.json").exists()
-    assert not (tmp_path / "ckpt" / "nomodel").exists()
-
-
-def test_txflow_run_reusing_a_completed_run_id_exits_2_and_keeps_its_report(tmp_path, txflow_env, reaper):
-    state = reaper.watch(tmp_path / "state")
-    report = tmp_path / "ckpt" / "finished" / "report.json"
-    report.parent.mkdir(parents=True)
-    original = json.dumps({"run_id": "finished", "status": "passed"}, indent=2).encode() + b"\n"
-    report.write_bytes(original)
-    result = run_txflow(["run", "sft", "--run-id", "finished", "--state-dir", str(state),
-                         "--checkpoints", str(tmp_path / "ckpt")],
-                        env=txflow_env, cwd=tmp_path, timeout=300)
-    assert result.returncode == 2, result.stderr
-    message = txflow_line(result.stderr)
-    assert "Run finished already completed" in message and "Use another --run-id" in message
-    assert report.read_bytes() == original
-    assert sorted(p.name for p in report.parent.iterdir()) == ["report.json"]
-    assert not (state / "cluster.json").exists()
-
-
-@pytest.mark.parametrize(("preset", "expected"), [(None, 120.0), ("", 120.0), ("45", 45.0)])
-def test_the_embedded_prefect_server_gets_120_s_to_start_unless_told(monkeypatch, preset, expected):
-    # Prefect's 20 s default failed a run on a busy machine while the server migrated its new database.
-    from txflow.cluster import embedded_prefect
-
-    monkeypatch.delenv(embedded_prefect.STARTUP_TIMEOUT_ENV, raising=False)
-    if preset is not None:
-        monkeypatch.setenv(embedded_prefect.STARTUP_TIMEOUT_ENV, preset)
-    assert embedded_prefect.startup_timeout_s() == expected
-
-
-# --- one option list, the upstream guard, the fast tokenizer ---------------------------
-
-
-def _fields(model, prefix=""):
-    from pydantic import BaseModel
-
-    for name, info in model.model_fields.items():
-        nested = next((a for a in (info.annotation, *getattr(info.annotation, "__args__", ()))
-                       if isinstance(a, type) and issubclass(a, BaseModel)), None)
-        if nested is not None:
-            yield from _fields(nested, prefix + name + ".")
-        else:
-            yield prefix + name
-
-
-def test_every_run_config_field_has_a_cli_flag_with_its_description():
-    run = cli._parser()._subparsers._group_actions[0].choices["run"]
-    by_dest = {a.dest: a for a in run._actions}
-    fields = list(_fields(RunConfig))
-    assert "mesh.fsdp" in fields and "launcher" in fields and "concurrency_limit" in fields
-    missing = [f for f in fields if f not in by_dest]
-    assert missing == []
-    for field in fields:
-        action = by_dest[field]
-        if field == "mode":
-            assert action.option_strings == []  # the positional argument
-            continue
-        model = RunConfig.model_fields["mesh"].annotation if field.startswith("mesh.") else RunConfig
-        description = model.model_fields[field.split(".")[-1]].description
-        assert action.option_strings and description in action.help, field
-
-
-def test_cli_flags_reach_the_config_nested_and_typed(tmp_path):
-    args = cli._parser().parse_args(["run", "rl", "--steps", "7", "--mesh-fsdp", "1", "--processes", "1",
-                                     "--storage-option", "key=value", "--client-arg", "a", "--client-arg", "b",
-                                     "--startup-timeout", "9", "--concurrency-limit", "slots", "--launcher", "local"])
-    cfg = RunConfig.model_validate(cli.config_values(args))
-    assert (cfg.mode, cfg.steps, cfg.mesh.fsdp, cfg.processes, cfg.startup_timeout_s) == ("rl", 7, 1, 1, 9.0)
-    assert cfg.plain_storage_options() == {"key": "value"} and cfg.client_args == ["a", "b"]
-    assert (cfg.concurrency_limit, cfg.launcher) == ("slots", "local")
-    # Flags not given leave the model's defaults alone.
-    assert cli.config_values(cli._parser().parse_args(["run", "sft"])) == {"mode": "sft"}
+# --- the upstream guard, the fast tokenizer ---------------------------------------
 
 
 def test_an_unexpected_skyrl_tx_version_is_refused_at_preflight(cfg_for, monkeypatch):
@@ -478,28 +343,6 @@ def test_the_fast_tokenizer_gives_the_ids_transformers_gives(cfg_for):
         assert ids == reference.encode(text, add_special_tokens=False)
         assert fast.decode(ids + [fast.eos_token_id]) == reference.decode(ids + [fast.eos_token_id],
                                                                            skip_special_tokens=True)
-
-
-def test_the_readme_documents_every_flag_of_txflow_run():
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    run = cli._parser()._subparsers._group_actions[0].choices["run"]
-    flags = [flag for action in run._actions for flag in action.option_strings if flag.startswith("--")]
-    assert [flag for flag in flags if f"`{flag}" not in readme and f"{flag}`" not in readme] == []
-
-
-def test_the_txflow_command_hands_over_its_output_and_exit_code(tmp_path):
-    # `txflow` leaves without the interpreter's module teardown (cli.entry): what it printed must still
-    # arrive whole, and its exit code must still say what it found (1: an incomplete checkpoint).
-    sampler = tmp_path / "model_x" / "sampler_weights"
-    sampler.mkdir(parents=True)
-    (sampler / "step-000001.tar.gz").write_bytes(b"half a save")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout to a pipe is buffered
-    result = run_txflow(["discover", str(tmp_path), "--json"], env=env, cwd=tmp_path, timeout=120)
-    assert result.returncode == 1, result.stderr
-    [artifact] = json.loads(result.stdout)
-    assert (artifact["kind"], artifact["complete"], artifact["bytes"]) == ("sampler", False, 11)
-    assert tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"] == {
-        "txflow": "txflow.cli:entry"}
 
 
 def test_what_txflow_run_prepared_ahead_serves_only_the_same_config_secrets_included(cfg_for, monkeypatch):

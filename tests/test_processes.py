@@ -18,6 +18,8 @@ from txflow.cluster.launchers.local import LocalLauncher
 from txflow.cluster.records import Cluster
 from txflow.processes import groups, logs, ports, procfs
 
+pytestmark = [pytest.mark.timed]
+
 SLEEP = [sys.executable, "-c", "import time; time.sleep(300)"]
 # Leader and grandchild both ignore SIGTERM (an ignored disposition survives exec).
 TERM_IGNORING_TREE = 'trap "" TERM; sleep 300 & echo $! > "$0"; wait'

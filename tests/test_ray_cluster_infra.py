@@ -21,7 +21,7 @@ import pytest
 from tests.ray_cluster import RayCluster, pids_in_namespace
 from txflow.processes.procfs import is_alive
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.together]
 
 
 @pytest.fixture(autouse=True)

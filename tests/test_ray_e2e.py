@@ -26,7 +26,7 @@ from tests.ray_cluster import running_cluster
 from txflow.processes.ports import free_port
 from txflow.processes.procfs import is_alive
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(2)]
 
 STORAGE_MARKER = "ray-storage-option-MARKER-91c2"
 BUCKET = "txflow-ray"
@@ -129,18 +129,14 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
     mid-training is named within 2 s and the run resumes on a fresh placement. Meanwhile every listener is
     on loopback, and no secret reaches Ray's tables, Ray's logs or any command line."""
     cluster, env, work, states = ray_env
-    env = env | {"TINKER_API_KEY": API_KEY_MARKER}
+    # Held after step 4 (txflow.processes.holds) while the probes below run, so the kill lands in training.
+    env = env | {"TINKER_API_KEY": API_KEY_MARKER, "TXFLOW_HOLD_AT": "train-step-4", "TXFLOW_HOLD_DIR": str(work)}
     proc, log = txflow(cluster, env, work, "ray-sft", states, "--steps", "10", "--save-every", "3",
                        "--train-retries", "1", "--checkpoints", f"s3://{BUCKET}/runs",
                        "--storage-option", "key=txflow-test", "--storage-option", f"secret={STORAGE_MARKER}",
                        "--database-url", postgres("tinker_ray"))
-    metrics = states / "ray-sft" / "metrics.jsonl"
-
-    def steps() -> int:
-        return len(metrics.read_text().splitlines()) if metrics.exists() else 0
-
     try:
-        wait_until(lambda: steps() >= 4, proc, log, "step 4 on the first placement")
+        wait_until(lambda: (work / "train-step-4.held").exists(), proc, log, "step 4 on the first placement")
         first = cluster_json(states, "ray-sft")
         api = next(p for p in first["processes"] if p["role"] == "api")
         # From the driver, inside the namespace: the API on the node's address lets in the run's key only.
@@ -155,8 +151,10 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
         worker = next(p for p in first["processes"] if p["rank"] == 1)
         killed_at = time.time()
         os.kill(worker["pid"], signal.SIGKILL)
+        (work / "train-step-4.release").touch()
         code = proc.wait(timeout=RUN_DEADLINE_S)
     finally:
+        (work / "train-step-4.release").touch()  # also when the test failed before the kill
         if proc.poll() is None:
             proc.kill()
     report, text = output(log)

@@ -11,7 +11,7 @@ import pytest
 
 from tests.helpers import alive_pids
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy(10)]
 
 # The real flow, with save-checkpoint handing evaluate-restore the state of step 1 as if it were the
 # final one: what a mix-up of checkpoints (or a save that kept an old file) would look like.

@@ -17,6 +17,8 @@ from tx.tinker.db_models import FutureDB, RequestStatus
 
 from txflow.upstream.skyrl_tx import result_wait
 
+pytestmark = [pytest.mark.timed]
+
 
 def test_a_result_is_noticed_at_most_a_tenth_late_or_10_ms():
     looks = [0.0]

@@ -12,7 +12,7 @@ import pytest
 
 from tests.helpers import alive_pids, run_txflow
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy(5)]
 
 CLIENT = Path(__file__).parent / "clients" / "sft_client.py"
 

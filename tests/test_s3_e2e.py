@@ -29,7 +29,7 @@ from txflow.cluster.launchers.local import ISOLATE_WORKER_DISKS_ENV
 from txflow.config import RunConfig
 from txflow.upstream.skyrl_tx.layout import STATE_FILE
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(3)]
 
 SHARED_DISK_OPT_OUT = "TXFLOW_TEST_ALLOW_SHARED_WORKER_DISK"
 STORAGE_OPTION_MARKER = "storage-option-MARKER-5d1e"

@@ -36,7 +36,7 @@ from txflow.training.custom import client_env
 from txflow.upstream.skyrl_tx.tinker_compat import SKIP_ENV
 from txflow.upstream.wake import ENV as WAKE_ENV
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy(6)]
 
 CLIENTS = Path(__file__).parent / "clients"
 # What a client sees does not depend on how many JAX processes serve it (test_sft_e2e, test_fault_e2e and

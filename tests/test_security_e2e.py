@@ -16,7 +16,7 @@ import pytest
 
 from tests.helpers import API_KEY_MARKER, alive_pids, run_txflow
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(11)]
 
 PROBE = Path(__file__).parent / "clients" / "auth_probe.py"
 

@@ -16,7 +16,7 @@ from tests.helpers import (LOAD_PEFT_AND_GREEDY, PASSWORD_MARKER, alive_pids, ne
                            until_eos)
 from txflow.cluster.launchers import stop_cluster
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(8)]
 
 
 

@@ -23,6 +23,8 @@ from txflow.upstream import wake
 from txflow.upstream.skyrl_tx import api as txflow_api
 from txflow.upstream.skyrl_tx import engine, launch, result_wait
 
+pytestmark = [pytest.mark.timed]
+
 LONG_S = 30.0  # a sleep that a wake must cut short
 
 
@@ -81,9 +83,17 @@ def test_a_stream_of_wakes_never_stretches_a_sleep_past_its_length():
 
 
 def test_sending_to_an_end_that_is_not_up_is_harmless(monkeypatch):
-    lone = wake.Channel(wake.new_name(), "api", "engine")
+    name = wake.new_name()
+    lone = wake.Channel(name, "api", "engine")
     try:
         lone.send()  # the engine has not bound yet: no error, nothing to do
+        engine_end = wake.Channel(name, "engine", "api")
+        try:
+            assert engine_end.drain() == 0  # the early wake went nowhere
+            lone.send()  # and the channel works once the engine is up
+            assert woken_within(engine_end, LONG_S) and engine_end.drain() == 1
+        finally:
+            engine_end.close()
     finally:
         lone.close()
 

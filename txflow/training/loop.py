@@ -15,6 +15,7 @@ from txflow.checkpoints.names import checkpoint_name
 from txflow.cluster.handle import ClusterHandle
 from txflow.config import RunConfig
 from txflow.log import get_logger
+from txflow.processes.holds import hold_point
 from txflow.reporting.bar import TrainingBar
 from txflow.reporting.metrics import append_metric, read_metrics, write_metrics
 from txflow.results import Checkpoint, LiveReference, Trained
@@ -138,6 +139,7 @@ def train_loop(cfg: RunConfig, handle: ClusterHandle, step_fn, data) -> Trained:
                 final = save_progress(cfg, handle, training_client, step + 1)
             elif cfg.save_every and (step + 1) % cfg.save_every == 0:
                 save_progress(cfg, handle, training_client, step + 1)
+            hold_point(f"train-step-{step + 1}")  # a test's fault lands here (txflow.processes.holds)
     finally:
         bar.close()
     return Trained(metrics=metrics, final_state=final, resumed_from_step=start, training_client=training_client,
