@@ -32,6 +32,7 @@ def build(cfg: RunConfig, status: str, error: str | None, timings: dict, metrics
         "launcher": cfg.launcher,
         "base_model": cfg.base_model,
         "dataset": cfg.dataset,
+        "learning_rate": cfg.learning_rate,
         "checkpoint_root": cfg.run_root,
         "state_dir": cfg.state_dir,
         "resumed_from_step": trained.resumed_from_step if trained else 0,
@@ -118,7 +119,8 @@ def markdown(report: dict) -> str:
         f"# txflow run `{report['run_id']}`: {report['status']}",
         "",
         f"- mode: **{report['mode']}**, {report['num_processes']} processes, base model `{report['base_model']}`",
-        f"- steps: {len(metrics)}" + (f", resumed from step {report['resumed_from_step']}"
+        f"- steps: {len(metrics)}" + (f", learning rate {report['learning_rate']:g}" if report.get("learning_rate")
+                                      else "") + (f", resumed from step {report['resumed_from_step']}"
                                       if report["resumed_from_step"] else ""),
     ]
     if metrics and "nll" in metrics[0]:
