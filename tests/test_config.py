@@ -248,6 +248,9 @@ def test_a_model_this_machine_cannot_read_gets_no_learning_rate(base_model):
 def test_a_family_without_a_rule_gets_no_learning_rate(tmp_path):
     rate, why = default_learning_rate("sft", model_dir(tmp_path, "mistral", 4096))
     assert rate is None and "is a mistral model" in why
+    # The flow logs the line before pre-flight refuses the run: it must say so, not fail.
+    assert "learning rate none (the cookbook's rule knows Llama and Qwen models" in RunConfig(
+        base_model=str(tmp_path)).resolved().defaults_line()
 
 
 @pytest.mark.parametrize("group_size", [1, 0])

@@ -375,8 +375,9 @@ class RunConfig(BaseModel, extra="forbid"):
     def defaults_line(self) -> str:
         """The training settings of a resolved run in one line, saying where the learning rate comes from."""
         derived, why = default_learning_rate(self.mode, self.base_model)
+        rate = "none" if self.learning_rate is None else f"{self.learning_rate:g}"
         source = why if self.learning_rate == derived else "given"
-        return (f"base model {self.base_model}: learning rate {self.learning_rate:g} ({source}), batch size "
+        return (f"base model {self.base_model}: learning rate {rate} ({source}), batch size "
                 f"{self.batch_size}, LoRA rank {self.lora_rank}, {self.steps} steps"
                 + (f", temperature {self.temperature:g}" if self.mode == "rl" else ""))
 
