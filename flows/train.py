@@ -161,6 +161,7 @@ def _train(cfg: RunConfig) -> RunReport:
     register_run_secrets(cfg)
     log.info(f"run {cfg.run_id}: mode {cfg.mode}, {cfg.processes} processes on the {cfg.launcher} launcher, "
              f"root {cfg.run_root}, state {cfg.state_dir}")
+    log.info(cfg.defaults_line())
     done = Progress()
     began = time.monotonic()
     data = done.time(preflight, cfg)

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
 
 from txflow import config
-from txflow.config import RunConfig
+from txflow.config import SMOLLM2_MODEL, RunConfig, default_learning_rate
 from txflow.upstream.skyrl_tx.launch import backend_config
 
 
@@ -207,6 +208,55 @@ def test_resolved_fills_the_defaults_of_the_mode(mode, batch_size, learning_rate
 def test_resolved_keeps_a_given_batch_size_and_learning_rate():
     cfg = RunConfig(mode="rl", batch_size=2, learning_rate=1e-3).resolved()
     assert (cfg.batch_size, cfg.learning_rate) == (2, 1e-3)
+
+
+def model_dir(tmp_path: Path, model_type: str, hidden_size: int) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type, "hidden_size": hidden_size}))
+    return str(tmp_path)
+
+
+# The tinker-cookbook's rule, written out: 5e-5 x 10 x (2000 / hidden)^P.
+@pytest.mark.parametrize("model_type, hidden_size, expected", [
+    ("llama", 576, 1.32e-3),  # SmolLM2-135M: 5e-4 x 3.472^0.781
+    ("llama", 2048, 4.91e-4),  # Llama-3.2-1B
+    ("qwen3", 4096, 4.73e-4),  # Qwen3-8B: 5e-4 x 0.488^0.0775
+    ("qwen2", 896, 5.32e-4),
+])
+def test_the_learning_rate_of_a_real_model_follows_the_cookbooks_rule(tmp_path, model_type, hidden_size, expected):
+    for mode in ("sft", "rl"):
+        rate, why = default_learning_rate(mode, model_dir(tmp_path, model_type, hidden_size))
+        assert rate == pytest.approx(expected, rel=2e-3)
+        assert f"hidden size {hidden_size}" in why
+        assert RunConfig(mode=mode, base_model=str(tmp_path)).resolved().learning_rate == rate
+
+
+def test_the_named_real_model_gets_its_rule_without_being_converted():
+    assert RunConfig(base_model=SMOLLM2_MODEL).resolved().learning_rate == pytest.approx(1.32e-3, rel=2e-3)
+
+
+def test_a_given_learning_rate_wins_over_the_models_rule():
+    assert RunConfig(base_model=SMOLLM2_MODEL, learning_rate=1e-4).resolved().learning_rate == 1e-4
+    assert "(given)" in RunConfig(base_model=SMOLLM2_MODEL, learning_rate=1e-4).resolved().defaults_line()
+
+
+def test_the_defaults_line_says_where_the_learning_rate_comes_from():
+    line = RunConfig(base_model=SMOLLM2_MODEL).resolved().defaults_line()
+    assert line.startswith("base model smollm2-135m: learning rate 0.00132 (the cookbook's LoRA rule for a llama "
+                           "model of hidden size 576)")
+
+
+@pytest.mark.parametrize("base_model", ["/nowhere/model", "someone/not-cached-model"])
+def test_a_model_this_machine_cannot_read_gets_no_learning_rate(base_model):
+    assert RunConfig(base_model=base_model).resolved().learning_rate is None
+    assert "not on this machine" in default_learning_rate("sft", base_model)[1]
+
+
+def test_a_family_without_a_rule_gets_no_learning_rate(tmp_path):
+    rate, why = default_learning_rate("sft", model_dir(tmp_path, "mistral", 4096))
+    assert rate is None and "is a mistral model" in why
+    # The flow logs the line before pre-flight refuses the run: it must say so, not fail.
+    assert "learning rate none (the cookbook's rule knows Llama and Qwen models" in RunConfig(
+        base_model=str(tmp_path)).resolved().defaults_line()
 
 
 @pytest.mark.parametrize("group_size", [1, 0])

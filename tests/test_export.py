@@ -100,12 +100,29 @@ def _skyrl_figures(model, mesh, sequences, prompts):
 def skyrl_sampler(tmp_path_factory):
     """A sampler tarball written by SkyRL-tx's `save_lora_checkpoint`, committed under a run root as a run
     leaves it, with the reference figures SkyRL-tx's forward gives for it."""
+    return _sampler_of(resolve_base_model("tiny"), tmp_path_factory.mktemp("skyrl-sampler"))
+
+
+@pytest.fixture(scope="module")
+def bf16_sampler(tmp_path_factory):
+    """The same on the tiny model saved in bfloat16, as hub models are: SkyRL-tx then computes in bfloat16 (its
+    logprobs on bfloat16's coarse grid), and a float32 PEFT model cannot match its figures."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    work = tmp_path_factory.mktemp("bf16-sampler")
+    base = work / "tiny-bf16"
+    AutoModelForCausalLM.from_pretrained(resolve_base_model("tiny"), dtype=torch.bfloat16).save_pretrained(base)
+    AutoTokenizer.from_pretrained(resolve_base_model("tiny")).save_pretrained(base)
+    assert json.loads((base / "config.json").read_text())["dtype"] == "bfloat16"
+    return _sampler_of(str(base), work)
+
+
+def _sampler_of(base: str, work: Path) -> dict:
     from cloudpathlib import AnyPath
     from tx.utils.models import save_lora_checkpoint
 
-    base = resolve_base_model("tiny")
     model, mesh, lora = _skyrl_model(base)
-    work = tmp_path_factory.mktemp("skyrl-sampler")
     tarball = work / "sampler.tar.gz"
     save_lora_checkpoint(model, base, lora, 1, AnyPath(str(tarball)))
     sequences = [[5, 17, 33, 80, 120, 7, 9, 200, 45], [3, 44, 61, 2, 250, 19]]
@@ -215,6 +232,56 @@ def test_a_failed_proof_writes_nothing(skyrl_sampler, tmp_path):
     result = writer.export(wrong, str(tmp_path / "out"), {}, skyrl_sampler["base"], {})
     assert not result.passed and export.failure(result) == "PEFT adapter: greedy tokens differ from SkyRL's"
     assert result.peft_url is None and not (tmp_path / "out").exists()
+
+
+# --- a bfloat16 base model ---------------------------------------------------------------------------------
+
+
+def test_a_float32_peft_model_cannot_match_skyrls_bfloat16_figures(bf16_sampler, tmp_path):
+    # Why the proof compares like with like: the right adapter, loaded in float32, against what SkyRL-tx
+    # computed in bfloat16, misses the float32 bound by far (0.73 nats on SmolLM2-135M).
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    peft_dir, _ = _peft_dir(bf16_sampler, tmp_path)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(bf16_sampler["base"], dtype=torch.float32),
+                                      str(peft_dir)).eval()
+    found = proof.figures(model, bf16_sampler["reference"])
+    assert export.max_abs_diff(found.logprobs, bf16_sampler["reference"].logprobs) > 10 * export.LOGPROB_BOUND
+
+
+def test_the_export_of_a_bfloat16_model_is_proven(bf16_sampler, tmp_path):
+    result = writer.export(bf16_sampler["reference"], str(tmp_path / "out"), {}, bf16_sampler["base"], {"run_id": "r1"})
+    assert result.passed, export.failure(result)
+    assert result.max_abs_logprob_diff <= export.LOGPROB_BOUND and result.greedy_tokens_match
+    assert result.compared_against.startswith("SkyRL-tx's forward of the checkpoint in float32")
+    assert 10 * export.LOGPROB_BOUND < result.cluster_max_abs_logprob_diff <= export.CLUSTER_BOUND
+    print(f"bf16 base: max |Δ logprob| {result.max_abs_logprob_diff:.2e} against SkyRL-tx's float32 forward, "
+          f"the cluster's bfloat16 figures {result.cluster_max_abs_logprob_diff:.2e} from it")
+
+
+def test_cluster_figures_beyond_bfloat16s_noise_fail_on_a_bfloat16_model(bf16_sampler, tmp_path):
+    # SkyRL-tx's float32 forward and PEFT agree on any checkpoint: the cluster's figures say it is this one
+    # (coarsely: bfloat16's noise is up to 0.73 nats on SmolLM2; a model without its adapter is 12 off).
+    moved = bf16_sampler["reference"].model_copy(update={"logprobs": [[x - 2.0 for x in xs]
+                                                                       for xs in bf16_sampler["reference"].logprobs]})
+    result = writer.export(moved, str(tmp_path / "out"), {}, bf16_sampler["base"], {})
+    assert result.max_abs_logprob_diff <= export.LOGPROB_BOUND
+    assert not result.passed and export.failure(result).startswith("the cluster's figures: max |Δ logprob| 2")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dropped_module_fails_the_check_on_a_bfloat16_model_too(bf16_sampler, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    peft_dir, config = _peft_dir(bf16_sampler, tmp_path)
+    weights = load_file(str(peft_dir / "adapter_model.safetensors"))
+    save_file({k: v for k, v in weights.items() if ".down_proj." not in k}, str(peft_dir / "adapter_model.safetensors"))
+    (peft_dir / "adapter_config.json").write_text(json.dumps(
+        {**config, "target_modules": [m for m in config["target_modules"] if m != "down_proj"]}))
+    found, _ = proof.prove(bf16_sampler["base"], peft_dir, bf16_sampler["reference"], bf16_sampler["tarball"])
+    assert export.max_abs_diff(found.logprobs, found.expected.logprobs) > export.LOGPROB_BOUND
 
 
 def test_serving_notes_say_what_servers_would_refuse():

@@ -182,6 +182,17 @@ def test_prepare_rl_with_an_unusable_reward_fails(cfg_for, reward, message):
     assert no_cluster_started(cfg)
 
 
+def test_a_model_without_a_learning_rate_rule_needs_one_given(cfg_for, tmp_path):
+    model = tmp_path / "mistral"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "mistral", "hidden_size": 4096}')
+    cfg = cfg_for(base_model=str(model))
+    with pytest.raises(PreflightError, match=r"no default learning rate \(the cookbook's rule knows Llama and Qwen "
+                                             r"models, and .* is a mistral model\); pass --learning-rate$"):
+        preflight.prepare(cfg)
+    assert no_cluster_started(cfg)
+
+
 def test_prepare_rl_with_an_empty_prompt_set_fails(cfg_for, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("\n")

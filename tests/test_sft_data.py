@@ -56,6 +56,65 @@ def test_encode_of_a_row_longer_than_the_context_names_where(tokenizer):
     assert f"{len(tokens)} tokens" in str(info.value)
 
 
+# --- encode with a chat template (the real SmolLM2 tokenizer) -------------------------
+
+
+@pytest.fixture(scope="module", params=["tokenizers", "transformers"])
+def smollm2(request):
+    """SmolLM2-135M-Instruct's tokenizer, as pre-flight loads it (tokenizers) and as transformers does."""
+    from txflow.config import SMOLLM2_MODEL
+    from txflow.training.tokenizer import load_tokenizer
+    from txflow.upstream.tiny_model import resolve_base_model
+
+    path = resolve_base_model(SMOLLM2_MODEL)  # converted once into the cache (~40 s), then read
+    if request.param == "tokenizers":
+        return load_tokenizer(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def decoded(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_a_chat_model_sees_the_prompt_as_a_user_turn_weighted_zero(smollm2):
+    tokens, weights = sft.encode({"prompt": "What is 12 + 7?", "completion": "19"}, smollm2, 8192, "test")
+    prompt = [t for t, w in zip(tokens, weights) if w == 0.0]
+    assert prompt == tokens[: len(prompt)]  # prompt first, then only completion tokens
+    assert decoded(smollm2, prompt) == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
+                                        "Hugging Face<|im_end|>\n<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n"
+                                        "<|im_start|>assistant\n")
+
+
+def test_a_chat_model_learns_the_reply_and_its_end_of_turn_weighted_one(smollm2):
+    tokens, weights = sft.encode({"prompt": "What is 12 + 7?", "completion": "19"}, smollm2, 8192, "test")
+    completion = [t for t, w in zip(tokens, weights) if w == 1.0]
+    assert weights == [0.0] * (len(tokens) - len(completion)) + [1.0] * len(completion)
+    assert decoded(smollm2, completion) == "19<|im_end|>"
+    assert completion[-1] == smollm2.eos_token_id == 2
+
+
+def test_the_chat_rendering_is_transformers_own(smollm2):
+    from transformers import AutoTokenizer
+
+    from txflow.config import SMOLLM2_MODEL
+    from txflow.training.tokenizer import render_chat
+    from txflow.upstream.tiny_model import resolve_base_model
+
+    reference = AutoTokenizer.from_pretrained(resolve_base_model(SMOLLM2_MODEL))
+    chat = [{"role": "user", "content": "Say hi"}, {"role": "assistant", "content": "hi"}]
+    for messages, generation_prompt in ((chat[:1], True), (chat, False)):
+        assert render_chat(smollm2, messages, generation_prompt) == reference.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def test_the_tiny_model_has_no_chat_template_and_keeps_its_plain_rendering(tokenizer):
+    from txflow.training.tokenizer import chat_template
+
+    assert chat_template(tokenizer) is None
+
+
 # --- prepare -----------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ import typing
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
-from txflow.config import API_KEY_ENV, PROMOTION_NAME_PATTERN, RunConfig
+from txflow.config import API_KEY_ENV, NAMED_MODELS, PROMOTION_NAME_PATTERN, TINY_MODEL, RunConfig
 from txflow.log import redact
 from txflow.processes import umask
 
@@ -303,8 +303,9 @@ def export_cmd(args) -> int:
         run = _run_of(run_root, options)
         if args.base_model:
             reference.base_model = export.available_base_model(args.base_model)
-        elif run.get("base_model") == "tiny":
-            reference.base_model = resolve_base_model("tiny")  # rebuilt here when this machine lacks it
+        elif run.get("base_model") in (TINY_MODEL, *NAMED_MODELS):
+            # Built (or converted) here when this machine lacks it.
+            reference.base_model = resolve_base_model(run["base_model"])
         else:
             reference.base_model = export.available_base_model(reference.base_model)
         result = writer.export(reference, args.to, options, reference.base_model, run, merged=args.merged,

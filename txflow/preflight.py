@@ -15,7 +15,7 @@ from pydantic import SecretStr
 
 from txflow.checkpoints import storage
 from txflow.cluster import embedded_prefect
-from txflow.config import TINY_MODEL, RunConfig
+from txflow.config import NAMED_MODELS, TINY_MODEL, RunConfig, default_learning_rate
 from txflow.log import get_logger, redact, register_run_secrets, scrub
 from txflow.reporting.report import Outcome
 from txflow.training import custom, rl, sft
@@ -23,6 +23,7 @@ from txflow.training.datasets import REQUIRED_KEYS, bundled_dataset, load_jsonl
 from txflow.training.rewards import load_reward
 from txflow.training.tokenizer import load_tokenizer
 from txflow.upstream import skyrl_tx
+from txflow.upstream.named_models import NamedModelMissing
 from txflow.upstream.tiny_model import resolve_base_model
 
 # What `prepare_ahead` prepared, by the config's digest: `txflow run` checks before it starts Prefect, and
@@ -39,8 +40,8 @@ def _looks_like_path(name: str) -> bool:
 
 
 def check_base_model(cfg: RunConfig) -> str:
-    """The local directory or hub id the engine will load."""
-    if cfg.base_model != TINY_MODEL and _looks_like_path(cfg.base_model):
+    """The local directory or hub id the engine will load (a named model converted into the cache first)."""
+    if cfg.base_model not in (TINY_MODEL, *NAMED_MODELS) and _looks_like_path(cfg.base_model):
         path = Path(cfg.base_model).expanduser()
         if not path.is_dir():
             raise PreflightError(f"--base-model {cfg.base_model}: no such directory. Pass a local Hugging Face "
@@ -49,7 +50,18 @@ def check_base_model(cfg: RunConfig) -> str:
             raise PreflightError(f"--base-model {cfg.base_model}: the directory has no config.json; "
                                  f"it is not a Hugging Face model directory")
         return str(path.absolute())
-    return resolve_base_model(cfg.base_model)
+    try:
+        return resolve_base_model(cfg.base_model)
+    except NamedModelMissing as exc:
+        raise PreflightError(f"--base-model {cfg.base_model}: {exc}") from None
+
+
+def check_learning_rate(cfg: RunConfig) -> None:
+    """A learning rate is set: given, or derived from the model (RunConfig.resolved)."""
+    if cfg.learning_rate is None:
+        why = default_learning_rate(cfg.mode, cfg.base_model)[1]
+        raise PreflightError(f"--base-model {cfg.base_model}: no default learning rate ({why}); pass "
+                             f"--learning-rate")
 
 
 def context_length(model_path: str) -> int:
@@ -255,6 +267,7 @@ def _prepare(cfg: RunConfig):
         check_ray(cfg)
     check_database(cfg)
     model_path = check_base_model(cfg)
+    check_learning_rate(cfg)
     tokenizer = load_tokenizer(model_path)
     max_len = context_length(model_path)
     try:

@@ -6,7 +6,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from txflow.checkpoints.export import ExportError, ExportReference, Figures
+from txflow.checkpoints.export import (
+    ExportError,
+    ExportReference,
+    Figures,
+    compute_dtype,
+    max_abs_diff,
+)
 
 
 def load_base(base_model_path: str):
@@ -54,12 +60,26 @@ def figures(model, reference: ExportReference) -> Figures:
     return Figures(logprobs=logprobs, greedy_tokens=tokens)
 
 
-def prove(base_model_path: str, peft_dir: Path, reference: ExportReference) -> tuple[Figures, object]:
-    """The PEFT model's figures on the reference (and the model, for a merge)."""
+def prove(base_model_path: str, peft_dir: Path, reference: ExportReference,
+          tarball: Path | None = None) -> tuple[Figures, object]:
+    """The PEFT model's figures on the reference, with what they must reproduce (`expected`), and the model,
+    for a merge. A model the cluster computed in another dtype than float32 is compared like with like:
+    `expected` is SkyRL-tx's own forward of the sampler `tarball` in float32, and the cluster's figures are
+    compared with it."""
     model = load_peft(base_model_path, peft_dir)
     model.eval()
     found = figures(model, reference)
     found.unapplied = unapplied_tensors(model, peft_dir)
+    dtype = compute_dtype(base_model_path)
+    if dtype == "float32" or tarball is None:
+        found.expected = Figures(logprobs=reference.logprobs, greedy_tokens=reference.greedy_tokens)
+        return found, model
+    from txflow.upstream.skyrl_tx.reference import skyrl_figures
+
+    logprobs, greedy = skyrl_figures(base_model_path, tarball, reference.sequences, reference.prompts,
+                                     [len(tokens) for tokens in reference.greedy_tokens])
+    found.expected = Figures(logprobs=logprobs, greedy_tokens=greedy)
+    found.cluster_max_abs_logprob_diff = max_abs_diff(reference.logprobs, logprobs)
     return found, model
 
 

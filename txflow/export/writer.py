@@ -9,9 +9,23 @@ import time
 from pathlib import Path
 
 from txflow.checkpoints import storage
-from txflow.checkpoints.export import (LOGPROB_BOUND, MERGED_DIR, PEFT_DIR, PROVENANCE_NAME, ExportReference,
-                                       ExportResult, extract_sampler, failure, max_abs_diff, model_card,
-                                       peft_adapter, prepare_destination, serving_notes)
+from txflow.checkpoints.export import (
+    CLUSTER_BOUND,
+    LOGPROB_BOUND,
+    MERGED_DIR,
+    PEFT_DIR,
+    PROVENANCE_NAME,
+    ExportReference,
+    ExportResult,
+    compute_dtype,
+    extract_sampler,
+    failure,
+    max_abs_diff,
+    model_card,
+    peft_adapter,
+    prepare_destination,
+    serving_notes,
+)
 from txflow.export.proof import figures, load_base, merge, prove
 
 
@@ -29,18 +43,25 @@ def export(reference: ExportReference, dest: str, options: dict, base_model_path
         storage.download(reference.sampler_url, tarball, options, directory=False)
         peft_dir = staging / PEFT_DIR
         config = peft_adapter(extract_sampler(tarball, staging / "sampler"), peft_dir, reference.base_model)
-        found, model = prove(base_model_path, peft_dir, reference)
+        found, model = prove(base_model_path, peft_dir, reference, tarball)
         result = ExportResult(
             sampler_url=reference.sampler_url, base_model=reference.base_model,
             target_modules=config["target_modules"], r=config["r"], lora_alpha=config["lora_alpha"],
-            max_abs_logprob_diff=max_abs_diff(found.logprobs, reference.logprobs),
-            greedy_tokens_match=found.greedy_tokens == reference.greedy_tokens,
+            max_abs_logprob_diff=max_abs_diff(found.logprobs, found.expected.logprobs),
+            greedy_tokens_match=found.greedy_tokens == found.expected.greedy_tokens,
+            compared_against="the cluster's figures" if found.cluster_max_abs_logprob_diff is None else
+            f"SkyRL-tx's forward of the checkpoint in float32 (the cluster computed in {compute_dtype(base_model_path)})",
+            cluster_max_abs_logprob_diff=found.cluster_max_abs_logprob_diff,
             notes=serving_notes(config, reference.base_model, base_model_path), passed=False)
         if found.unapplied:
             result.problem = (f"PEFT does not apply {len(found.unapplied)} adapter tensors as written: "
                               f"{', '.join(found.unapplied[:4])}")
         log(f"export: PEFT adapter of {reference.sampler_url}: max |Δ logprob| {result.max_abs_logprob_diff:.2e} "
-            f"(bound {LOGPROB_BOUND:g}), greedy tokens match {result.greedy_tokens_match}")
+            f"(bound {LOGPROB_BOUND:g}), greedy tokens match {result.greedy_tokens_match}, against "
+            f"{result.compared_against}")
+        if result.cluster_max_abs_logprob_diff is not None:
+            log(f"export: the cluster's figures against SkyRL-tx's float32 forward of the checkpoint: max |Δ logprob| "
+                f"{result.cluster_max_abs_logprob_diff:.2e} (bound {CLUSTER_BOUND:g}: the model's dtype's noise)")
         merged_dir = staging / MERGED_DIR
         if merged:
             merge(model, base_model_path, merged_dir, config)

@@ -31,6 +31,8 @@ class RunReport(BaseModel):
     launcher: str
     base_model: str
     dataset: str | None
+    learning_rate: float | None = Field(default=None, description="The Adam learning rate the run trained with "
+                                        "(given, or derived from the model)")
     checkpoint_root: str
     state_dir: str
     resumed_from_step: int = 0
@@ -97,6 +99,7 @@ def build(cfg: RunConfig, progress: Progress, error: str | None) -> RunReport:
         launcher=cfg.launcher,
         base_model=cfg.base_model,
         dataset=cfg.dataset,
+        learning_rate=cfg.learning_rate,
         checkpoint_root=cfg.run_root,
         state_dir=cfg.state_dir,
         resumed_from_step=trained.resumed_from_step if trained else 0,
@@ -182,8 +185,8 @@ def markdown(report: RunReport) -> str:
         f"# txflow run `{report.run_id}`: {report.status}",
         "",
         f"- mode: **{report.mode}**, {report.num_processes} processes, base model `{report.base_model}`",
-        f"- steps: {len(metrics)}" + (f", resumed from step {report.resumed_from_step}"
-                                      if report.resumed_from_step else ""),
+        f"- steps: {len(metrics)}" + (f", learning rate {report.learning_rate:g}" if report.learning_rate else "")
+        + (f", resumed from step {report.resumed_from_step}" if report.resumed_from_step else ""),
     ]
     if metrics and "nll" in metrics[0]:
         lines.append(f"- loss (NLL/token): {metrics[0]['nll']:.4f} -> {metrics[-1]['nll']:.4f}")

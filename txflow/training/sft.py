@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from txflow.training.tokenizer import chat_template, render_chat
+
 # tinker is imported where a Datum is built: it imports torch (~4 s), and pre-flight must stay fast.
 
 Example = tuple[list[int], list[int]]  # tokens, per-token loss weights
@@ -18,13 +20,37 @@ class SFTData:
 
 
 def encode(row: dict, tokenizer, max_len: int, where: str) -> Example:
-    """Prompt then completion (+ EOS); only completion tokens carry loss."""
-    prompt = tokenizer.encode(row["prompt"], add_special_tokens=False)
-    completion = tokenizer.encode(row["completion"], add_special_tokens=False) + [tokenizer.eos_token_id]
+    """Prompt then completion (+ EOS); only completion tokens carry loss. A model with a chat template sees
+    the row as a user turn (with the template's generation prompt, weight 0) and the assistant's reply up to
+    and including its end-of-turn token (weight 1), as the tinker-cookbook's renderers weight it."""
+    if chat_template(tokenizer) is None:
+        prompt = tokenizer.encode(row["prompt"], add_special_tokens=False)
+        completion = tokenizer.encode(row["completion"], add_special_tokens=False) + [tokenizer.eos_token_id]
+    else:
+        prompt, completion = _chat_example(row, tokenizer, where)
     tokens = prompt + completion
     if len(tokens) > max_len:
         raise ValueError(f"{where}: {len(tokens)} tokens, longer than the model's context of {max_len}")
     return tokens, [0.0] * len(prompt) + [1.0] * len(completion)
+
+
+def _chat_example(row: dict, tokenizer, where: str) -> tuple[list[int], list[int]]:
+    user = [{"role": "user", "content": row["prompt"]}]
+    prompt_text = render_chat(tokenizer, user, add_generation_prompt=True)
+    full_text = render_chat(tokenizer, user + [{"role": "assistant", "content": row["completion"]}],
+                            add_generation_prompt=False)
+    if not full_text.startswith(prompt_text):
+        raise ValueError(f"{where}: the model's chat template renders the reply so that the prompt is not its "
+                         f"prefix; txflow cannot tell prompt tokens from reply tokens with it")
+    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
+    completion = tokenizer.encode(full_text[len(prompt_text):], add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    if eos in completion:
+        # What follows the end of turn (ChatML's newline) opens the next turn: not the reply's to learn.
+        completion = completion[: len(completion) - completion[::-1].index(eos)]
+    else:
+        completion.append(eos)
+    return prompt, completion
 
 
 def prepare(rows: list[dict], tokenizer, max_len: int, url: str) -> SFTData:

@@ -16,7 +16,8 @@ import tempfile
 from importlib import resources
 from pathlib import Path
 
-from txflow.config import TINY_MODEL
+from txflow.config import NAMED_MODELS, TINY_MODEL
+from txflow.upstream.named_models import build_named_model
 
 VOCAB_SIZE = 300
 ARCH = {
@@ -113,9 +114,12 @@ def _write_model(out: Path, seed: int) -> None:
 
 
 def resolve_base_model(name: str, seed: int = 0) -> str:
-    """The path or hub id SkyRL-tx should load for `--base-model name`: a local directory as an absolute
-    path (processes may run elsewhere, and an export names it), a hub id as given."""
+    """The path or hub id SkyRL-tx should load for `--base-model name`: the tiny model or a named model built
+    into the cache, a local directory as an absolute path (processes may run elsewhere, and an export names
+    it), a hub id as given. A named model whose wheel is missing raises NamedModelMissing."""
     if name == TINY_MODEL:
         return str(build_tiny_model(seed))
+    if name in NAMED_MODELS:
+        return str(build_named_model(name, cache_dir()))
     path = Path(name).expanduser()
     return str(path.absolute()) if path.is_dir() else name

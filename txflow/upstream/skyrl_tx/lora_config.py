@@ -6,8 +6,17 @@ attention and MLP and never the unembedding, whatever the client asked (the Tink
 by default). The engine honours the flags once they reach it (`filter_lora`, on every rank: the config
 travels with the create_model broadcast), so `install_api` serves create_model with them. What the
 engine cannot train is refused with one line instead: an adapter with no module, or `train_unembed` on
-a base model whose output head is its input embedding (`tie_word_embeddings`: SkyRL-tx has no LoRA for
-a tied head). Can go when upstream's create_model passes the flags on.
+a base model whose output head is its input embedding (`tie_word_embeddings`: SmolLM2, Llama-3.2, the
+small Qwen3s). Can go when upstream's create_model passes the flags on.
+
+Why a tied model cannot train the unembedding in SkyRL-tx 0.3.0 (Tinker can): `tx/models/llama3.py`
+(line 268) and `tx/models/qwen3.py` (line 386) make a tied model's head `self.model.embed_tokens.T`, and
+`LoRAEmbed.T` (`tx/layers/lora.py`, lines 167-170, "TODO: Apply lora adapters here as well") returns
+`hidden_states @ embedding.T`, dropping the adapter indices: no LoRA reaches the output head, so an
+embedding LoRA would train the input side only, which is not what `train_unembed` asks. `init_lora_adapter`
+(`tx/layers/lora.py`, line 327) therefore raises "train_unembed=True is incompatible with
+tie_word_embeddings=True" in the engine; txflow refuses the request at the API with the flag to pass
+instead, before an adapter slot is taken.
 """
 
 from __future__ import annotations
@@ -43,8 +52,9 @@ def problem(lora: LoraRequest, base_model_path: str) -> str | None:
         return "train_attn, train_mlp and train_unembed are all False: the adapter would train nothing"
     if lora.train_unembed and ties_embeddings(base_model_path):
         return (f"train_unembed=True cannot be trained on {base_model_path}: it ties its output head to its input "
-                f"embedding (tie_word_embeddings), and SkyRL-tx has no LoRA for a tied head. Pass "
-                f"train_unembed=False to create_lora_training_client (the Tinker SDK's default is True)")
+                f"embedding (tie_word_embeddings), and SkyRL-tx 0.3.0 applies no LoRA to a tied head (its "
+                f"LoRAEmbed.T). Pass train_unembed=False to create_lora_training_client (the Tinker SDK's default "
+                f"is True)")
     return None
 
 

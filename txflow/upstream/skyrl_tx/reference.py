@@ -1,0 +1,85 @@
+"""SkyRL-tx's own forward pass over a sampler checkpoint, in this process and in a dtype of our choosing.
+
+The export proof compares transformers + peft with what SkyRL-tx computes. The cluster computes in the base
+model's dtype: on a bfloat16 model its logprobs sit on bfloat16's coarse grid (a p > 0.97 token gets exactly
+0.0), which no float32 model reproduces. Evaluating SkyRL-tx's own model code (`tx/models/*`) over the same
+base weights and the same sampler tarball in float32 gives a reference that compares like with like.
+"""
+
+from __future__ import annotations
+
+import json
+import tarfile
+import tempfile
+from pathlib import Path
+
+PAD_TO = 32  # every input is padded to one multiple of this: one compiled program serves every call
+
+
+def lora_config_of(tarball: Path):
+    """The LoraConfig a sampler tarball was trained with: its rank and alpha, and the module groups that have
+    weights in it (SkyRL-tx loads only the groups its config trains)."""
+    from tx.tinker.types import LoraConfig
+
+    with tempfile.TemporaryDirectory() as tmp, tarfile.open(tarball) as tar:
+        tar.extractall(tmp, filter="data")
+        config = json.loads((Path(tmp) / "adapter_config.json").read_text())
+        from safetensors import safe_open
+
+        with safe_open(str(Path(tmp) / "adapter_model.safetensors"), "np") as f:
+            keys = list(f.keys())
+    return LoraConfig(rank=int(config["r"]), alpha=float(config["lora_alpha"]), seed=0,
+                      train_attn=any(".self_attn." in k for k in keys), train_mlp=any(".mlp." in k for k in keys),
+                      train_unembed=any("embed_tokens" in k or "lm_head" in k for k in keys))
+
+
+def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]], prompts: list[list[int]],
+                  greedy_lengths: list[int], dtype: str = "float32") -> tuple[list[list[float]], list[list[int]]]:
+    """(per-token logprobs of each sequence after its first token, greedy continuation of each prompt of the
+    given length) from SkyRL-tx's model with the tarball's adapter, computed in `dtype`."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from transformers import AutoConfig
+    from tx.layers.lora import init_lora_adapter
+    from tx.models.configs import ModelConfig
+    from tx.tinker.types import LoraConfig
+    from tx.utils.models import get_dtype, get_model_class, load_lora_checkpoint, load_safetensors
+
+    lora = lora_config_of(tarball)
+    config = ModelConfig(AutoConfig.from_pretrained(base_model_path), max_lora_adapters=2,
+                         max_lora_rank=lora.rank, shard_attention_heads=True, loss_chunk_size=0,
+                         gradient_checkpointing=False)
+    mesh = jax.make_mesh((1, 1, 1), ("fsdp", "ep", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 3,
+                         devices=jax.devices()[:1])
+    longest = max([len(s) for s in sequences] + [len(p) + n for p, n in zip(prompts, greedy_lengths)])
+    length = -(-longest // PAD_TO) * PAD_TO
+    adapter = jnp.array([1], dtype=jnp.int32)
+    with jax.set_mesh(mesh), nnx.use_eager_sharding(True):
+        model = get_model_class(config)(config, dtype=get_dtype(dtype), rngs=nnx.Rngs(0))
+        load_safetensors(base_model_path, config, model)
+        init_lora_adapter(model, adapter_index=0, lora_config=LoraConfig(rank=1, alpha=1.0, seed=0))
+        init_lora_adapter(model, adapter_index=1, lora_config=lora)
+        load_lora_checkpoint(model, lora, 1, tarball)
+
+        @jax.jit
+        def forward(tokens, mask):
+            states = model(tokens, attention_mask=mask, adapter_indices=adapter).last_hidden_state
+            targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
+            return model.compute_logits(states, adapter), model.compute_logprobs(states, targets, adapter)
+
+        def run(ids):
+            # Causal attention: the padding on the right changes no real position.
+            tokens = jnp.asarray([list(ids) + [0] * (length - len(ids))], dtype=jnp.int32)
+            mask = jnp.asarray([[1] * len(ids) + [0] * (length - len(ids))], dtype=jnp.int32)
+            return forward(tokens, mask)
+
+        logprobs = [np.asarray(run(s)[1], dtype=np.float64)[0, : len(s) - 1].tolist() for s in sequences]
+        greedy = []
+        for prompt, count in zip(prompts, greedy_lengths):
+            ids = list(prompt)
+            for _ in range(count):
+                ids.append(int(jnp.argmax(run(ids)[0][0, len(ids) - 1])))
+            greedy.append(ids[len(prompt):])
+    return logprobs, greedy
