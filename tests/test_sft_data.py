@@ -95,6 +95,19 @@ def test_a_chat_model_learns_the_reply_and_its_end_of_turn_weighted_one(smollm2)
     assert completion[-1] == smollm2.eos_token_id == 2
 
 
+def test_a_chat_model_is_asked_rl_prompts_as_the_user_and_answers_as_the_assistant(smollm2):
+    from txflow.training import rl
+    from txflow.training.rewards import exact_answer
+
+    data = rl.prepare([{"prompt": "What is 12 + 7?", "answer": "19"}], smollm2, 8192, 8, "test", exact_answer,
+                      "txflow.training.rewards:exact_answer")
+    [prompt] = data.prompts
+    assert decoded(smollm2, prompt).endswith("<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n")
+    # The same tokens SFT puts before the reply: what RL samples after is what SFT trained.
+    tokens, weights = sft.encode({"prompt": "What is 12 + 7?", "completion": "19"}, smollm2, 8192, "test")
+    assert prompt == [t for t, w in zip(tokens, weights) if w == 0.0]
+
+
 def test_the_chat_rendering_is_transformers_own(smollm2):
     from transformers import AutoTokenizer
 

@@ -8,6 +8,7 @@ import statistics
 from dataclasses import dataclass
 
 from txflow.training.rewards import RewardFn, score
+from txflow.training.tokenizer import chat_template, render_chat
 
 # tinker is imported where requests are built: it imports torch (~4 s), and pre-flight must stay fast.
 
@@ -32,10 +33,15 @@ class Rollout:
 
 def prepare(rows: list[dict], tokenizer, max_len: int, max_tokens: int, url: str, reward: RewardFn,
             reward_spec: str) -> RLData:
-    """Tokenize prompts; each must leave room for `max_tokens` sampled tokens in the context."""
+    """Tokenize prompts; each must leave room for `max_tokens` sampled tokens in the context. A model with a
+    chat template sees each prompt as a user turn followed by the template's generation prompt, as the SFT
+    rows are rendered (`sft.encode`): the policy answers as the assistant."""
     prompts = []
     for i, row in enumerate(rows):
-        tokens = tokenizer.encode(row["prompt"], add_special_tokens=False)
+        text = row["prompt"]
+        if chat_template(tokenizer) is not None:
+            text = render_chat(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
         if len(tokens) + max_tokens > max_len:
             raise ValueError(f"{url} line {i + 1}: prompt of {len(tokens)} tokens plus {max_tokens} sampled "
                              f"tokens exceeds the model's context of {max_len}")
