@@ -288,3 +288,17 @@ def test_the_api_key_comes_from_tinker_api_key_however_the_run_starts(monkeypatc
         RunConfig().resolved()
     monkeypatch.delenv("TINKER_API_KEY")
     assert RunConfig().resolved().api_key is None  # the cluster makes a random one
+
+
+def test_a_real_model_defaults_to_the_arithmetic_task_and_the_tiny_model_keeps_its_toy_one():
+    from txflow.training.datasets import bundled_dataset
+
+    tiny = RunConfig(mode="rl").resolved()
+    real = RunConfig(mode="rl", base_model=SMOLLM2_MODEL).resolved()
+    assert (tiny.reward, tiny.temperature) == ("txflow.training.rewards:low_token_ids", 0.25)
+    assert (real.reward, real.temperature) == ("txflow.training.rewards:exact_answer", 1.0)
+    given = RunConfig(mode="rl", base_model=SMOLLM2_MODEL, reward="my.mod:fn", temperature=0.7).resolved()
+    assert (given.reward, given.temperature) == ("my.mod:fn", 0.7)
+    assert bundled_dataset("sft").endswith("sft.jsonl") and bundled_dataset("rl").endswith("rl_prompts.jsonl")
+    assert bundled_dataset("sft", SMOLLM2_MODEL).endswith("arithmetic_sft.jsonl")
+    assert bundled_dataset("rl", "/models/my-llama").endswith("arithmetic_rl.jsonl")

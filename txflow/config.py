@@ -49,9 +49,14 @@ NAMED_MODELS = {
 # Real models usually want temperature 1.0.
 MODE_DEFAULTS = {
     "sft": {"batch_size": 4, "learning_rate": 2e-2, "temperature": 1.0},
-    "rl": {"batch_size": 8, "learning_rate": 5e-2, "temperature": 0.25},
+    "rl": {"batch_size": 8, "learning_rate": 5e-2, "temperature": 0.25,
+           "reward": "txflow.training.rewards:low_token_ids"},
     "custom": {"batch_size": 4, "learning_rate": 2e-2, "temperature": 1.0},
 }
+# Where a real model's run differs (its learning rate: `default_learning_rate`): it trains on the bundled
+# arithmetic task (txflow.training.datasets), whose RL reward is the exact answer, and samples at
+# temperature 1 (its own distribution, as the tinker-cookbook's RL recipes sample).
+REAL_MODEL_DEFAULTS = {"rl": {"temperature": 1.0, "reward": "txflow.training.rewards:exact_answer"}}
 # The tinker-cookbook's LoRA learning-rate rule (`get_lr` in tinker_cookbook/hyperparam_utils.py, before the
 # cookbook replaced it by a table of swept values for Tinker's own models): 5e-5 x 10 (LoRA) x
 # (2000 / hidden size)^P, with P by model family. The tiny model's rates (2e-2) diverge on a real model:
@@ -180,7 +185,8 @@ class RunConfig(BaseModel, extra="forbid"):
         default=None, description="SkyRL-tx database URL. Default: SQLite in the run's state directory."
     )
     dataset: str | None = Field(
-        default=None, description="JSONL dataset URL (any fsspec URL). Default: the bundled dataset of the mode."
+        default=None, description="JSONL dataset URL (any fsspec URL). Default: the bundled dataset of the mode: "
+        "the arithmetic task for a real model, toy data for the tiny one."
     )
     steps: int = Field(default=20, description="Optimizer steps.")
     batch_size: int | None = Field(
@@ -211,14 +217,16 @@ class RunConfig(BaseModel, extra="forbid"):
         default=1, ge=1,
         description="rl: optimizer steps per rollout batch; the batch is split into this many minibatches, each "
         "one forward_backward + optim_step (the cookbook's num_substeps).")
-    reward: str = Field(
-        default="txflow.training.rewards:low_token_ids",
-        description="rl: reward `module:function(prompt, completion_text, completion_tokens, row) -> float`.",
+    reward: str | None = Field(
+        default=None,
+        description="rl: reward `module:function(prompt, completion_text, completion_tokens, row) -> float`. "
+        "Default: the bundled task's (`txflow.training.rewards:exact_answer` for a real model, `low_token_ids` "
+        "for the tiny one).",
     )
     max_tokens: int = Field(default=8, ge=1, description="rl: tokens sampled per completion.")
     temperature: float | None = Field(
         default=None, ge=0, description="rl: sampling temperature of rollouts and of the reward evaluation. Default "
-        "0.25 (the tiny model's logits are flat; real models usually want 1.0).")
+        "1.0, and 0.25 for the tiny model (its logits are flat).")
     client: str | None = Field(
         default=None, description="custom: the Tinker client program, a .py path or a module name."
     )
@@ -369,7 +377,9 @@ class RunConfig(BaseModel, extra="forbid"):
         if "://" not in checkpoints:
             # Ranks may run in another working directory: pass them an absolute path.
             checkpoints = str(Path(checkpoints).expanduser().absolute())
-        defaults = {k: v for k, v in MODE_DEFAULTS[self.mode].items() if getattr(self, k) is None}
+        model_defaults = MODE_DEFAULTS[self.mode] | (
+            {} if self.base_model == TINY_MODEL else REAL_MODEL_DEFAULTS.get(self.mode, {}))
+        defaults = {k: v for k, v in model_defaults.items() if getattr(self, k) is None}
         if self.learning_rate is None:
             # None when no rule applies: pre-flight refuses the run and says to pass --learning-rate.
             defaults["learning_rate"] = default_learning_rate(self.mode, self.base_model)[0]

@@ -276,7 +276,7 @@ def _prepare(cfg: RunConfig):
             probe = sft.prepare(load_jsonl(bundled_dataset("sft"), REQUIRED_KEYS["sft"]), tokenizer, max_len, "")
             data = custom.CustomData(command=command, probe=probe.eval)
         else:
-            url = cfg.dataset or bundled_dataset(cfg.mode)
+            url = cfg.dataset or bundled_dataset(cfg.mode, cfg.base_model)
             rows = load_jsonl(url, REQUIRED_KEYS[cfg.mode], cfg.plain_storage_options())
             if cfg.mode == "sft":
                 data = sft.prepare(rows, tokenizer, max_len, url)

@@ -9,7 +9,12 @@ from importlib import resources
 
 import fsspec
 
+from txflow.config import TINY_MODEL
+
+# The tiny model's toy data, and the arithmetic task every real model trains on by default
+# (scripts/make_arithmetic_data.py writes it).
 BUNDLED = {"sft": "sft.jsonl", "rl": "rl_prompts.jsonl"}
+BUNDLED_REAL = {"sft": "arithmetic_sft.jsonl", "rl": "arithmetic_rl.jsonl"}
 REQUIRED_KEYS = {"sft": ("prompt", "completion"), "rl": ("prompt",)}
 
 
@@ -17,9 +22,10 @@ class DatasetError(ValueError):
     """The dataset cannot be used; the message says where and why."""
 
 
-def bundled_dataset(mode: str) -> str:
-    """Path of the dataset shipped with txflow for `mode`."""
-    return str(resources.files("txflow.data").joinpath(BUNDLED[mode]))
+def bundled_dataset(mode: str, base_model: str = TINY_MODEL) -> str:
+    """Path of the dataset shipped with txflow for `mode` and the base model: the toy data of the tiny model,
+    the arithmetic task of every other."""
+    return str(resources.files("txflow.data").joinpath((BUNDLED if base_model == TINY_MODEL else BUNDLED_REAL)[mode]))
 
 
 def load_jsonl(url: str, required: tuple[str, ...], storage_options: dict | None = None) -> list[dict]:
