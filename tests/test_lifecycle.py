@@ -194,3 +194,17 @@ def test_retention_never_deletes_what_a_promotion_was_made_from(tmp_path):
     assert urls[2] in protected
     [run] = [r for r in retention.prune(str(checkpoints), 1, None, protected=protected) if r.run_id == "r"]
     assert run.deletions == [] and states(checkpoints / "r") == {2: True, 4: True, 6: True}
+
+
+def test_a_promotion_copies_only_what_was_committed(tmp_path):
+    """A file added to a committed export after its commit is not published under a fresh marker: the
+    promotion is refused, and the pointer stays."""
+    checkpoints = str(tmp_path / "ckpt")
+    good, files = committed_export(tmp_path, "good")
+    promotion.promote(checkpoints, "prod", "good", {"peft": good}, {})
+    added, _ = committed_export(tmp_path, "added")
+    (Path(added) / "extra.pth").write_text("import os")
+    with pytest.raises(ValueError, match="'extra.pth' is not recorded in its commit marker"):
+        promotion.promote(checkpoints, "prod", "added", {"peft": added}, {})
+    assert read_promoted(checkpoints, "prod") == files
+    assert not list((tmp_path / "ckpt").rglob("extra.pth"))

@@ -12,6 +12,7 @@ from pathlib import Path
 import fsspec
 
 from txflow.checkpoints import storage
+from txflow.checkpoints.markers import signing_key
 from txflow.cluster import embedded_prefect
 from txflow.config import TINY_MODEL, RunConfig
 from txflow.log import get_logger, redact, register_run_secrets, scrub
@@ -228,6 +229,7 @@ def _prepare(cfg: RunConfig):
     tokenizer = load_tokenizer(model_path)
     max_len = context_length(model_path)
     try:
+        signing_key()  # a key too short, or a Secret block that cannot be read, stops the run here
         if cfg.mode == "custom":
             command = custom.client_command(cfg.client, check_client_python(cfg))
             probe = sft.prepare(load_jsonl(bundled_dataset("sft"), REQUIRED_KEYS["sft"]), tokenizer, max_len, "")
