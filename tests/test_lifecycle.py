@@ -10,6 +10,7 @@ from pathlib import Path
 import fsspec
 import pytest
 
+from txflow import cli
 from txflow.checkpoints import lease, promotion, retention, storage
 from txflow.checkpoints.discovery import discover
 from txflow.checkpoints.markers import BEING_PRUNED, COMMIT_SUFFIX, PRUNED_SUFFIX, PRUNING_SUFFIX
@@ -208,3 +209,48 @@ def test_a_promotion_copies_only_what_was_committed(tmp_path):
         promotion.promote(checkpoints, "prod", "added", {"peft": added}, {})
     assert read_promoted(checkpoints, "prod") == files
     assert not list((tmp_path / "ckpt").rglob("extra.pth"))
+
+
+def test_trim_follows_the_pointers_history_not_the_ids(tmp_path, monkeypatch):
+    """Ids are wall-clock times of whichever machine promoted: a promotion made with a clock years ahead is
+    still trimmed once the pointer has moved past it 6 times, and a promotion still uploading on a machine
+    whose clock is behind (its directory has no record yet) is never trimmed."""
+    checkpoints = str(tmp_path / "ckpt")
+    history_dir = tmp_path / "ckpt" / "promoted" / "prod" / "history"
+    ahead = "29991231T235959.999Z-ahead"
+    monkeypatch.setattr(promotion, "new_id", lambda run_id: ahead)
+    promotion.promote(checkpoints, "prod", "ahead", {"peft": committed_export(tmp_path, "ahead")[0]}, {})
+    monkeypatch.undo()
+    in_flight = history_dir / "19700101T000000.000Z-behind" / "peft"
+    in_flight.mkdir(parents=True)
+    (in_flight / "adapter_config.json").write_text("{}")  # half uploaded: no marker, no record, no pointer
+    ids = [ahead]
+    for i in range(6):
+        ids.append(promotion.promote(checkpoints, "prod", f"run{i}", {"peft": committed_export(tmp_path, f"r{i}")[0]},
+                                     {}).id)
+        time.sleep(0.002)
+    assert not (history_dir / ahead).exists()  # the pointer moved past it 6 times
+    assert [r["id"] for r in promotion.history(checkpoints, "prod")] == ids[:0:-1]
+    assert (in_flight / "adapter_config.json").exists()
+
+
+def test_a_trim_that_fails_after_the_pointer_moved_leaves_the_promotion_standing(tmp_path, monkeypatch, capsys):
+    checkpoints = str(tmp_path / "ckpt")
+    ids = [promotion.promote(checkpoints, "prod", f"run{i}", {"peft": committed_export(tmp_path, f"r{i}")[0]}, {}).id
+           for i in range(6)]
+    real_delete = retention.delete
+
+    def store_away(*args, **kwargs):
+        raise OSError("the store went away")
+
+    monkeypatch.setattr(retention, "delete", store_away)
+    url, files = committed_export(tmp_path, "new")
+    result = promotion.promote(checkpoints, "prod", "new", {"peft": url}, {})
+    assert result.status == "promoted" and result.trim_error == "OSError: the store went away"
+    assert read_promoted(checkpoints, "prod") == files  # the pointer names the new one, whole
+    assert len(promotion.history(checkpoints, "prod")) == 7  # nothing was deleted, nothing published twice
+    monkeypatch.setattr(retention, "delete", real_delete)
+    passed_run(tmp_path / "ckpt", "r", (2,))
+    assert cli.main(["prune", checkpoints, "--keep-last", "1", "--json"]) == 0  # the next prune finishes it
+    assert json.loads(capsys.readouterr().out)["promotions_removed"] == [f"{checkpoints}/promoted/prod/history/{ids[0]}"]
+    assert [r["id"] for r in promotion.history(checkpoints, "prod")] == [result.id, *ids[:0:-1]]
