@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
+import subprocess
+import threading
 import time
 from pathlib import Path
 
 import fsspec
 import pytest
 
+from tests.helpers import fresh_root
 from txflow import cli
 from txflow.checkpoints import lease, promotion, retention, storage
 from txflow.checkpoints.discovery import discover
@@ -135,6 +140,68 @@ def test_a_lease_not_renewed_expires(tmp_path):
     with lease.held(str(tmp_path / "r"), "r", ttl_s=0.5, renew_s=0.1):
         time.sleep(0.8)
         assert lease.alive(str(tmp_path / "r"))  # renewed while its holder lives
+
+
+@pytest.fixture(params=["local", "memory"])
+def run_root(request, tmp_path):
+    yield from fresh_root(request.param, tmp_path / "r")
+
+
+def test_a_second_run_with_a_live_runs_id_is_refused_naming_it(run_root):
+    with lease.held(run_root, "r") as path:
+        fs, _ = fsspec.core.url_to_fs(run_root)
+        first = fs.cat_file(path)
+        with pytest.raises(lease.LeaseHeld, match=rf"^Run r is running under {run_root} \(host .*, pid {os.getpid()}, "
+                                                  r"lease renewed 0 s ago\): one live run per run id"):
+            with lease.held(run_root, "r"):
+                pytest.fail("a second holder entered")
+        assert fs.cat_file(path) == first  # the live run's lease is untouched
+    assert not lease.alive(run_root)
+    with lease.held(run_root, "r"):  # ended: the run id is free again
+        assert lease.alive(run_root)
+
+
+def test_of_many_runs_starting_at_once_exactly_one_gets_the_lease(tmp_path):
+    fs, root = fsspec.core.url_to_fs(str(tmp_path))
+    start, won = threading.Barrier(8), []
+
+    def contender(i):
+        start.wait()
+        try:
+            lease._acquire(fs, f"{root}/{lease.LEASE}", str(tmp_path), f"run{i}", f"token{i}", 600)
+            won.append(i)
+        except lease.LeaseHeld:
+            pass
+
+    threads = [threading.Thread(target=contender, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(won) == 1
+    assert json.loads((tmp_path / lease.LEASE).read_text())["run_id"] == f"run{won[0]}"
+
+
+def test_a_dead_holders_lease_is_taken_over_with_a_log_line(run_root, caplog):
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process of this host that has ended
+    fs, root = fsspec.core.url_to_fs(run_root)
+    fs.makedirs(root, exist_ok=True)
+    now = time.time()
+    dead = {"run_id": "old", "host": socket.gethostname(), "pid": gone.pid, "started": 1, "renewed_at": now,
+            "expires_at": now + 600}
+    silent = {**dead, "host": "another-host", "pid": 1, "renewed_at": now - 700, "expires_at": now - 100}
+    for record, why in ((dead, f"its process {gone.pid} on this host is gone"), (silent, "not renewed for 70")):
+        fs.pipe_file(f"{root}/{lease.LEASE}", json.dumps(record).encode())
+        assert not lease.alive(run_root)
+        with caplog.at_level(logging.WARNING), lease.held(run_root, "new"):
+            assert lease.holder(run_root)["run_id"] == "new"
+        assert f"taking over the lease of run old under {run_root} " in caplog.text and why in caplog.text
+    # Another host's lease, renewed a moment ago: its pid says nothing here, and it is refused.
+    fs.pipe_file(f"{root}/{lease.LEASE}", json.dumps({**silent, "renewed_at": now, "expires_at": now + 600}).encode())
+    with pytest.raises(lease.LeaseHeld, match="host another-host, pid 1"):
+        with lease.held(run_root, "new"):
+            pass
 
 
 # --- promotion -------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import pytest
 
 from tests.helpers import run_txflow
 from txflow import cli, preflight
+from txflow.checkpoints import lease
 from txflow.config import RunConfig
 from txflow.preflight import PreflightError
 from txflow.training.sft import SFTData
@@ -125,6 +126,18 @@ def test_a_failed_run_says_it_failed_and_how_to_continue_it(cfg_for):
     assert message.startswith(f"Run broken failed under {cfg.run_root} (RuntimeError: export check failed: greedy "
                                f"tokens); its checkpoints are kept.")
     assert f"--resume-from {cfg.run_root}" in message and "already completed" not in message
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["new run", "--resume-from"])
+def test_a_run_id_a_live_run_holds_is_refused_naming_it(cfg_for, resume):
+    cfg = cfg_for(run_id="live")
+    if resume:
+        cfg = cfg_for(run_id="live", resume_from=cfg.run_root)
+    with lease.held(cfg.run_root, "live"):
+        with pytest.raises(PreflightError, match=rf"^Run live is running under {cfg.run_root} \(host .*, pid "
+                                                 rf"{os.getpid()}, .*use another --run-id$"):
+            preflight.check_run_root(cfg)
+    preflight.check_run_root(cfg)  # that run ended: the id is free
 
 
 def test_checkpoints_under_a_regular_file_names_the_checkpoints_path(cfg_for, tmp_path):

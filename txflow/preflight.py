@@ -11,7 +11,7 @@ from pathlib import Path
 
 import fsspec
 
-from txflow.checkpoints import storage
+from txflow.checkpoints import lease, storage
 from txflow.checkpoints.markers import signing_key
 from txflow.cluster import embedded_prefect
 from txflow.config import TINY_MODEL, RunConfig
@@ -68,13 +68,17 @@ def check_ray(cfg: RunConfig) -> None:
 
 
 def check_run_root(cfg: RunConfig) -> None:
-    """The root is reachable and writable, and this run id has not completed there before."""
+    """The root is reachable and writable, no live run holds this run id (`--resume-from` included), and
+    it has not completed there before."""
     options = cfg.plain_storage_options()
     try:
         fs, root = fsspec.core.url_to_fs(cfg.run_root, **options)
     except (ValueError, ImportError) as exc:
         raise PreflightError(f"--checkpoints {cfg.checkpoints}: not a usable fsspec URL ({exc})") from None
     try:
+        live = lease.holder(cfg.run_root, options)
+        if live is not None:
+            raise PreflightError(lease.describe(live, cfg.run_root))
         if fs.exists(f"{root}/report.json") and not cfg.resume_from:
             raise PreflightError(_earlier_run(cfg, json.loads(fs.cat_file(f"{root}/report.json"))))
         fs.makedirs(root, exist_ok=True)
