@@ -136,8 +136,8 @@ def test_a_run_id_a_live_run_holds_is_refused_naming_it(cfg_for, resume):
     with lease.held(cfg.run_root, "live"):
         with pytest.raises(PreflightError, match=rf"^Run live is running under {cfg.run_root} \(host .*, pid "
                                                  rf"{os.getpid()}, .*use another --run-id$"):
-            preflight.check_run_root(cfg)
-    preflight.check_run_root(cfg)  # that run ended: the id is free
+            preflight.prepare(cfg)
+    preflight.check_live_run(cfg)  # that run ended: the id is free
 
 
 def test_checkpoints_under_a_regular_file_names_the_checkpoints_path(cfg_for, tmp_path):

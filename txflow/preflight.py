@@ -67,18 +67,25 @@ def check_ray(cfg: RunConfig) -> None:
                              "(see constraints.txt)")
 
 
+def check_live_run(cfg: RunConfig) -> None:
+    """No live run holds this run id (`--resume-from` included): two would wipe each other's staging and
+    resume from each other's states. A root that cannot be read is `check_run_root`'s to report."""
+    try:
+        live = lease.holder(cfg.run_root, cfg.plain_storage_options())
+    except Exception:  # any backend error: check_run_root says what is wrong with the root
+        return
+    if live is not None:
+        raise PreflightError(lease.describe(live, cfg.run_root))
+
+
 def check_run_root(cfg: RunConfig) -> None:
-    """The root is reachable and writable, no live run holds this run id (`--resume-from` included), and
-    it has not completed there before."""
+    """The root is reachable and writable, and this run id has not completed there before."""
     options = cfg.plain_storage_options()
     try:
         fs, root = fsspec.core.url_to_fs(cfg.run_root, **options)
     except (ValueError, ImportError) as exc:
         raise PreflightError(f"--checkpoints {cfg.checkpoints}: not a usable fsspec URL ({exc})") from None
     try:
-        live = lease.holder(cfg.run_root, options)
-        if live is not None:
-            raise PreflightError(lease.describe(live, cfg.run_root))
         if fs.exists(f"{root}/report.json") and not cfg.resume_from:
             raise PreflightError(_earlier_run(cfg, json.loads(fs.cat_file(f"{root}/report.json"))))
         fs.makedirs(root, exist_ok=True)
@@ -221,6 +228,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _prepare(cfg: RunConfig):
+    check_live_run(cfg)
     check_approval(cfg)
     try:
         skyrl_tx.check_upstream_version()
