@@ -154,10 +154,10 @@ def trim(checkpoints: str, name: str, storage_options: dict | None = None) -> li
     if pointed is None:
         return []
     fs, path = fsspec.core.url_to_fs(root_of(checkpoints, name), **options)
-    kept = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{path}/{HISTORY}", detail=False)}
+    listed = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{path}/{HISTORY}", detail=False)}
     before, record = [], pointed
     # Only ids listed under history/ (a record names a directory there, nothing else), each once.
-    while (previous := record.get("previous")) in kept and previous not in before and previous != pointed["id"]:
+    while (previous := record.get("previous")) in listed and previous not in before and previous != pointed["id"]:
         try:
             record = json.loads(fs.cat_file(f"{path}/{HISTORY}/{previous}/{RECORD}"))
         except FileNotFoundError:  # trimmed already: everything older went before it
