@@ -12,7 +12,8 @@ import pytest
 from tests.helpers import fresh_root
 from txflow.checkpoints import storage
 from txflow.checkpoints.discovery import discover
-from txflow.checkpoints.markers import COMMIT_SUFFIX, SIGNING_KEY_ENV, commit_record, md5_of
+from txflow.checkpoints.markers import (COMMIT_SUFFIX, SIGNING_KEY_BLOCK_ENV, SIGNING_KEY_ENV, check_signature,
+                                        commit_record, md5_of)
 from txflow.config import RunConfig
 from txflow.log import scrub
 from txflow.upstream.skyrl_tx.layout import STATE_FILE
@@ -183,3 +184,29 @@ def test_with_a_key_a_sizes_only_marker_is_refused_and_the_key_never_shows(tmp_p
     monkeypatch.setenv(SIGNING_KEY_ENV, "short")
     with pytest.raises(ValueError, match="has 5 characters; use at least 16"):
         storage.download(urls[2], tmp_path / "refused", {}, directory=True)
+
+
+def test_the_key_can_come_from_a_prefect_secret_block(tmp_path, memory_root, monkeypatch):
+    """Deployments keep the key in a Prefect Secret block that TXFLOW_SIGNING_KEY_BLOCK names (the Prefect API
+    is stood in for here; a block that cannot be read stops the run, never lets it go on unsigned)."""
+    from prefect.blocks.system import Secret
+
+    class Stored:
+        def get(self):
+            return KEY
+
+    def load(name):
+        if name != "txflow-signing-key":
+            raise ValueError(f"Unable to find block document named {name}")
+        return Stored()
+
+    monkeypatch.setattr(Secret, "load", load)
+    monkeypatch.delenv(SIGNING_KEY_ENV, raising=False)
+    monkeypatch.setenv(SIGNING_KEY_BLOCK_ENV, "txflow-signing-key")
+    urls = committed_states(memory_root, tmp_path, steps=(2,))
+    fs, path = fsspec.core.url_to_fs(urls[2])
+    check_signature(fs.cat_file(path + COMMIT_SUFFIX), "step-000002.tar.gz", KEY.encode(), urls[2])  # the block's key
+    storage.download(urls[2], tmp_path / "copy", {}, directory=True)
+    monkeypatch.setenv(SIGNING_KEY_BLOCK_ENV, "no-such-block")
+    with pytest.raises(ValueError, match="TXFLOW_SIGNING_KEY_BLOCK=no-such-block: cannot read that Prefect Secret"):
+        storage.download(urls[2], tmp_path / "copy", {}, directory=True)
