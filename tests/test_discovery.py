@@ -480,3 +480,41 @@ def test_on_a_store_with_md5_etags_the_marker_trusts_the_listing():
             write_commit(f"{root}/m1/sampler_weights/s.tar.gz", expected={"s.tar.gz": (13, "0" * 32)})
     finally:
         fs.rm(root, recursive=True)
+
+
+def test_a_signed_checkpoint_is_still_verified_from_the_listing_alone(tmp_path, monkeypatch):
+    """With a signing key, the marker's ETag is the MD5 of the signed record the listed files give: the listing
+    still proves a committed checkpoint, its signature included, without reading its marker."""
+    from txflow.checkpoints import storage
+    from txflow.checkpoints.markers import SIGNING_KEY_ENV
+
+    class Md5Store(MemoryFileSystem):
+        protocol = "md5sig"
+        reads: list = []
+
+        def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
+            found = super().find(path, maxdepth=maxdepth, withdirs=withdirs, detail=True, **kwargs)
+            for p, info in found.items():
+                if info.get("type") == "file":
+                    info["ETag"] = hashlib.md5(self.cat_file(p)).hexdigest()
+            return found if detail else sorted(found)
+
+        def cat(self, path, *args, **kwargs):
+            Md5Store.reads.append(path)
+            return super().cat(path, *args, **kwargs)
+
+    fsspec.register_implementation("md5sig", Md5Store, clobber=True)
+    root = f"md5sig://sig-{uuid.uuid4().hex}"
+    state = tmp_path / "step-000002.tar.gz"
+    state.mkdir()
+    (state / STATE_FILE).write_bytes(os.urandom(1000))
+    try:
+        monkeypatch.setenv(SIGNING_KEY_ENV, "signing-key-of-this-team-0123456789")
+        storage.upload(state, f"{root}/m1/step-000002.tar.gz", {}, "a signed state")
+        [artifact] = discover(root, require_commit=True)
+        assert artifact.committed and Md5Store.reads == []
+        monkeypatch.setenv(SIGNING_KEY_ENV, "another-key-0123456789abcdef")  # the listing cannot vouch: read
+        [artifact] = discover(root, require_commit=True)
+        assert artifact.committed and len(Md5Store.reads) == 1
+    finally:
+        fsspec.filesystem("md5sig").rm(root, recursive=True)

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import socket
+import subprocess
+import threading
 import time
 from pathlib import Path
 
 import fsspec
 import pytest
 
+from tests.helpers import fresh_root
+from txflow import cli
 from txflow.checkpoints import lease, promotion, retention, storage
 from txflow.checkpoints.discovery import discover
 from txflow.checkpoints.markers import BEING_PRUNED, COMMIT_SUFFIX, PRUNED_SUFFIX, PRUNING_SUFFIX
@@ -136,6 +142,68 @@ def test_a_lease_not_renewed_expires(tmp_path):
         assert lease.alive(str(tmp_path / "r"))  # renewed while its holder lives
 
 
+@pytest.fixture(params=["local", "memory"])
+def run_root(request, tmp_path):
+    yield from fresh_root(request.param, tmp_path / "r")
+
+
+def test_a_second_run_with_a_live_runs_id_is_refused_naming_it(run_root):
+    with lease.held(run_root, "r") as path:
+        fs, _ = fsspec.core.url_to_fs(run_root)
+        first = fs.cat_file(path)
+        with pytest.raises(lease.LeaseHeld, match=rf"^Run r is running under {run_root} \(host .*, pid {os.getpid()}, "
+                                                  r"lease renewed 0 s ago\): one live run per run id"):
+            with lease.held(run_root, "r"):
+                pytest.fail("a second holder entered")
+        assert fs.cat_file(path) == first  # the live run's lease is untouched
+    assert not lease.alive(run_root)
+    with lease.held(run_root, "r"):  # ended: the run id is free again
+        assert lease.alive(run_root)
+
+
+def test_of_many_runs_starting_at_once_exactly_one_gets_the_lease(tmp_path):
+    fs, root = fsspec.core.url_to_fs(str(tmp_path))
+    start, won = threading.Barrier(8), []
+
+    def contender(i):
+        start.wait()
+        try:
+            lease._acquire(fs, f"{root}/{lease.LEASE}", str(tmp_path), f"run{i}", f"token{i}", 600)
+            won.append(i)
+        except lease.LeaseHeld:
+            pass
+
+    threads = [threading.Thread(target=contender, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(won) == 1
+    assert json.loads((tmp_path / lease.LEASE).read_text())["run_id"] == f"run{won[0]}"
+
+
+def test_a_dead_holders_lease_is_taken_over_with_a_log_line(run_root, caplog):
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process of this host that has ended
+    fs, root = fsspec.core.url_to_fs(run_root)
+    fs.makedirs(root, exist_ok=True)
+    now = time.time()
+    dead = {"run_id": "old", "host": socket.gethostname(), "pid": gone.pid, "started": 1, "renewed_at": now,
+            "expires_at": now + 600}
+    silent = {**dead, "host": "another-host", "pid": 1, "renewed_at": now - 700, "expires_at": now - 100}
+    for record, why in ((dead, f"its process {gone.pid} on this host is gone"), (silent, "not renewed for 70")):
+        fs.pipe_file(f"{root}/{lease.LEASE}", json.dumps(record).encode())
+        assert not lease.alive(run_root)
+        with caplog.at_level(logging.WARNING), lease.held(run_root, "new"):
+            assert lease.holder(run_root)["run_id"] == "new"
+        assert f"taking over the lease of run old under {run_root} " in caplog.text and why in caplog.text
+    # Another host's lease, renewed a moment ago: its pid says nothing here, and it is refused.
+    fs.pipe_file(f"{root}/{lease.LEASE}", json.dumps({**silent, "renewed_at": now, "expires_at": now + 600}).encode())
+    with pytest.raises(lease.LeaseHeld, match="host another-host, pid 1"):
+        with lease.held(run_root, "new"):
+            pass
+
+
 # --- promotion -------------------------------------------------------------------------------------------
 
 
@@ -194,3 +262,62 @@ def test_retention_never_deletes_what_a_promotion_was_made_from(tmp_path):
     assert urls[2] in protected
     [run] = [r for r in retention.prune(str(checkpoints), 1, None, protected=protected) if r.run_id == "r"]
     assert run.deletions == [] and states(checkpoints / "r") == {2: True, 4: True, 6: True}
+
+
+def test_a_promotion_copies_only_what_was_committed(tmp_path):
+    """A file added to a committed export after its commit is not published under a fresh marker: the
+    promotion is refused, and the pointer stays."""
+    checkpoints = str(tmp_path / "ckpt")
+    good, files = committed_export(tmp_path, "good")
+    promotion.promote(checkpoints, "prod", "good", {"peft": good}, {})
+    added, _ = committed_export(tmp_path, "added")
+    (Path(added) / "extra.pth").write_text("import os")
+    with pytest.raises(ValueError, match="'extra.pth' is not recorded in its commit marker"):
+        promotion.promote(checkpoints, "prod", "added", {"peft": added}, {})
+    assert read_promoted(checkpoints, "prod") == files
+    assert not list((tmp_path / "ckpt").rglob("extra.pth"))
+
+
+def test_trim_follows_the_pointers_history_not_the_ids(tmp_path, monkeypatch):
+    """Ids are wall-clock times of whichever machine promoted: a promotion made with a clock years ahead is
+    still trimmed once the pointer has moved past it 6 times, and a promotion still uploading on a machine
+    whose clock is behind (its directory has no record yet) is never trimmed."""
+    checkpoints = str(tmp_path / "ckpt")
+    history_dir = tmp_path / "ckpt" / "promoted" / "prod" / "history"
+    ahead = "29991231T235959.999Z-ahead"
+    monkeypatch.setattr(promotion, "new_id", lambda run_id: ahead)
+    promotion.promote(checkpoints, "prod", "ahead", {"peft": committed_export(tmp_path, "ahead")[0]}, {})
+    monkeypatch.undo()
+    in_flight = history_dir / "19700101T000000.000Z-behind" / "peft"
+    in_flight.mkdir(parents=True)
+    (in_flight / "adapter_config.json").write_text("{}")  # half uploaded: no marker, no record, no pointer
+    ids = [ahead]
+    for i in range(6):
+        ids.append(promotion.promote(checkpoints, "prod", f"run{i}", {"peft": committed_export(tmp_path, f"r{i}")[0]},
+                                     {}).id)
+        time.sleep(0.002)
+    assert not (history_dir / ahead).exists()  # the pointer moved past it 6 times
+    assert [r["id"] for r in promotion.history(checkpoints, "prod")] == ids[:0:-1]
+    assert (in_flight / "adapter_config.json").exists()
+
+
+def test_a_trim_that_fails_after_the_pointer_moved_leaves_the_promotion_standing(tmp_path, monkeypatch, capsys):
+    checkpoints = str(tmp_path / "ckpt")
+    ids = [promotion.promote(checkpoints, "prod", f"run{i}", {"peft": committed_export(tmp_path, f"r{i}")[0]}, {}).id
+           for i in range(6)]
+    real_delete = retention.delete
+
+    def store_away(*args, **kwargs):
+        raise OSError("the store went away")
+
+    monkeypatch.setattr(retention, "delete", store_away)
+    url, files = committed_export(tmp_path, "new")
+    result = promotion.promote(checkpoints, "prod", "new", {"peft": url}, {})
+    assert result.status == "promoted" and result.trim_error == "OSError: the store went away"
+    assert read_promoted(checkpoints, "prod") == files  # the pointer names the new one, whole
+    assert len(promotion.history(checkpoints, "prod")) == 7  # nothing was deleted, nothing published twice
+    monkeypatch.setattr(retention, "delete", real_delete)
+    passed_run(tmp_path / "ckpt", "r", (2,))
+    assert cli.main(["prune", checkpoints, "--keep-last", "1", "--json"]) == 0  # the next prune finishes it
+    assert json.loads(capsys.readouterr().out)["promotions_removed"] == [f"{checkpoints}/promoted/prod/history/{ids[0]}"]
+    assert [r["id"] for r in promotion.history(checkpoints, "prod")] == [result.id, *ids[:0:-1]]

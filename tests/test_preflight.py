@@ -10,6 +10,7 @@ import fsspec
 import pytest
 
 from txflow import preflight
+from txflow.checkpoints import lease
 from txflow.config import RunConfig
 from txflow.preflight import PreflightError
 from txflow.training.sft import SFTData
@@ -122,6 +123,18 @@ def test_a_failed_run_says_it_failed_and_how_to_continue_it(cfg_for):
     assert message.startswith(f"Run broken failed under {cfg.run_root} (RuntimeError: export check failed: greedy "
                                f"tokens); its checkpoints are kept.")
     assert f"--resume-from {cfg.run_root}" in message and "already completed" not in message
+
+
+@pytest.mark.parametrize("resume", [False, True], ids=["new run", "--resume-from"])
+def test_a_run_id_a_live_run_holds_is_refused_naming_it(cfg_for, resume):
+    cfg = cfg_for(run_id="live")
+    if resume:
+        cfg = cfg_for(run_id="live", resume_from=cfg.run_root)
+    with lease.held(cfg.run_root, "live"):
+        with pytest.raises(PreflightError, match=rf"^Run live is running under {cfg.run_root} \(host .*, pid "
+                                                 rf"{os.getpid()}, .*use another --run-id$"):
+            preflight.prepare(cfg)
+    preflight.check_live_run(cfg)  # that run ended: the id is free
 
 
 def test_checkpoints_under_a_regular_file_names_the_checkpoints_path(cfg_for, tmp_path):
@@ -342,8 +355,8 @@ def test_the_fast_tokenizer_gives_the_ids_transformers_gives(cfg_for):
     from transformers import AutoTokenizer
 
     from txflow.training.datasets import bundled_dataset, load_jsonl
-    from txflow.upstream.tiny_model import build_tiny_model
     from txflow.training.tokenizer import Tokenizer, load_tokenizer
+    from txflow.upstream.tiny_model import build_tiny_model
 
     model = str(build_tiny_model())
     fast, reference = load_tokenizer(model), AutoTokenizer.from_pretrained(model)

@@ -24,7 +24,7 @@ from tests.helpers import (API_KEY_MARKER, BUCKET, LOAD_PEFT_AND_GREEDY, PASSWOR
                            alive_pids, bucket_keys, descendants, private_mounts_work, run_txflow, txflow_cmd, until_eos)
 from txflow.checkpoints import storage
 from txflow.checkpoints.discovery import discover
-from txflow.checkpoints.markers import COMMIT_SUFFIX
+from txflow.checkpoints.markers import COMMIT_SUFFIX, SIGNING_KEY_ENV
 from txflow.cluster.launchers.local import ISOLATE_WORKER_DISKS_ENV
 from txflow.config import RunConfig
 from txflow.upstream.skyrl_tx.layout import STATE_FILE
@@ -352,3 +352,82 @@ def test_an_upload_whose_stored_bytes_differ_is_not_committed(s3_env, monkeypatc
     with pytest.raises(OSError, match="no commit marker"):
         storage.upload(local, url, {}, "a test state")
     assert not fs.exists(url + COMMIT_SUFFIX)
+
+
+def test_a_key_a_bucket_writer_adds_under_a_committed_state_is_never_downloaded(tmp_path, s3_env, reaper,
+                                                                               monkeypatch):
+    """The reproduction of issue 33: after a run, one more key under its newest committed state, with `..`
+    segments pointing out of the directory a resume downloads it to. Discovery calls that state incomplete and
+    names the key, a resume from the run root takes the state before it, a resume from that state is refused
+    before anything starts, and nothing is written where the key points. The runs sign their markers
+    (TXFLOW_SIGNING_KEY): a signed run resumes, restores and checks as an unsigned one does."""
+    first_state, second_state = reaper.watch(tmp_path / "s1"), reaper.watch(tmp_path / "s2")
+    root = f"s3://{BUCKET}/writer"
+    key = "signing-key-of-the-e2e-test-7d2f"
+    monkeypatch.setenv(SIGNING_KEY_ENV, key)
+    s3_env = s3_env | {SIGNING_KEY_ENV: key}
+    run = ["run", "sft", "--processes", "1", "--save-every", "2", "--no-export", "--checkpoints", root, "--json"]
+    first = run_txflow([*run, "--run-id", "w-first", "--steps", "4", "--state-dir", str(first_state)], s3_env, tmp_path)
+    assert first.returncode == 0, first.stderr[-4000:]
+    step4 = next(a["url"] for a in json.loads(first.stdout)["artifacts"]
+                 if a["kind"] == "state" and a["path"].endswith("step-000004.tar.gz"))
+    # A resume downloads a state to <state dir>/checkpoints/<model id>/<name>: 1 to 4 `..` reach from there
+    # to this test's directory; every depth is tried.
+    s3 = boto3.client("s3")
+    prefix = step4.removeprefix(f"s3://{BUCKET}/")
+    assert "hmac" in json.loads(s3.get_object(Bucket=BUCKET, Key=prefix + COMMIT_SUFFIX)["Body"].read())
+    for depth in range(1, 5):
+        s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{'../' * depth}PWNED-{depth}", Body=b"import os")
+    added = f"'{'../' * 4}PWNED-4'"
+
+    listed = run_txflow(["discover", f"{root}/w-first"], s3_env, tmp_path)
+    assert listed.returncode == 1, listed.stdout
+    [line] = [x for x in listed.stdout.splitlines() if x.startswith("state") and "step-000004.tar.gz " in x]
+    assert "INCOMPLETE" in line and "is not recorded in the commit marker" in line, listed.stdout
+    with pytest.raises(ValueError, match="is not recorded in its commit marker"):
+        storage.download(step4, tmp_path / "s3" / "checkpoints" / "m" / "step-000004.tar.gz", {}, directory=True)
+
+    began = time.monotonic()
+    refused = run_txflow([*run, "--run-id", "w-refused", "--steps", "6", "--state-dir", str(tmp_path / "s3"),
+                          "--resume-from", step4], s3_env, tmp_path)
+    assert refused.returncode == 2 and time.monotonic() - began < 60, refused.stderr[-3000:]
+    assert "is incomplete" in refused.stderr and added in refused.stderr
+    assert not (tmp_path / "s3" / "cluster.json").exists()
+
+    second = run_txflow([*run, "--run-id", "w-second", "--steps", "4", "--state-dir", str(second_state),
+                         "--resume-from", f"{root}/w-first"], s3_env, tmp_path)
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert json.loads(second.stdout)["resumed_from_step"] == 2  # the state before the changed one
+    assert sorted(p.name for p in tmp_path.rglob("PWNED*")) == []
+
+
+def test_a_second_run_with_a_live_runs_id_exits_2_before_starting_anything(tmp_path, s3_env, reaper):
+    """One live run per run id: while a run holds its lease (created with S3's If-None-Match), a second
+    `txflow run` with its --run-id, as a new run or with --resume-from, is refused in a few seconds, naming
+    the live run, and starts nothing; the first passes."""
+    first_state, second_state = reaper.watch(tmp_path / "s1"), reaper.watch(tmp_path / "s2")
+    root = f"s3://{BUCKET}/leases"
+    run = ["run", "sft", "--processes", "1", "--steps", "4", "--no-export", "--checkpoints", root, "--run-id", "same"]
+    with open(tmp_path / "first.out", "w") as out, open(tmp_path / "first.err", "w") as err:
+        first = subprocess.Popen(txflow_cmd(*run, "--state-dir", str(first_state), "--json"), env=s3_env,
+                                 cwd=tmp_path, stdout=out, stderr=err)
+    try:
+        deadline = time.monotonic() + 300
+        while "leases/same/lease.json" not in bucket_keys("leases/same/"):
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.err").read_text()[-3000:]
+            time.sleep(0.5)
+        for resume in ([], ["--resume-from", f"{root}/same"]):
+            began = time.monotonic()
+            second = run_txflow([*run, "--state-dir", str(second_state), *resume], s3_env, tmp_path, timeout=120)
+            assert second.returncode == 2 and time.monotonic() - began < 60, second.stderr[-3000:]
+            [line] = [x for x in second.stderr.splitlines() if x.startswith("txflow: ")]
+            assert line.startswith(f"txflow: Run same is running under {root}/same (host ") and \
+                "one live run per run id" in line, line
+            assert not (second_state / "cluster.json").exists()
+        assert first.wait(timeout=600) == 0, (tmp_path / "first.err").read_text()[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert json.loads((tmp_path / "first.out").read_text())["status"] == "passed"
+    assert "leases/same/lease.json" not in bucket_keys("leases/same/")  # released at the end

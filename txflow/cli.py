@@ -137,11 +137,13 @@ def prune_cmd(args) -> int:
     except ValueError as exc:
         print(f"txflow: {redact(str(exc))}", file=sys.stderr)
         return 2
+    # Promotions the pointer moved past that a promotion's own trim failed to delete.
+    trimmed = [] if args.dry_run else promotion.trim_all(args.root, options)
     freed = sum(run.bytes_freed for run in runs)
     if args.json:
         json.dump({"dry_run": args.dry_run, "bytes_freed": freed,
-                   "runs": [{**run.model_dump(), "bytes_freed": run.bytes_freed} for run in runs]}, sys.stdout,
-                  indent=2)
+                   "runs": [{**run.model_dump(), "bytes_freed": run.bytes_freed} for run in runs],
+                   "promotions_removed": trimmed}, sys.stdout, indent=2)
         print()
     verb = "would delete" if args.dry_run else "deleted"
     out = sys.stderr if args.json else sys.stdout  # with --json, stdout carries the JSON alone
@@ -150,6 +152,8 @@ def prune_cmd(args) -> int:
             print(f"{run.run_id}: skipped, {run.skipped}", file=out)
         for deletion in run.deletions:
             print(f"{run.run_id}: {verb} {deletion.url} ({deletion.bytes:,} bytes): {deletion.reason}", file=out)
+    for url in trimmed:
+        print(f"deleted {url}: an older promotion", file=out)
     count = sum(len(run.deletions) for run in runs)
     print(f"txflow: {verb} {count} checkpoints of {len(runs)} runs, {freed:,} bytes"
           + (" would be freed" if args.dry_run else " freed"), file=sys.stderr)

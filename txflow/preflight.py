@@ -13,7 +13,8 @@ from pathlib import Path
 import fsspec
 from pydantic import SecretStr
 
-from txflow.checkpoints import storage
+from txflow.checkpoints import lease, storage
+from txflow.checkpoints.markers import signing_key
 from txflow.cluster import embedded_prefect
 from txflow.config import NAMED_MODELS, TINY_MODEL, RunConfig, default_learning_rate
 from txflow.log import get_logger, redact, register_run_secrets, scrub
@@ -79,6 +80,17 @@ def check_ray(cfg: RunConfig) -> None:
     if importlib.util.find_spec("ray") is None:
         raise PreflightError("--launcher ray needs Ray in this environment: pip install ray==2.60.0 "
                              "(see constraints.txt)")
+
+
+def check_live_run(cfg: RunConfig) -> None:
+    """No live run holds this run id (`--resume-from` included): two would wipe each other's staging and
+    resume from each other's states. A root that cannot be read is `check_run_root`'s to report."""
+    try:
+        live = lease.holder(cfg.run_root, cfg.plain_storage_options())
+    except Exception:  # any backend error: check_run_root says what is wrong with the root
+        return
+    if live is not None:
+        raise PreflightError(lease.describe(live, cfg.run_root))
 
 
 def check_run_root(cfg: RunConfig) -> None:
@@ -258,6 +270,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def _prepare(cfg: RunConfig):
+    check_live_run(cfg)
     check_approval(cfg)
     try:
         skyrl_tx.check_upstream_version()
@@ -271,6 +284,7 @@ def _prepare(cfg: RunConfig):
     tokenizer = load_tokenizer(model_path)
     max_len = context_length(model_path)
     try:
+        signing_key()  # a key too short, or a Secret block that cannot be read, stops the run here
         if cfg.mode == "custom":
             command = custom.client_command(cfg.client, check_client_python(cfg))
             probe = sft.prepare(load_jsonl(bundled_dataset("sft"), REQUIRED_KEYS["sft"]), tokenizer, max_len, "")

@@ -43,7 +43,7 @@ from pydantic import BaseModel
 
 from txflow.checkpoints.markers import (BEING_PRUNED, COMMIT_SUFFIX, PRUNED_SUFFIX, PRUNING_SUFFIX, VERIFY_ETAG,
                                         commit_record, listed_size, md5_etag, md5_of, read_commit, relpath, same_path,
-                                        verify_method)
+                                        signing_key, verify_method)
 from txflow.checkpoints.lease import LEASE
 from txflow.upstream.skyrl_tx.layout import STATE_FILE
 
@@ -139,7 +139,8 @@ def discover(
 
     checked = [a for a in artifacts if a.kind != "file"]
     actual = {a.path: _artifact_files(a, files, members) for a in checked}
-    unverified = {a.path for a in checked if not _commit_matches_listing(a, actual[a.path], etags)}
+    key = signing_key()
+    unverified = {a.path for a in checked if not _commit_matches_listing(a, actual[a.path], etags, key)}
     # The sidecars the listing could not verify, in one batched read (concurrent on object stores).
     sidecars = [fs_paths[p + COMMIT_SUFFIX] for p in sorted(unverified) if p + COMMIT_SUFFIX in files]
     contents = fs.cat(sidecars, on_error="return") if sidecars else {}
@@ -352,9 +353,11 @@ def _is_auxiliary(rel: str, files: dict[str, int]) -> bool:
     return rel.endswith(PROBE_SUFFIX) and stem in files and stem.endswith(TARBALL_SUFFIXES)
 
 
-def _commit_matches_listing(artifact: Artifact, actual: dict[str, int], etags: dict[str, str]) -> bool:
+def _commit_matches_listing(artifact: Artifact, actual: dict[str, int], etags: dict[str, str],
+                            key: bytes | None) -> bool:
     """True when the sidecar's listed ETag is the MD5 of the record of exactly the files listed now, each
-    with its listed MD5 ETag: the stored bytes are the committed ones, and nothing was read to know it."""
+    with its listed MD5 ETag (signed with `key`, when there is one): the stored bytes are the committed
+    ones, and nothing was read to know it."""
     etag = etags.get(artifact.path + COMMIT_SUFFIX)
     if etag is None:
         return False
@@ -364,7 +367,7 @@ def _commit_matches_listing(artifact: Artifact, actual: dict[str, int], etags: d
         if file_etag is None:
             return False
         listed[name] = (size, file_etag)
-    return md5_of(commit_record(listed)) == etag
+    return md5_of(commit_record(listed, name=posixpath.basename(artifact.path), key=key)) == etag
 
 
 def _check_commit(
@@ -391,6 +394,11 @@ def _check_commit(
         trust_etags = verify_method(content) == VERIFY_ETAG
     except (ValueError, KeyError, TypeError) as exc:
         _fail(artifact, f"The commit marker {sidecar!r} is unreadable ({exc}); the save did not finish.")
+        return
+    unrecorded = sorted(set(actual) - set(recorded))
+    if unrecorded:
+        _fail(artifact, f"{unrecorded[0]!r} is not recorded in the commit marker: a file was added after the "
+                        "commit, so the stored checkpoint is not the committed one.")
         return
     for name, (size, md5) in recorded.items():
         if name not in actual:

@@ -3,16 +3,27 @@
 It records every file of the artifact with its size and MD5, in a canonical form (the same files give
 the same bytes), so that discovery can tell a finished save from an interrupted or changed one, and,
 where an object store lists MD5 ETags, from the listing alone.
+
+MD5 only tells a changed byte from the committed one: whoever can write a file into the bucket can write
+its marker too. With a signing key (`TXFLOW_SIGNING_KEY`, or the Prefect Secret block that
+`TXFLOW_SIGNING_KEY_BLOCK` names) every marker also carries an HMAC-SHA256 of its record and of the
+artifact's name, and a checkpoint is only read back (resume, restore, export, promotion) when its marker
+is signed with that key. Without a key markers are unsigned, as before.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import hmac
 import json
+import os
 import posixpath
 import re
 
 import fsspec
+
+from txflow.log import register_secret
 
 COMMIT_SUFFIX = ".txflow-commit"
 """Sidecar written LAST by our save step, next to the artifact: `<artifact url>.txflow-commit`."""
@@ -31,6 +42,10 @@ COMMIT_FORMAT = 3
 # whose ETag is no MD5; SSE-KMS or SSE-C, whose ETag is no MD5 of the content).
 VERIFY_ETAG, VERIFY_READ = "etag", "read"
 
+SIGNING_KEY_ENV = "TXFLOW_SIGNING_KEY"
+SIGNING_KEY_BLOCK_ENV = "TXFLOW_SIGNING_KEY_BLOCK"
+MIN_KEY_CHARS = 16
+
 
 def md5_of(data_or_file) -> str:
     """MD5 hex digest of bytes or of a binary file object (read in chunks); a checksum, not security."""
@@ -43,24 +58,93 @@ def md5_of(data_or_file) -> str:
     return digest.hexdigest()
 
 
-def commit_record(files: dict[str, tuple[int, str]], verify: str = VERIFY_ETAG) -> bytes:
+def commit_record(files: dict[str, tuple[int, str]], verify: str = VERIFY_ETAG, name: str = "",
+                  key: bytes | None = None) -> bytes:
     """The commit sidecar's content for an artifact of these files ({name: (size, md5)}): canonical (same
-    files, same bytes), so that its MD5 can be checked against the ETag an object store lists."""
+    files, same bytes), so that its MD5 can be checked against the ETag an object store lists. With a
+    signing `key` it carries the HMAC of the record and of the artifact's `name` (its last path segment, so
+    that a marker copied to another checkpoint's name does not verify there)."""
     record = {"format": COMMIT_FORMAT, "verify": verify, "bytes": sum(size for size, _ in files.values()),
-              "files": {name: {"md5": md5, "size": size} for name, (size, md5) in sorted(files.items())}}
+              "files": {file: {"md5": md5, "size": size} for file, (size, md5) in sorted(files.items())}}
+    if key is not None:
+        record["hmac"] = _mac(key, name, record)
+    return _canonical(record)
+
+
+def _canonical(record: dict) -> bytes:
     return json.dumps(record, indent=1, sort_keys=True).encode()
 
 
+def _mac(key: bytes, name: str, record: dict) -> str:
+    return hmac.new(key, name.encode() + b"\n" + _canonical(record), hashlib.sha256).hexdigest()
+
+
 def read_commit(content: bytes) -> dict[str, tuple[int, str | None]]:
-    """{name: (size, md5)} recorded in a commit sidecar; md5 is None in the sizes-only format 1."""
+    """{name: (size, md5)} recorded in a commit sidecar; md5 is None in the sizes-only format 1. Raises
+    ValueError for a marker that records no file (it would certify anything) or a name that is not a plain
+    relative path inside the artifact."""
     files = json.loads(content)["files"]
-    return {name: (entry, None) if isinstance(entry, int) else (int(entry["size"]), str(entry["md5"]))
+    if not files:
+        raise ValueError("the commit marker records no file")
+    return {check_name(name): (entry, None) if isinstance(entry, int) else (int(entry["size"]), str(entry["md5"]))
             for name, entry in files.items()}
+
+
+def check_name(name: str) -> str:
+    """`name` when it is a plain relative path (no `..`, `.` or empty segment, not absolute), else ValueError:
+    a file is only ever read back inside the directory it is copied to."""
+    if any(part in ("", ".", "..") for part in name.split("/")) or "\\" in name or "\0" in name:
+        raise ValueError(f"the commit marker records {name!r}, which is not a plain relative path inside the "
+                         f"checkpoint")
+    return name
 
 
 def verify_method(content: bytes) -> str:
     """How a marker says its files are verified; markers before format 3 relied on MD5 ETags where listed."""
     return json.loads(content).get("verify", VERIFY_ETAG)
+
+
+def signing_key() -> bytes | None:
+    """The key commit markers are signed with: `TXFLOW_SIGNING_KEY`, else the Prefect Secret block that
+    `TXFLOW_SIGNING_KEY_BLOCK` names; None when neither is set. Registered as a secret: never logged.
+    Raises ValueError for a key shorter than 16 characters or a block that cannot be read."""
+    value = os.environ.get(SIGNING_KEY_ENV) or None
+    block = os.environ.get(SIGNING_KEY_BLOCK_ENV)
+    if value is None and block:
+        value = _secret_block(block)
+    if value is None:
+        return None
+    register_secret(value)
+    if len(value) < MIN_KEY_CHARS:
+        raise ValueError(f"the commit signing key ({SIGNING_KEY_ENV} or {SIGNING_KEY_BLOCK_ENV}) has "
+                         f"{len(value)} characters; use at least {MIN_KEY_CHARS} random ones")
+    return value.encode()
+
+
+@functools.cache
+def _secret_block(name: str) -> str:
+    from prefect.blocks.system import Secret
+
+    try:
+        return str(Secret.load(name).get())
+    except Exception as exc:  # missing block, no Prefect API: the run must not go on unsigned
+        raise ValueError(f"{SIGNING_KEY_BLOCK_ENV}={name}: cannot read that Prefect Secret block "
+                         f"({type(exc).__name__}: {exc})") from None
+
+
+def check_signature(content: bytes, name: str, key: bytes | None, what: str) -> None:
+    """With a signing `key`, raise ValueError unless the marker `content` of the artifact `name` is signed
+    with it; `what` names the checkpoint in the message. Without a key, any marker passes."""
+    if key is None:
+        return
+    record = json.loads(content)
+    mac = record.pop("hmac", None)
+    if not isinstance(mac, str):
+        raise ValueError(f"{what}: its commit marker is not signed, and a signing key is set ({SIGNING_KEY_ENV}): "
+                         f"it was not committed by a run with this key; refusing to read it")
+    if not hmac.compare_digest(mac, _mac(key, name, record)):
+        raise ValueError(f"{what}: its commit marker is signed with another key, or was changed after it was "
+                         f"signed; refusing to read it")
 
 
 def write_commit(fs_url: str, storage_options: dict | None = None,
@@ -111,7 +195,7 @@ def write_commit(fs_url: str, storage_options: dict | None = None,
             raise OSError(f"Upload to {fs_url} is incomplete ({problems[:3]} missing, extra, of the wrong size or "
                           f"of other content); no commit marker written")
         files, verify = expected, VERIFY_ETAG if by_etag else VERIFY_READ
-    fs.pipe_file(path + COMMIT_SUFFIX, commit_record(files, verify))
+    fs.pipe_file(path + COMMIT_SUFFIX, commit_record(files, verify, posixpath.basename(path), signing_key()))
     return verify
 
 

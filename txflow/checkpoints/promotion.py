@@ -12,11 +12,16 @@ committed with its markers, `promotion.json` last), and only then replaces
 `current.json`, one object (one PUT on an object store, an atomic rename on a
 local disk). A reader that reads the pointer first, then the directory it
 names, sees the previous promotion whole or the new one whole, never a mix;
-and nothing it may be reading is deleted under it, since a directory goes
-only when 5 newer ones than it are kept. A promotion that fails half-way
-leaves the pointer as it was; its partial directory is never pointed at.
-Two promotions of one name at once: the later pointer write wins, both
-directories stay.
+and nothing it may be reading is deleted under it: a directory goes only once
+the pointer has moved past it 6 times, followed through the pointer's own
+history (each record's `previous`, the promotion the pointer named before),
+never by ids, which are the wall-clock times of whichever machine promoted.
+So a directory the pointer never named (a promotion still uploading, or one
+that failed half-way) is never deleted by a trim. A promotion that fails
+half-way leaves the pointer as it was; its partial directory is never pointed
+at. Two promotions of one name at once: the later pointer write wins, both
+directories stay. A trim that fails after the pointer moved leaves the
+promotion standing (it is reported); the next trim finishes it.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from pydantic import BaseModel
 
 from txflow.checkpoints import retention, storage
 from txflow.config import PROMOTED_DIR
+from txflow.log import get_logger
 
 POINTER = "current.json"
 RECORD = "promotion.json"
@@ -50,6 +56,7 @@ class Promotion(BaseModel):
     pointer: str | None = None
     comment: str | None = None
     removed: list[str] = []  # promotions older than the 5 kept, deleted after the pointer moved
+    trim_error: str | None = None  # the pointer moved, deleting older ones failed: the next trim does it
 
 
 def root_of(checkpoints: str, name: str) -> str:
@@ -84,9 +91,15 @@ def promote(checkpoints: str, name: str, run_id: str, exported: dict[str, str], 
     fs.pipe_file(f"{path}/{HISTORY}/{promotion_id}/{RECORD}", json.dumps(full, indent=1).encode())
     _replace(fs, f"{path}/{POINTER}", json.dumps({"id": promotion_id, "path": f"{HISTORY}/{promotion_id}",
                                                   "run_id": run_id, "promoted_at": full["promoted_at"]}).encode())
-    removed = trim(checkpoints, name, options)
+    removed, trim_error = [], None
+    try:
+        removed = trim(checkpoints, name, options)
+    except Exception as exc:  # the pointer moved: this promotion stands, whatever the older ones' fate
+        trim_error = f"{type(exc).__name__}: {exc}"
+        get_logger().warning(f"promoted {promotion_id} as {name!r}, but deleting older promotions failed "
+                             f"({trim_error}); the next promotion or `txflow prune` deletes them")
     return Promotion(name=name, status="promoted", id=promotion_id, url=target, pointer=f"{base}/{POINTER}",
-                     removed=removed)
+                     removed=removed, trim_error=trim_error)
 
 
 def _replace(fs, path: str, data: bytes) -> None:
@@ -129,28 +142,46 @@ def history(checkpoints: str, name: str, storage_options: dict | None = None) ->
 
 
 def trim(checkpoints: str, name: str, storage_options: dict | None = None) -> list[str]:
-    """Delete the promotions older than the current one and the `KEEP_PREVIOUS` before it; returns their
-    URLs. Each part goes as every deletion does (marker first), then the directory."""
+    """Delete the promotions the pointer moved past more than `KEEP_PREVIOUS` times; returns their URLs.
+
+    The pointer's history is followed from the current promotion through each record's `previous`: the
+    current one and the `KEEP_PREVIOUS` before it stay, and a directory that is not in that history (a
+    promotion in flight, or one that failed half-way) is never touched. The oldest goes first, each part as
+    every deletion does (marker first), its record last: a trim that stopped leaves the history intact up to
+    where it stopped, and the next trim finishes it."""
     options = storage_options or {}
     pointed = current(checkpoints, name, options)
     if pointed is None:
         return []
     fs, path = fsspec.core.url_to_fs(root_of(checkpoints, name), **options)
-    ids = sorted((p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{path}/{HISTORY}", detail=False)),
-                 reverse=True)
-    older = [i for i in ids if i < pointed["id"]]
+    listed = {p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(f"{path}/{HISTORY}", detail=False)}
+    before, record = [], pointed
+    # Only ids listed under history/ (a record names a directory there, nothing else), each once.
+    while (previous := record.get("previous")) in listed and previous not in before and previous != pointed["id"]:
+        try:
+            record = json.loads(fs.cat_file(f"{path}/{HISTORY}/{previous}/{RECORD}"))
+        except FileNotFoundError:  # trimmed already: everything older went before it
+            break
+        before.append(previous)
     removed = []
-    for promotion_id in older[KEEP_PREVIOUS:]:
+    for promotion_id in reversed(before[KEEP_PREVIOUS:]):
         url = f"{root_of(checkpoints, name)}/{HISTORY}/{promotion_id}"
         directory = f"{path}/{HISTORY}/{promotion_id}"
-        if fs.exists(f"{directory}/{RECORD}"):
-            fs.rm_file(f"{directory}/{RECORD}")  # first: a reader of history no longer lists it
         for part in ("peft", "merged"):
             if fs.exists(f"{directory}/{part}"):
                 retention.delete(f"{url}/{part}", options, reason="an older promotion", size=0)
         fs.rm(directory, recursive=True)
         removed.append(url)
     return removed
+
+
+def trim_all(checkpoints: str, storage_options: dict | None = None) -> list[str]:
+    """`trim` every promotion name under the checkpoints root (`txflow prune` finishes a trim that failed)."""
+    fs, path = fsspec.core.url_to_fs(f"{checkpoints.rstrip('/')}/{PROMOTED_DIR}", **(storage_options or {}))
+    if not fs.exists(path):
+        return []
+    return [url for name in fs.ls(path, detail=False)
+            for url in trim(checkpoints, name.rstrip("/").rsplit("/", 1)[-1], storage_options)]
 
 
 def sources(checkpoints: str, storage_options: dict | None = None) -> set[str]:

@@ -21,6 +21,7 @@ rank's disk holds a checkpoint file and no filesystem is shared between ranks.
 
 from __future__ import annotations
 
+import posixpath
 import shutil
 import time
 from pathlib import Path
@@ -28,7 +29,8 @@ from pathlib import Path
 import fsspec
 
 from txflow.checkpoints.discovery import Artifact, count_tar_members, discover
-from txflow.checkpoints.markers import BEING_PRUNED, COMMIT_SUFFIX, md5_of, read_commit, write_commit
+from txflow.checkpoints.markers import (BEING_PRUNED, COMMIT_SUFFIX, check_signature, md5_of, read_commit,
+                                        signing_key, write_commit)
 from txflow.checkpoints.names import step_of
 from txflow.checkpoints.retention import pruned_record
 from txflow.config import RunConfig
@@ -130,26 +132,53 @@ def import_checkpoint(cfg: RunConfig, staging_base: str, url: str, kind: str, mo
 
 
 def download(url: str, local: Path, options: dict, directory: bool) -> None:
-    """Copy the committed checkpoint at `url` (a directory or one file) to `local`, replacing what is
-    there, and check every file's MD5 against its commit marker."""
-    if local.exists():
-        shutil.rmtree(local) if local.is_dir() else local.unlink()
-    local.parent.mkdir(parents=True, exist_ok=True)
+    """Copy the committed checkpoint at `url` (a directory or one file) to `local`, replacing what is there:
+    exactly the files its commit marker records, each written inside `local` and checked against the MD5
+    the marker records. Raises ValueError, before anything is written, when the checkpoint holds a file its
+    marker does not record (a bucket writer's addition), the marker records a name that is not a plain
+    relative path, or, with a signing key, the marker is not signed with it."""
     fs, remote = fsspec.core.url_to_fs(url, **options)
     remote = remote.rstrip("/")
-    recorded = read_commit(fs.cat_file(remote + COMMIT_SUFFIX))
+    name = posixpath.basename(remote)
+    content = fs.cat_file(remote + COMMIT_SUFFIX)
+    check_signature(content, name, signing_key(), url)
+    recorded = read_commit(content)  # every name a plain relative path
     if directory:
-        fs.get(remote + "/", str(local) + "/", recursive=True)
-        copies = {name: local / name for name in recorded}
-    else:
-        fs.get_file(remote, str(local))
-        copies = {name: local for name in recorded}
+        unrecorded = sorted(set(_stored_names(fs, remote)) - set(recorded))
+        if unrecorded:
+            raise ValueError(f"{url}: {unrecorded[0]!r} is not recorded in its commit marker (added after the commit): "
+                             f"the stored checkpoint is not the committed one; nothing was downloaded")
+    elif set(recorded) != {name}:
+        raise ValueError(f"{url}: its commit marker records {sorted(recorded)[:3]}, not this one file: the stored "
+                         f"checkpoint is not the committed one; nothing was downloaded")
+    if local.exists():
+        shutil.rmtree(local) if local.is_dir() else local.unlink()
+    (local if directory else local.parent).mkdir(parents=True, exist_ok=True)
     for file_name, (size, md5) in recorded.items():
-        with open(copies[file_name], "rb") as f:
+        copy = _inside(local, file_name) if directory else local
+        fs.get_file(f"{remote}/{file_name}" if directory else remote, str(copy))
+        with open(copy, "rb") as f:
             found = md5_of(f)
-        if md5 is not None and found != md5:
-            raise ValueError(f"{url}: {file_name} downloaded with MD5 {found}, its commit marker recorded {md5}: "
-                             f"the stored checkpoint is not the committed one")
+        if (md5 is None and copy.stat().st_size != size) or (md5 is not None and found != md5):
+            raise ValueError(f"{url}: {file_name} downloaded with MD5 {found}, its commit marker recorded "
+                             f"{md5 or f'{size} bytes'}: the stored checkpoint is not the committed one")
+
+
+def _stored_names(fs, remote: str) -> list[str]:
+    """Every file under the directory `remote`, by its path below it, exactly as stored (an object store
+    keeps `..` and empty segments in a key)."""
+    prefix = remote.lstrip("/") + "/"
+    return [path.lstrip("/")[len(prefix):] for path in fs.find(remote)]
+
+
+def _inside(local: Path, name: str) -> Path:
+    """Where the file `name` of a directory checkpoint goes under `local`: never outside it, never through a
+    symlink."""
+    copy = local.joinpath(*name.split("/"))
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    if copy.is_symlink() or not copy.parent.resolve().is_relative_to(local.resolve()):
+        raise ValueError(f"{name!r} would be written outside {local}; nothing of it was downloaded")
+    return copy
 
 
 def latest_state(root: str, storage_options: dict | None = None) -> Artifact | None:
@@ -192,11 +221,28 @@ def resolve_resume_from(cfg: RunConfig) -> tuple[str, int]:
             raise ValueError(f"--resume-from {source}: the checkpoint at {url} is incomplete "
                              f"({found.reason or 'no step in its name'}); pass its run root to use the latest "
                              f"complete one")
-        return url, step_of(url)
-    latest = latest_state(url, options)
-    if latest is None:
-        raise ValueError(f"--resume-from {source}: no complete, committed state checkpoint under {url}")
-    return latest.url, step_of(latest.path)
+    else:
+        latest = latest_state(url, options)
+        if latest is None:
+            raise ValueError(f"--resume-from {source}: no complete, committed state checkpoint under {url}")
+        url = latest.url
+    check_signed(url, options)
+    return url, step_of(url)
+
+
+def check_signed(url: str, options: dict) -> None:
+    """With a signing key, raise ValueError unless the commit marker of the checkpoint at `url` is signed with
+    it (`download` checks again; this says so before anything starts)."""
+    key = signing_key()
+    if key is None:
+        return
+    fs, remote = fsspec.core.url_to_fs(url, **options)
+    remote = remote.rstrip("/")
+    try:
+        content = fs.cat_file(remote + COMMIT_SUFFIX)
+    except FileNotFoundError:
+        raise ValueError(f"{url}: it has no commit marker") from None
+    check_signature(content, posixpath.basename(remote), key, url)
 
 
 def _gone(url: str, found: Artifact | None, options: dict) -> str:
