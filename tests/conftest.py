@@ -133,7 +133,7 @@ def s3_env(moto, txflow_env, monkeypatch):
 # (the order from a full run's times).
 TOGETHER = {"test_deployments_e2e", "test_ray_e2e", "test_s3_e2e", "test_lifecycle_e2e", "test_sft_e2e",
             "test_security_e2e", "test_ray_cluster_infra", "test_export", "test_checkpoint_io",
-            "test_concurrency_guard", "test_losses", "test_sft_data", "test_discovery"}
+            "test_concurrency_guard", "test_losses", "test_sft_data", "test_discovery", "test_tinker_semantics_e2e"}
 # Unit tests that assert on wall-clock times (sub-second margins some of them): `make test` runs them
 # first and alone, so that nothing else shares the CPU with them. Marked `timed`.
 TIMED = {"test_bad_input", "test_lifeline", "test_monitor", "test_processes", "test_progress", "test_result_wait",
