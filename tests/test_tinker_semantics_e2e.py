@@ -163,12 +163,12 @@ def adapter_modules(tarball: Path) -> set[str]:
 
 @pytest.fixture(scope="module")
 def sampler(cluster):
-    """A sampling client of a trained adapter and what it samples with no stop."""
+    """A sampling client of a trained adapter, what it samples with no stop, and the adapter's training client."""
     _, handle, service = cluster
     client = new_client(handle, service)
     step(handle, client)
     sampling = service.create_sampling_client(model_path=wait(handle, client.save_weights_for_sampler("stops")).path)
-    return sampling, sample(handle, sampling, stop=None)
+    return sampling, sample(handle, sampling, stop=None), client
 
 
 def sample(handle, sampling, **params):
@@ -182,7 +182,7 @@ def test_stop_is_read_as_the_sdks_types_allow_a_string_strings_or_token_ids(clus
     from transformers import AutoTokenizer
 
     _, handle, _ = cluster
-    sampling, free = sampler
+    sampling, free, _ = sampler
     tokens = list(free.tokens)
     assert free.stop_reason == "length" and len(tokens) == 8
     # The first token after the first one that it has not sampled before: a stop there cuts the rest.
@@ -197,14 +197,21 @@ def test_stop_is_read_as_the_sdks_types_allow_a_string_strings_or_token_ids(clus
     assert (as_string.stop_reason, list(as_string.tokens)) == (as_list.stop_reason, list(as_list.tokens))
 
 
-def test_prompt_logprobs_are_served_and_top_k_ones_refused_in_one_line(cluster, sampler):
+def test_prompt_logprobs_are_tinkers_and_top_k_ones_refused_in_one_line(cluster, sampler):
     import tinker
 
     _, handle, _ = cluster
-    sampling, _ = sampler
+    sampling, _, training = sampler
     params = types.SamplingParams(max_tokens=2, temperature=0.0, seed=0)
-    served = wait(handle, sampling.sample(PROMPT, 1, params, include_prompt_logprobs=True))
-    assert len(served.prompt_logprobs) == PROMPT.length and served.prompt_logprobs[0] is None
+    served = wait(handle, sampling.sample(PROMPT, 1, params, include_prompt_logprobs=True)).prompt_logprobs
+    # One per prompt token, None at position 0 (adapter point 19); then each token's own logprob, the one the
+    # training client computes for it as a target.
+    tokens = PROMPT.to_ints()
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+    targets = wait(handle, training.forward([datum], "cross_entropy")).loss_fn_outputs[0]["logprobs"].tolist()
+    assert len(served) == len(tokens) and served[0] is None
+    assert served[1:] == pytest.approx(targets, abs=1e-4)
     with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs: not served by this cluster") as refused:
         wait(handle, sampling.sample(PROMPT, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3))
     assert "\n" not in str(refused.value)

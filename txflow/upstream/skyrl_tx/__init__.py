@@ -3,7 +3,7 @@
 Its modules follow the upstream process each patch changes: `api` (the Tinker
 API server: points 1, 2, 10, 11, 14 and its ends of 12, 13 and 16, with
 `tinker_compat` for 10, `result_wait` for 11 and `lora_config` for 14), `engine`
-(rank 0: 8, 9, 17 and its ends of 12 and 16), `worker` (ranks > 0: 8), `ranks` (what
+(rank 0: 8, 9, 17, 19 and its ends of 12 and 16), `worker` (ranks > 0: 8), `ranks` (what
 every rank gets: 6, 13 and 16 installed, 7, 15), `checkpoint_io` (6, 16), `losses`
 (13, both ends), `layout` (5, 17) and `launch` (3, 4 and the command line of each process);
 `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This
@@ -156,6 +156,11 @@ workaround can go:
     `record_stability_info`) and answers without them. `tinker_compat.sample_request`
     reads a lone string as a list and refuses each option it cannot serve with one
     line (400). Can go when upstream reads the SDK's types and serves those options.
+19. Prompt logprobs: Tinker answers one per prompt token, None for the first
+    (which has no context; the SDKs document "[len(tokens)], None at position 0");
+    upstream answers len - 1, so entry i was the logprob of token i + 1 and a
+    client that indexes by position read its neighbour's. The engine puts the
+    None first (`engine.prompt_logprobs_as_tinkers`). Can go when upstream does.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the

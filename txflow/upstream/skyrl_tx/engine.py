@@ -1,6 +1,7 @@
 """Rank 0, the engine (which hosts the JAX coordinator): points 8 (it waits for the API's tables),
 9 (unloads reach the workers), its end of 12 (wakes to and from the API), of 16 (a state load
-restores the optimizer only when the client asked) and 17 (sampler paths as Tinker's)."""
+restores the optimizer only when the client asked), 17 (sampler paths as Tinker's) and 19 (prompt
+logprobs as Tinker's)."""
 
 from __future__ import annotations
 
@@ -77,6 +78,23 @@ def sampler_paths_as_tinkers() -> None:
     TinkerEngine.process_save_weights_for_sampler = process_save_weights_for_sampler
 
 
+def prompt_logprobs_as_tinkers() -> None:
+    """A sample's prompt logprobs hold one entry per prompt token, None for the first, which has no context
+    (19.); upstream leaves that entry out, so entry i was the logprob of token i + 1."""
+    from tx.tinker.engine import TinkerEngine
+
+    upstream = TinkerEngine.process_sample
+
+    def process_sample(self, requests):
+        results = upstream(self, requests)
+        for result in results.values():
+            if getattr(result, "prompt_logprobs", None) is not None:
+                result.prompt_logprobs = [None, *result.prompt_logprobs]
+        return results
+
+    TinkerEngine.process_sample = process_sample
+
+
 class _EngineClock:
     """What upstream's engine module sees as `time`. Its one `time.sleep`, the 0.1 s after each pass over
     the pending requests, ends early at the API's wake (12.); everything else is the `time` module."""
@@ -118,6 +136,7 @@ def run(argv: list[str]) -> None:
         broadcast_delete_model()
         loads_optimizer_when_asked()
         sampler_paths_as_tinkers()
+        prompt_logprobs_as_tinkers()
         wakes(entry)
 
     ranks.run(ENGINE_MODULE, argv, patch)
