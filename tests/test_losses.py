@@ -84,7 +84,7 @@ def engine_figures(name, config, target=TARGET, sampling=SAMPLING, advantages=AD
     def total(tlp):
         return entry(tlp, w, slp, adv).sum() / jnp.maximum(w.sum(), 1e-9)
 
-    value, grad = jax.value_and_grad(total)(jnp.asarray(target, dtype=jnp.float32))
+    grad = jax.grad(total)(jnp.asarray(target, dtype=jnp.float32))
     per_token = entry(jnp.asarray(target, dtype=jnp.float32), w, slp, adv)
     return float(per_token.sum()), np.asarray(grad)
 

@@ -5,7 +5,6 @@ client recreated from it (14), and the sampling parameters the SDK's types allow
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -67,7 +66,7 @@ def new_client(handle, service, **modules):
 def with_state_of(cfg, handle, weights_from: str, optimizer_from: str, name: str) -> str:
     """A state checkpoint holding the weights of one saved state and the optimizer of another, registered
     under the first one's model: the reference a load has to match."""
-    model_id, _, weights_name = layout.parse_tinker_path(weights_from)
+    model_id = layout.parse_tinker_path(weights_from)[0]
     base = Path(handle.cluster.checkpoints_base)
 
     def record(path):
