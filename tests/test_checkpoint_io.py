@@ -23,7 +23,7 @@ def backend():
     upstream_save = originals["save_checkpoint"]
     checkpoint_io.install_checkpoint_io()
     try:
-        impl = JaxBackendImpl(resolve_base_model("tiny"), JaxBackendConfig(max_lora_adapters=8, max_lora_rank=8))
+        impl = JaxBackendImpl(resolve_base_model("tiny"), JaxBackendConfig(max_lora_adapters=12, max_lora_rank=8))
         impl.upstream_save = lambda path, model_id: upstream_save(impl, path, model_id)
         yield impl
     finally:
@@ -80,3 +80,35 @@ def test_missing_checkpoint_and_other_rank_fail_clearly(backend, tmp_path):
     with pytest.raises(ValueError, match="LoRA rank 4 in the checkpoint, 8 in the model"):
         backend.load_checkpoint(tmp_path / "r4.tar.gz", "rank8")
     assert_same_state(state_of(backend, "rank8"), before)  # nothing was half-loaded
+
+
+def optimizer_of(backend, model_id: str) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(backend._extract_checkpoint_data(model_id)["optimizer_state"])]
+
+
+def test_a_state_load_restores_the_optimizer_only_when_asked(backend, tmp_path):
+    # Adapter point 16: Tinker's load_state starts the optimizer afresh, load_state_with_optimizer restores it.
+    new_model(backend, "trained", seed=5)
+    new_model(backend, "never-stepped", seed=6)
+    fresh = optimizer_of(backend, "never-stepped")
+    data = backend._extract_checkpoint_data("trained")
+    moved = jax.tree.map(lambda x: (x + 1).astype(x.dtype), {"lora_weights": data["lora_weights"],
+                                             "optimizer_state": data["optimizer_state"]})
+    backend._insert_checkpoint_data("trained", {**moved, "lora_config": data["lora_config"]})  # as if trained
+    trained = state_of(backend, "trained")
+    assert not any(np.array_equal(a, b) for a, b in zip(optimizer_of(backend, "trained"), fresh))
+    backend.save_checkpoint(tmp_path / "trained.tar.gz", "trained")
+
+    new_model(backend, "with-optimizer", seed=7)
+    backend.load_checkpoint(tmp_path / "trained.tar.gz", "with-optimizer", load_optimizer=True)
+    assert_same_state(state_of(backend, "with-optimizer"), trained)
+
+    new_model(backend, "weights-only", seed=8)
+    backend.load_checkpoint(tmp_path / "trained.tar.gz", "weights-only", load_optimizer=False)
+    weights = backend._extract_checkpoint_data("weights-only")["lora_weights"]
+    assert_same_state([np.asarray(x) for x in jax.tree.leaves(weights)],
+                      [np.asarray(x) for x in jax.tree.leaves(moved["lora_weights"])])
+    assert_same_state(optimizer_of(backend, "weights-only"), fresh)
+    # A model that trained before the load loses its moments too, not only a new one.
+    backend.load_checkpoint(tmp_path / "trained.tar.gz", "with-optimizer", load_optimizer=False)
+    assert_same_state(optimizer_of(backend, "with-optimizer"), fresh)

@@ -116,7 +116,7 @@ def test_custom_client_runs_again_after_a_fault_and_every_checkpoint_it_saved_is
     committed = sorted(c["tinker_path"] for c in report["checkpoints"]["all"])
     second = early[1]
     assert committed == sorted([f"tinker://{second}/weights/client-early", f"tinker://{second}/weights/client-state",
-                                f"tinker://{second}/client-sampler"]), committed
+                                f"tinker://{second}/sampler_weights/client-sampler"]), committed
     assert not list((tmp_path / "ckpt" / "e2e-custom").glob(f"{early[0]}*"))
     checks = {c["tinker_path"]: c for c in report["restore"]["checks"]}
     assert all(c["passed"] for c in checks.values()) and report["restore"]["passed"]

@@ -165,3 +165,33 @@ def test_any_malformed_body_is_a_value_error_so_the_api_answers_400():
             protobuf.parse_forward_backward(bytes(body))
         except ValueError:
             pass  # anything else would be a 500
+
+
+def _sample(**fields) -> dict:
+    params = {"max_tokens": 4, "seed": 0, "temperature": 0.0, **fields.pop("sampling_params", {})}
+    return {"prompt": {"chunks": [{"tokens": [1, 2]}]}, "model_path": "tinker://m/sampler_weights/s",
+            "sampling_params": params, **fields}
+
+
+@pytest.mark.parametrize("stop, tokens, strings", [("\n", None, ["\n"]), (["\n", "."], None, ["\n", "."]),
+                                                   ([7, 9], [7, 9], None), (None, None, None)])
+def test_stop_is_read_as_the_sdks_types_allow_it(stop, tokens, strings):
+    # tinker's SamplingParams.stop: str | Sequence[str] | Sequence[int] | None (0.13.1 and 0.38.0).
+    params = tinker_compat.sample_request(_sample(sampling_params={"stop": stop})).sampling_params.to_types()
+    assert (params.stop_tokens, params.stop_strings) == (tokens, strings)
+
+
+@pytest.mark.parametrize("option, value", [("topk_prompt_logprobs", 5), ("topk_sample_logprobs", 2),
+                                           ("target_prompt_logprobs", {"data": [1], "dtype": "int64"}),
+                                           ("prompt_alt_tokens_k", 3), ("prompt_logprobs_last_n", 2),
+                                           ("record_stability_info", True)])
+def test_a_sampling_option_this_cluster_cannot_serve_is_refused_in_one_line(option, value):
+    from fastapi import HTTPException
+
+    with pytest.raises(HTTPException) as refused:
+        tinker_compat.sample_request(_sample(prompt_logprobs=True, **{option: value}))
+    assert refused.value.status_code == 400 and "\n" not in refused.value.detail
+    assert refused.value.detail.startswith(f"{option}: not served by this cluster")
+    # Left at its default (what every SDK sends unless asked), it passes.
+    default = {"target_prompt_logprobs": None, "prompt_logprobs_last_n": None, "record_stability_info": False}
+    assert tinker_compat.sample_request(_sample(prompt_logprobs=True, **{option: default.get(option, 0)}))

@@ -123,8 +123,7 @@ def _check_local_tarball(path: Path, tinker_path: str) -> None:
 def import_checkpoint(cfg: RunConfig, staging_base: str, url: str, kind: str, model_id: str, name: str) -> str:
     """Copy the checkpoint at `url` into staging as `name` of `model_id`, verify every file against its
     commit marker's MD5, and register it; returns its tinker path."""
-    tinker_path = (f"tinker://{model_id}/weights/{name}" if kind == "state"
-                   else f"tinker://{model_id}/{name}")
+    tinker_path = layout.tinker_path(model_id, kind, name)
     local = Path(staging_base) / layout.relative_checkpoint_path(tinker_path)
     download(url, local, cfg.plain_storage_options(), directory=kind == "state")
     layout.register_checkpoint(cfg.resolved_database_url(), model_id, name, kind)

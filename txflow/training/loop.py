@@ -105,7 +105,7 @@ def train_loop(cfg: RunConfig, handle: ClusterHandle, step_fn, data) -> Trained:
     log = get_logger()
     point = resume_point(cfg)
     start = point[1] if point else 0
-    training_client = training_client_at(cfg, handle, point)
+    training_client = training_client_at(cfg, handle, point)  # a resume restores the optimizer too
     if point:
         log.info(f"resumed from step {start}: {point[0]}")
     metrics = read_metrics(cfg.state_dir, up_to_step=start)

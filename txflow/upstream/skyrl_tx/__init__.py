@@ -1,11 +1,11 @@
 """Everything specific to SkyRL-tx 0.3.0 (import name `tx`) lives in this package.
 
 Its modules follow the upstream process each patch changes: `api` (the Tinker
-API server: points 1, 2, 10, 11, 14 and its end of 12 and 13, with
-`tinker_compat` for 10 and `protobuf` for its wire format, `result_wait` for 11
-and `lora_config` for 14), `engine` (rank 0: 8, 9 and its end of 12), `worker` (ranks > 0: 8), `ranks` (what every
-rank gets: 6 and 13 installed, 7, 15), `checkpoint_io` (6), `losses` (13, both
-ends), `layout` (5) and `launch` (3, 4 and the command line of each process);
+API server: points 1, 2, 10, 11, 14 and its ends of 12, 13 and 16, with
+`tinker_compat` for 10 and `protobuf` for its wire format, `result_wait` for 11 and `lora_config` for 14), `engine`
+(rank 0: 8, 9, 17, 19 and its ends of 12 and 16), `worker` (ranks > 0: 8), `ranks` (what
+every rank gets: 6, 13 and 16 installed, 7, 15), `checkpoint_io` (6, 16), `losses`
+(13, both ends), `layout` (5, 17) and `launch` (3, 4 and the command line of each process);
 `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This
 module holds the names and numbers of the pinned version and its guard.
 
@@ -117,7 +117,10 @@ workaround can go:
     train_attn, train_mlp and train_unembed, so every adapter trains attention
     and MLP whatever the client asked. The API passes them on, and refuses what
     the engine cannot train (nothing at all; the unembedding of a base model
-    that ties it to its embeddings). Can go when upstream passes them on.
+    that ties it to its embeddings). Upstream's weights_info leaves them out
+    too, and SDKs up to 0.25 recreate a state's adapter from it
+    (`create_training_client_from_state`) with every flag True: the API answers
+    them. Can go when upstream passes them on and answers them.
 15. Compilation cache (JAX 0.10.2, which upstream pins; `ranks`): JAX writes the
     persistent compilation cache from process 0 only, and a rank's cache keys
     are its own, so rank 1 and up compiled every program again on every start:
@@ -127,6 +130,37 @@ workaround can go:
     programs that compile in under 1 s (most of those 270). Can go when JAX
     writes the cache from every process (tests/test_compilation_cache.py's
     control then fails).
+16. Load semantics: Tinker's `load_state` (and `create_training_client_from_state`)
+    loads the weights and starts the optimizer afresh; `load_state_with_optimizer`
+    (`..._from_state_with_optimizer`) restores Adam's moments too. Every SDK sends
+    that as load_weights' `optimizer` flag, but 0.3.0's `LoadWeightsRequest` has no
+    such field: the flag was dropped and every load restored both, so an RL run
+    started "from the SFT weights" carried the SFT optimizer. The API stores the
+    flag with the request (`tinker_compat.load_weights`), the engine passes it on
+    (`engine.loads_optimizer_when_asked`) and every rank honours it
+    (`checkpoint_io`: without it, the model gets a new model's optimizer). Can go
+    when upstream honours the flag (current upstream SkyRL does).
+17. Sampler paths: `save_weights_for_sampler` answers `tinker://<model_id>/<name>`
+    (`tx/tinker/engine.py`), where Tinker answers `tinker://<run_id>/sampler_weights/
+    <name>`; the SDK's `ParsedCheckpointTinkerPath.from_tinker_path` refuses the
+    former, so every SDK helper that takes a checkpoint path (archive URL, weights
+    info, delete, publish) failed in the client before sending anything. The engine
+    answers Tinker's form (`engine.sampler_paths_as_tinkers`) and txflow names
+    sampler checkpoints so (`layout.tinker_path`); the old form is still accepted
+    wherever a client sends a path (upstream's asample and txflow's `layout`).
+    Can go when upstream answers Tinker's form.
+18. Sampling parameters: the SDKs type `stop` as a string, strings or token ids;
+    upstream's `SamplingParams` takes only lists, so a lone string got a 422. And
+    upstream accepts `topk_prompt_logprobs` (0.38 adds `topk_sample_logprobs`,
+    `target_prompt_logprobs`, `prompt_alt_tokens_k`, `prompt_logprobs_last_n`,
+    `record_stability_info`) and answers without them. `tinker_compat.sample_request`
+    reads a lone string as a list and refuses each option it cannot serve with one
+    line (400). Can go when upstream reads the SDK's types and serves those options.
+19. Prompt logprobs: Tinker answers one per prompt token, None for the first
+    (which has no context; the SDKs document "[len(tokens)], None at position 0");
+    upstream answers len - 1, so entry i was the logprob of token i + 1 and a
+    client that indexes by position read its neighbour's. The engine puts the
+    None first (`engine.prompt_logprobs_as_tinkers`). Can go when upstream does.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the

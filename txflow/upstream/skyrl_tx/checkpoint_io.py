@@ -1,6 +1,8 @@
 """Point 6: checkpoint I/O without a shared filesystem. A state save gathers the adapter's weights and
 optimizer state and rank 0 alone writes them as one file (`layout.STATE_FILE`); state and sampler
-loads read on rank 0 and broadcast. Installed in the engine and in every worker (`ranks.run`)."""
+loads read on rank 0 and broadcast. Point 16: a state load restores the optimizer only when asked
+(`load_optimizer`), else the model gets the fresh optimizer a new model gets. Installed in the engine
+and in every worker (`ranks.run`)."""
 
 from __future__ import annotations
 
@@ -18,13 +20,13 @@ STATE_TAG, UPSTREAM_TAG = b"S", b"O"  # first byte of what rank 0 broadcasts on 
 
 def install_checkpoint_io() -> None:
     """Replace the backend's state save/load and sampler load, in this process (engine or worker)."""
-    from tx.tinker.backends.jax import JaxBackendImpl
+    from tx.tinker.backends.jax import JaxBackend, JaxBackendImpl
 
     upstream_load_state = JaxBackendImpl.load_checkpoint
     upstream_load_sampler = JaxBackendImpl.load_sampler_checkpoint
 
-    def load_checkpoint(self, checkpoint_path, model_id):
-        _load_state(self, upstream_load_state, checkpoint_path, model_id)
+    def load_checkpoint(self, checkpoint_path, model_id, load_optimizer=True):
+        _load_state(self, upstream_load_state, checkpoint_path, model_id, load_optimizer)
 
     def load_sampler_checkpoint(self, model_id, checkpoint_id, checkpoint_path):
         _load_sampler(self, upstream_load_sampler, model_id, checkpoint_id, checkpoint_path)
@@ -34,6 +36,14 @@ def install_checkpoint_io() -> None:
                               ("load_sampler_checkpoint", load_sampler_checkpoint)):
         replacement.__annotations__ = dict(getattr(JaxBackendImpl, name).__annotations__)
         setattr(JaxBackendImpl, name, replacement)
+    load_checkpoint.__annotations__["load_optimizer"] = bool
+
+    def broadcast_load_checkpoint(self, checkpoint_path, model_id, load_optimizer=True):
+        # Rank 0's wrapper: upstream's broadcasts the path and the model only (16.).
+        self._broadcast_and_call("load_checkpoint", checkpoint_path=checkpoint_path, model_id=model_id,
+                                 load_optimizer=load_optimizer)
+
+    JaxBackend.load_checkpoint = broadcast_load_checkpoint
 
 
 def _save_state(self, output_path, model_id) -> None:
@@ -64,8 +74,9 @@ def _save_state(self, output_path, model_id) -> None:
     partial.replace(directory / STATE_FILE)  # a crash mid-write leaves no state file, so no checkpoint
 
 
-def _load_state(self, upstream, checkpoint_path, model_id) -> None:
-    """Rank 0 reads the state file and broadcasts it; every rank inserts its shards."""
+def _load_state(self, upstream, checkpoint_path, model_id, load_optimizer: bool) -> None:
+    """Rank 0 reads the state file and broadcasts it; every rank inserts its shards. Without
+    `load_optimizer` the model's optimizer starts afresh (Tinker's `load_state`)."""
     import jax
     from flax import serialization
 
@@ -90,7 +101,10 @@ def _load_state(self, upstream, checkpoint_path, model_id) -> None:
     if payload == UPSTREAM_TAG:
         # Saved by upstream's engine (or txflow before 6.): Orbax restores on every rank, which works
         # where every rank sees the whole directory (one machine), as when it was saved.
-        return upstream(self, checkpoint_path, model_id)
+        upstream(self, checkpoint_path, model_id)
+        if not load_optimizer:
+            _fresh_optimizer(self, model_id)
+        return
     record = serialization.msgpack_restore(payload[len(STATE_TAG):])
     target = self._extract_checkpoint_data(model_id)
     lora_config = json.loads(record["lora_config"])
@@ -107,6 +121,20 @@ def _load_state(self, upstream, checkpoint_path, model_id) -> None:
     ]
     arrays = jax.tree_util.tree_unflatten(treedef, restored)
     self._insert_checkpoint_data(model_id, {**arrays, "lora_config": lora_config})
+    if not load_optimizer:
+        _fresh_optimizer(self, model_id)
+
+
+def _fresh_optimizer(self, model_id) -> None:
+    """Give `model_id` the optimizer upstream's `create_model` gives a new model: Adam's moments and step
+    count at zero (its hyperparameters come with every optim_step)."""
+    import jax
+    import optax
+    from flax import nnx
+
+    with jax.set_mesh(self.mesh):
+        tx = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0)
+        self.optimizers[model_id] = nnx.Optimizer(self.model, tx, wrt=self.model.is_lora_param)
 
 
 def _state_arrays(data: dict) -> dict:

@@ -1,10 +1,12 @@
 """Rank 0, the engine (which hosts the JAX coordinator): points 8 (it waits for the API's tables),
-9 (unloads reach the workers) and its end of 12 (wakes to and from the API)."""
+9 (unloads reach the workers), its end of 12 (wakes to and from the API), of 16 (a state load
+restores the optimizer only when the client asked), 17 (sampler paths as Tinker's) and 19 (prompt
+logprobs as Tinker's)."""
 
 from __future__ import annotations
 
 from txflow.upstream import wake
-from txflow.upstream.skyrl_tx import ENGINE_MODULE, ranks
+from txflow.upstream.skyrl_tx import ENGINE_MODULE, layout, ranks
 
 
 def broadcast_delete_model() -> None:
@@ -35,6 +37,62 @@ def waits_for_tables(timeout_s: float = 300.0) -> None:
         return upstream_run(self)
 
     TinkerEngine.run = run
+
+
+def loads_optimizer_when_asked() -> None:
+    """A load_weights request restores the optimizer only with its `optimizer` flag (16.); upstream's engine
+    reads the request as `LoadWeightsInput`, which has no such field, and always restores both."""
+    from tx.tinker import types
+    from tx.tinker.engine import TinkerEngine
+
+    upstream = TinkerEngine.process_single_request
+
+    def process_single_request(self, request_type, model_id, request_data):
+        if request_type != types.RequestType.LOAD_WEIGHTS:
+            return upstream(self, request_type, model_id, request_data)
+        load = types.LoadWeightsInput.model_validate(request_data)
+        if not self.backend.has_model(model_id):
+            raise ValueError("Model not loaded. Create the model before loading a checkpoint.")
+        path = self.config.checkpoints_base / load.source_model_id / f"{load.checkpoint_id}.tar.gz"
+        # A request stored without the flag came through upstream's route (tinker_compat's 6. left out),
+        # which means both.
+        self.backend.load_checkpoint(path, model_id, load_optimizer=request_data.get("optimizer", True))
+        return types.LoadWeightsOutput(type="load_weights")
+
+    TinkerEngine.process_single_request = process_single_request
+
+
+def sampler_paths_as_tinkers() -> None:
+    """save_weights_for_sampler answers `tinker://<model_id>/sampler_weights/<name>`, Tinker's form, where
+    upstream answers `tinker://<model_id>/<name>` (17.)."""
+    from tx.tinker.engine import TinkerEngine
+
+    upstream = TinkerEngine.process_save_weights_for_sampler
+
+    def process_save_weights_for_sampler(self, model_id, request_data):
+        result = upstream(self, model_id, request_data)
+        if result.path is not None:  # None: an ephemeral sampler, named by its sampling session
+            result.path = layout.tinker_path(model_id, "sampler", layout.parse_tinker_path(result.path)[2])
+        return result
+
+    TinkerEngine.process_save_weights_for_sampler = process_save_weights_for_sampler
+
+
+def prompt_logprobs_as_tinkers() -> None:
+    """A sample's prompt logprobs hold one entry per prompt token, None for the first, which has no context
+    (19.); upstream leaves that entry out, so entry i was the logprob of token i + 1."""
+    from tx.tinker.engine import TinkerEngine
+
+    upstream = TinkerEngine.process_sample
+
+    def process_sample(self, requests):
+        results = upstream(self, requests)
+        for result in results.values():
+            if getattr(result, "prompt_logprobs", None) is not None:
+                result.prompt_logprobs = [None, *result.prompt_logprobs]
+        return results
+
+    TinkerEngine.process_sample = process_sample
 
 
 class _EngineClock:
@@ -76,6 +134,9 @@ def run(argv: list[str]) -> None:
     def patch(entry) -> None:
         waits_for_tables()
         broadcast_delete_model()
+        loads_optimizer_when_asked()
+        sampler_paths_as_tinkers()
+        prompt_logprobs_as_tinkers()
         wakes(entry)
 
     ranks.run(ENGINE_MODULE, argv, patch)

@@ -1,4 +1,5 @@
-"""Point 5: where SkyRL-tx 0.3.0 writes each checkpoint, the tinker:// paths that name them, and the
+"""Point 5: where SkyRL-tx 0.3.0 writes each checkpoint, the tinker:// paths that name them (Tinker's:
+`tinker://<model_id>/weights/<name>` and `tinker://<model_id>/sampler_weights/<name>`, point 17), and the
 one way to make it serve a checkpoint it did not write (`register_checkpoint`)."""
 
 from __future__ import annotations
@@ -10,9 +11,15 @@ STATE_FILE = "txflow-state.msgpack"
 (written by txflow's checkpoint I/O, point 6)."""
 
 
+def tinker_path(model_id: str, kind: str, name: str) -> str:
+    """Tinker's path of checkpoint `name` of `model_id`; `kind` is "state" or "sampler"."""
+    return f"tinker://{model_id}/{'weights' if kind == 'state' else 'sampler_weights'}/{name}"
+
+
 def parse_tinker_path(path: str) -> tuple[str, str, str]:
-    """`tinker://<model_id>/weights/<name>` -> (model_id, "state", name); `tinker://<model_id>/<name>`
-    or `.../sampler_weights/<name>` -> (model_id, "sampler", name)."""
+    """`tinker://<model_id>/weights/<name>` -> (model_id, "state", name);
+    `tinker://<model_id>/sampler_weights/<name>`, or upstream's `tinker://<model_id>/<name>` (17.), ->
+    (model_id, "sampler", name)."""
     parts = path.removeprefix("tinker://").split("/")
     if len(parts) == 3 and parts[1] == "weights":
         return parts[0], "state", parts[2]
@@ -37,9 +44,9 @@ def tinker_path_for(relative_path: str) -> str | None:
     """The tinker:// path of a checkpoint found at `relative_path` under the checkpoints base, or None."""
     parts = relative_path.strip("/").split("/")
     if len(parts) == 2 and parts[1].endswith(".tar.gz"):
-        return f"tinker://{parts[0]}/weights/{parts[1].removesuffix('.tar.gz')}"
+        return tinker_path(parts[0], "state", parts[1].removesuffix(".tar.gz"))
     if len(parts) == 3 and parts[1] == "sampler_weights" and parts[2].endswith(".tar.gz"):
-        return f"tinker://{parts[0]}/{parts[2].removesuffix('.tar.gz')}"
+        return tinker_path(parts[0], "sampler", parts[2].removesuffix(".tar.gz"))
     return None
 
 
@@ -71,9 +78,6 @@ def register_checkpoint(database_url: str, model_id: str, checkpoint_id: str, ki
             session.commit()
     finally:
         engine.dispose()
-
-
-# Lines each rank logs once it can take part in collectives; used to name the
 
 
 def model_lora(database_url: str, model_id: str) -> dict:

@@ -4,7 +4,9 @@ SkyRL-tx 0.3.0's `create_model` builds the adapter's LoraConfig from the request
 (`tx/tinker/api.py`): `train_attn`, `train_mlp` and `train_unembed` are dropped, so every adapter trains
 attention and MLP and never the unembedding, whatever the client asked (the Tinker SDK asks for all three
 by default). The engine honours the flags once they reach it (`filter_lora`, on every rank: the config
-travels with the create_model broadcast), so `install_api` serves create_model with them. What the
+travels with the create_model broadcast), so `install_api` serves create_model with them, and weights_info
+answers them with the rank: SDKs up to 0.25 recreate a checkpoint's adapter from that answer
+(`create_training_client_from_state`) and take True for every flag it leaves out. What the
 engine cannot train is refused with one line instead: an adapter with no module, or `train_unembed` on
 a base model whose output head is its input embedding (`tie_word_embeddings`: SmolLM2, Llama-3.2, the
 small Qwen3s). Can go when upstream's create_model passes the flags on.
@@ -72,12 +74,13 @@ def ties_embeddings(base_model_path: str) -> bool:
 
 
 def install_api(app) -> None:
-    """Serve create_model with the flags (in place of upstream's route)."""
+    """Serve create_model and weights_info with the flags (in place of upstream's routes)."""
     from fastapi.routing import APIRoute
 
-    app.router.routes[:] = [r for r in app.router.routes
-                            if not (isinstance(r, APIRoute) and r.path == "/api/v1/create_model")]
-    app.add_api_route("/api/v1/create_model", create_model, methods=["POST"])
+    routes = {"/api/v1/create_model": create_model, "/api/v1/weights_info": weights_info}
+    app.router.routes[:] = [r for r in app.router.routes if not (isinstance(r, APIRoute) and r.path in routes)]
+    for path, endpoint in routes.items():
+        app.add_api_route(path, endpoint, methods=["POST"])
 
 
 async def create_model(request: dict, req: Request):
@@ -111,3 +114,21 @@ async def create_model(request: dict, req: Request):
         await session.commit()
     return {"model_id": model_id, "base_model": parsed.base_model, "lora_config": lora.model_dump(),
             "status": "created", "request_id": str(request_id)}
+
+
+async def weights_info(request: dict, req: Request):
+    """Upstream's weights_info (base model, rank) with the LoRA flags of the checkpoint's model."""
+    from fastapi.exceptions import RequestValidationError
+    from sqlmodel.ext.asyncio.session import AsyncSession
+    from tx.tinker import api, types
+
+    try:
+        parsed = api.WeightsInfoRequest.model_validate(request)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    async with AsyncSession(req.app.state.db_engine) as session:
+        answer = await api.get_weights_info(parsed, req, session)  # its checks and its answer
+        model = await api.get_model(session, types.TinkerPath.parse(parsed.tinker_path).primary_id)
+    lora = types.LoraConfig.model_validate(model.lora_config)
+    return {**answer.model_dump(), "train_attn": lora.train_attn, "train_mlp": lora.train_mlp,
+            "train_unembed": lora.train_unembed}

@@ -25,13 +25,26 @@ counts where its weight is not zero (SkyRL-tx gives every token weight 1 when th
 - ppo: -min(r * A, clip(r, low, high) * A); `clip_low_threshold` 0.8, `clip_high_threshold` 1.2
 - cispo: -sg(clip(r, low, high)) * logprob * A; thresholds 0.0 and 4.0 (Tinker's tutorial 202)
 - dro: -(logprob * A - beta / 2 * (logprob - sampling_logprob)^2); `beta` has no documented default, so
-  it is required. The penalty applies to the sampled tokens: those with a sampling logprob (the SDKs
-  and the cookbook send 0.0 on prompt tokens, which carry no advantage either).
+  it is required. Deliberately unlike Tinker's page, whose penalty runs over all N tokens, the penalty
+  applies to the sampled tokens only: a prompt token's "sampling logprob" is the 0.0 the SDKs and the
+  cookbook put there, not a logprob, and the page's penalty on it, beta / 2 * logprob^2, would train the
+  model to predict the prompt. A client sees a `loss:sum` lower than the page's by beta / 2 times the sum
+  of the prompt tokens' squared logprobs, and no gradient on them (tests/test_losses.py shows both).
 - gspo (GSPO-token): every token carries the sequence ratio s = exp(mean over the sampled tokens of
   sg(logprob) - sampling_logprob) with its own logprob's gradient, -min(s_t * A, clip(s_t, low, high) * A);
   thresholds 0.8 and 1.2 (Tinker's page gives no default; PPO's). Tinker takes the sampled tokens from
   a `sequence_ratio_mask` input that SkyRL-tx cannot carry to the engine: a mask that marks other tokens
   than those is refused.
+
+The sampled tokens (gspo's ratio, dro's penalty) are those with a weight and a sampling logprob or an
+advantage: a prompt token has neither (the SDKs send 0.0 for both). A sampling logprob of 0.0 alone does
+not make a prompt token: a bf16 model returns exactly 0.0 for a token it samples with p > ~0.97 (issue 31).
+Only a sampled token with neither is taken for a prompt token, and such a token moves neither loss: no
+advantage, and a penalty of (logprob - 0)^2 where the sampler was certain.
+
+A token's loss is multiplied by its weight (cross_entropy's page; for the RL losses, whose pages take no
+weights, the SDKs send none and SkyRL-tx gives every token weight 1, so a client's own weights scale its
+tokens).
 - stable_reinforce needs what the sampler records per sequence (`record_stability_info`), and Tinker
   documents neither that nor the objective: refused, with the losses there are.
 """
@@ -89,9 +102,10 @@ def resolved(loss_fn: str, config: dict | None) -> tuple:
     return (loss_fn, *(float(values[k]) for k in CONFIG_KEYS[loss_fn]))
 
 
-def sampled_tokens(weights: list[float], sampling_logprobs: list[float]) -> list[bool]:
-    """The tokens gspo's ratio and dro's penalty run over: with a weight and a sampling logprob."""
-    return [w != 0 and lp != 0 for w, lp in zip(weights, sampling_logprobs)]
+def sampled_tokens(weights: list[float], sampling_logprobs: list[float], advantages: list[float]) -> list[bool]:
+    """The tokens gspo's ratio and dro's penalty run over: with a weight, and a sampling logprob or an
+    advantage (see the docstring: not the sampling logprob alone)."""
+    return [w != 0 and (lp != 0 or a != 0) for w, lp, a in zip(weights, sampling_logprobs, advantages)]
 
 
 def datum_problem(loss_fn: str, inputs: dict) -> str | None:
@@ -101,9 +115,10 @@ def datum_problem(loss_fn: str, inputs: dict) -> str | None:
         return None
     n = len(inputs["target_tokens"])
     weights, logprobs = inputs.get("weights") or [1.0] * n, inputs.get("logprobs") or [0.0] * n
-    if [m != 0 for m in mask] != sampled_tokens(weights, logprobs):
-        return ("gspo's sequence_ratio_mask must mark exactly the sampled tokens (those with a weight and a sampling "
-                "logprob): this cluster computes the sequence ratio over them, and cannot take another mask")
+    if [m != 0 for m in mask] != sampled_tokens(weights, logprobs, inputs.get("advantages") or [0.0] * n):
+        return ("gspo's sequence_ratio_mask must mark exactly the sampled tokens (those with a weight, and a sampling "
+                "logprob or an advantage): this cluster computes the sequence ratio over them, and cannot take "
+                "another mask")
     return None
 
 
@@ -245,19 +260,13 @@ _INITIAL = [None if name == "dro" else resolved(name, None) for name in SERVED]
 
 
 def _sums_and_metrics(results: dict, batch) -> dict:
-    """Per-token losses as the loss defines them (the table's entries are scaled, see `summed`) and the
-    `loss:sum` metric of each request."""
-    for request_id, _, start, end in batch.request_batch_slices:
+    """The `loss:sum` metric of each request: the sum of its per-token losses, as the device computed them
+    (`summed` leaves their values alone, so the host applies no scale of its own)."""
+    for request_id, *_ in batch.request_batch_slices:
         result = results.get(request_id)
         if result is None or not hasattr(result, "loss_fn_outputs"):
             continue
-        total = 0.0
-        for output, weights in zip(result.loss_fn_outputs, batch.all_token_weights[start:end]):
-            scale = max(sum(weights), 1e-9)
-            losses = [x / scale for x in output["elementwise_loss"]["data"]]
-            output["elementwise_loss"]["data"] = losses
-            total += sum(losses)
-        result.metrics["loss:sum"] = total
+        result.metrics["loss:sum"] = sum(sum(output["elementwise_loss"]["data"]) for output in result.loss_fn_outputs)
     return results
 
 
@@ -270,12 +279,18 @@ def _gradient_sum(self, adapter_index):
 
 
 def summed(loss):
-    """`loss` scaled so that upstream's division of each sequence's loss by the sum of its weights gives back
-    the plain sum (the scale depends on the weights only, so gradients are exact)."""
+    """`loss` with its gradient scaled so that upstream's division of each sequence's loss by the sum of its
+    weights gives back the gradient of the plain sum. Its values stay the loss's own: they are the per-token
+    losses the client gets, and a scale the host divided out again would be computed twice, in two dtypes
+    (float32 here, float64 there), which differ by orders of magnitude where weights nearly cancel."""
+    import jax
     import jax.numpy as jnp
 
     def entry(target_logprobs, weights, sampling_logprobs, advantages):
-        return loss(target_logprobs, weights, sampling_logprobs, advantages) * jnp.maximum(weights.sum(), 1e-9)
+        value = loss(target_logprobs, weights, sampling_logprobs, advantages)
+        # The same float32 expression as upstream's divisor, on the same weights: the factors cancel.
+        scale = jnp.maximum(weights.sum(), 1e-9)
+        return jax.lax.stop_gradient(value) + (value - jax.lax.stop_gradient(value)) * scale
 
     return entry
 
@@ -291,8 +306,8 @@ def loss_function(key: tuple):
     def counted(x, weights):  # upstream's safe_loss_mask: only tokens with a weight count
         return jnp.where(weights != 0, weights * x, jnp.zeros_like(x))
 
-    def sampled(weights, sampling_logprobs):
-        return (weights != 0) & (sampling_logprobs != 0)
+    def sampled(weights, sampling_logprobs, advantages):  # see `sampled_tokens`
+        return (weights != 0) & ((sampling_logprobs != 0) | (advantages != 0))
 
     if name == "cross_entropy":
         return lambda tlp, w, slp, adv: -counted(tlp, w)
@@ -301,7 +316,7 @@ def loss_function(key: tuple):
     if name == "dro":
         (beta,) = parameters
         return lambda tlp, w, slp, adv: -counted(
-            tlp * adv - jnp.where(sampled(w, slp), 0.5 * beta * (tlp - slp) ** 2, 0.0), w)
+            tlp * adv - jnp.where(sampled(w, slp, adv), 0.5 * beta * (tlp - slp) ** 2, 0.0), w)
     low, high = parameters
     if name == "ppo":
         def ppo(tlp, w, slp, adv):
@@ -312,7 +327,7 @@ def loss_function(key: tuple):
         return lambda tlp, w, slp, adv: -counted(sg(jnp.clip(jnp.exp(tlp - slp), low, high)) * tlp * adv, w)
     if name == "gspo":
         def gspo(tlp, w, slp, adv):
-            mask = sampled(w, slp)
+            mask = sampled(w, slp, adv)
             log_ratio = jnp.where(mask, sg(tlp) - slp, 0.0).sum() / jnp.maximum(mask.sum(), 1)
             ratio = jnp.exp(log_ratio + tlp - sg(tlp))
             return -counted(jnp.minimum(ratio * adv, jnp.clip(ratio, low, high) * adv), w)

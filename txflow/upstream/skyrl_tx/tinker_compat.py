@@ -37,7 +37,8 @@ them and reading their request code: `tinker/lib/internal_client_holder.py`,
    every `sample` fails with "asample promises always carry
    sample_sequence_ids" (also against `skyrl` 0.4.0). We issue
    `<request_id>-<i>`, one per requested sample. Can go when upstream returns
-   them.
+   them. This route also reads the sampling parameters as every SDK's types
+   allow them (adapter point 18); left out, upstream's route answers.
 5. `GET /api/v1/samplers/{sampler_id}` (0.38). A sampling client made from a
    model path (`create_sampling_client(model_path=...)`) asks for its base
    model first. Without it: 404 when that sampling client is created. Can go
@@ -48,7 +49,9 @@ them and reading their request code: `tinker/lib/internal_client_holder.py`,
    `<session_id>:train:<model_seq_id>`. Without it: 422, no restore. We create
    that model with the checkpoint owner's base model and LoRA config, then
    queue the load behind it. Can go when upstream creates models on load
-   (`skyrl` 0.4.0 does not).
+   (`skyrl` 0.4.0 does not). This route also carries every load's `optimizer`
+   flag to the engine (adapter point 16); left out, loads restore the optimizer
+   whatever the client asked, as upstream.
 7. `POST /api/v1/sessions/{session_id}/finish` (0.38). `ServiceClient.close()`,
    and leaving `with ServiceClient() as client:`, finish the session. Without
    it: the client raises a 404 at its very end. We acknowledge it; the engine
@@ -67,7 +70,7 @@ import sys
 from fastapi import HTTPException, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from txflow.upstream.skyrl_tx.protobuf import (
     encode_forward_backward_output,
@@ -179,14 +182,37 @@ async def retrieve_future(request: dict, req: Request):
 # --- 4. sample_sequence_ids ----------------------------------------------------------
 
 
+# Sampling options of the SDKs (0.13 to 0.38) that SkyRL-tx 0.3.0 does not compute: a request that sets
+# one is refused (adapter point 18); upstream would accept it and answer without.
+UNSERVED_SAMPLING = ("topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k",
+                     "prompt_logprobs_last_n", "record_stability_info")
+
+
+def sample_request(request: dict):
+    """The SDK's sample request as upstream's `SampleRequest`: `stop` as the SDK's types allow it (a string,
+    strings or token ids), what cannot be served refused in one line (adapter point 18)."""
+    from tx.tinker import api
+
+    asked = [name for name in UNSERVED_SAMPLING if request.get(name)]
+    if asked:
+        raise HTTPException(status_code=400, detail=(
+            f"{', '.join(asked)}: not served by this cluster (SkyRL-tx 0.3.0 returns the sampled tokens' logprobs "
+            f"and, with prompt_logprobs=True, each prompt token's own); leave {'them' if len(asked) > 1 else 'it'} "
+            f"at the default"))
+    params = request.get("sampling_params")
+    if isinstance(params, dict) and isinstance(params.get("stop"), str):
+        request = {**request, "sampling_params": {**params, "stop": [params["stop"]]}}
+    try:
+        return api.SampleRequest.model_validate(request)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
 async def asample(request: dict, req: Request):
     """Upstream's asample future, carrying one sequence id per requested sample."""
     from tx.tinker import api
 
-    try:
-        sample = api.SampleRequest.model_validate(request)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+    sample = sample_request(request)
     async with _db(req) as session:
         future = await api.asample(sample, req, session)
     ids = [f"{future.request_id}-{i}" for i in range(sample.num_samples)]
@@ -217,19 +243,48 @@ async def get_sampler(sampler_id: str, req: Request):
 # --- 6. session-addressed load_weights --------------------------------------------------
 
 
+class LoadWeightsRequest(BaseModel):
+    """A load_weights request with the flag upstream's `LoadWeightsRequest` drops (adapter point 16)."""
+
+    model_id: str
+    path: str
+    optimizer: bool = False  # Tinker's `load_state`: weights only; every SDK sends the flag
+
+
+class LoadWeightsInput(BaseModel):
+    """Upstream's `LoadWeightsInput` (what the engine reads) and the flag (adapter point 16)."""
+
+    source_model_id: str
+    checkpoint_id: str
+    optimizer: bool
+
+
 async def load_weights(request: dict, req: Request):
-    """Upstream's load_weights; without a `model_id`, first create the model the client named."""
-    from tx.tinker import api
+    """Upstream's load_weights, carrying the client's `optimizer` flag to the engine (adapter point 16);
+    without a `model_id`, first create the model the client named."""
+    from tx.tinker import api, types
 
     model_id = request.get("model_id")
     try:
         if model_id is None:
             model_id = await _create_model_to_load(request, req)
-        load = api.LoadWeightsRequest.model_validate({**request, "model_id": model_id})
+        load = LoadWeightsRequest.model_validate({**request, "model_id": model_id})
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
+    path = types.TinkerPath.parse(load.path)
+    if path is None or path.kind != "weights" or not path.primary_id or not path.secondary_id:
+        raise HTTPException(status_code=400,
+                            detail="request.path must be in format tinker://source_model_id/weights/checkpoint_id")
     async with _db(req) as session:
-        return await api.load_weights(load, req, session)
+        # Upstream's load_weights, with the flag in the stored request.
+        await api.get_model(session, load.model_id)
+        await api.validate_checkpoint(req, path.primary_id, path.secondary_id, types.CheckpointType.TRAINING, session)
+        request_id = await api.create_future(
+            session, types.RequestType.LOAD_WEIGHTS, load.model_id,
+            LoadWeightsInput(source_model_id=path.primary_id, checkpoint_id=path.secondary_id,
+                             optimizer=load.optimizer))
+        await session.commit()
+    return api.FutureResponse(future_id=str(request_id), status="pending", request_id=str(request_id))
 
 
 async def _create_model_to_load(request: dict, req: Request) -> str:
