@@ -274,14 +274,13 @@ def prove(base_model_path: str, peft_dir: Path, reference: ExportReference,
           tarball: Path | None = None) -> tuple[Figures, object]:
     """The PEFT model's figures on the reference, with what they must reproduce (`expected`), and the model,
     for a merge. A model the cluster computed in another dtype than float32 is compared like with like:
-    `expected` is SkyRL-tx's own forward of the sampler `tarball` in float32, and the cluster's figures are
-    compared with it."""
+    `expected` is SkyRL-tx's own forward of the sampler `tarball` in float32, and the cluster's distance from it
+    (that dtype's noise) is measured for the report."""
     model = load_peft(base_model_path, peft_dir)
     model.eval()
     found = figures(model, reference)
     found.unapplied = unapplied_tensors(model, peft_dir)
-    dtype = compute_dtype(base_model_path)
-    if dtype == "float32" or tarball is None:
+    if compute_dtype(base_model_path) == "float32" or tarball is None:
         found.expected = Figures(logprobs=reference.logprobs, greedy_tokens=reference.greedy_tokens)
         return found, model
     from txflow.upstream.skyrl_tx.reference import skyrl_figures
