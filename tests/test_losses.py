@@ -39,7 +39,7 @@ def reference(name: str, config: dict, tlp, w, slp, adv):
         return -torch.minimum(ratio * adv, torch.clamp(ratio, low, high) * adv)[counted].sum()
     if name == "cispo":
         return -(torch.clamp(ratio, low, high).detach() * tlp * adv)[counted].sum()
-    sampled = counted & (slp != 0)
+    sampled = counted & ((slp != 0) | (adv != 0))
     if name == "dro":
         return -(tlp * adv)[counted].sum() + (0.5 * config["beta"] * (tlp - slp) ** 2)[sampled].sum()
     if name == "gspo":
@@ -127,9 +127,47 @@ def test_what_can_be_served_passes():
     assert losses.problem("cispo", {"clip_low_threshold": 0.0, "clip_high_threshold": 5.0}) is None
 
 
+def bf16_confident_logprob() -> float:
+    """What SkyRL-tx's sampler gives a token of p ~ 0.98 on a bfloat16 model: exactly 0.0 (its
+    logits_to_logprobs on bfloat16 logits)."""
+    from tx.utils.logits_processor import LogitsProcessorMixin
+
+    logits = jnp.asarray([[20.0, 16.0, 15.0, 12.0]], dtype=jnp.bfloat16)  # p(token 0) = 0.975 in float32
+    return float(LogitsProcessorMixin.logits_to_logprobs(logits, jnp.asarray([0]))[0])
+
+
+@pytest.mark.parametrize("name, config", [("gspo", {"clip_low_threshold": 0.1, "clip_high_threshold": 10.0}),
+                                          ("gspo", {}), ("dro", {"beta": 2.0})])
+def test_a_confident_token_of_a_bf16_sampler_counts_as_sampled(name, config):
+    # Token 3 was sampled with p ~ 0.98 on a bfloat16 model: its sampling logprob is exactly 0.0, like a prompt
+    # token's; its advantage says it was sampled. Tinker's objective runs over it (gspo's ratio, dro's penalty).
+    assert bf16_confident_logprob() == 0.0
+    sampling = list(SAMPLING)
+    sampling[3] = bf16_confident_logprob()
+    target = list(TARGET)
+    target[3] = -0.4
+    config = {**losses.DEFAULTS.get(name, {}), **config}
+    key = losses.resolved(name, config)
+    args = [jnp.asarray(x, dtype=jnp.float32) for x in (WEIGHTS, sampling, ADVANTAGES)]
+    value, grad = jax.value_and_grad(lambda tlp: losses.loss_function(key)(tlp, *args).sum())(
+        jnp.asarray(target, dtype=jnp.float32))
+    tlp = torch.tensor(target, dtype=torch.float64, requires_grad=True)
+    expected = reference(name, config, tlp, *(torch.tensor(x, dtype=torch.float64)
+                                              for x in (WEIGHTS, sampling, ADVANTAGES)))
+    expected.backward()
+    assert float(value) == pytest.approx(float(expected), rel=1e-5, abs=1e-5)
+    np.testing.assert_allclose(np.asarray(grad), tlp.grad.numpy(), rtol=1e-5, atol=1e-6)
+    # Read as a prompt token (the logprob alone), the same inputs give another loss.
+    prompt_like = [w != 0 and lp != 0 for w, lp in zip(WEIGHTS, sampling)]
+    assert prompt_like[3] is False and losses.sampled_tokens(WEIGHTS, sampling, ADVANTAGES)[3] is True
+
+
 def test_a_gspo_sequence_ratio_mask_must_mark_the_sampled_tokens():
     inputs = {"target_tokens": [1, 2, 3], "weights": [0.0, 1.0, 1.0], "logprobs": [0.0, -1.0, -2.0]}
     assert losses.datum_problem("gspo", {**inputs, "sequence_ratio_mask": [0, 1, 1]}) is None
+    # A bfloat16 sampler's confident token (logprob exactly 0.0) with its advantage is a sampled token.
+    confident = {**inputs, "logprobs": [0.0, -1.0, 0.0], "advantages": [0.0, 0.5, 0.5]}
+    assert losses.datum_problem("gspo", {**confident, "sequence_ratio_mask": [0, 1, 1]}) is None
     assert "must mark exactly the sampled tokens" in losses.datum_problem("gspo", {**inputs,
                                                                                  "sequence_ratio_mask": [1, 1, 1]})
     assert losses.datum_problem("ppo", {**inputs, "sequence_ratio_mask": [1, 1, 1]}) is None

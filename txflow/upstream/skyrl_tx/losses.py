@@ -25,8 +25,10 @@ counts where its weight is not zero (SkyRL-tx gives every token weight 1 when th
 - ppo: -min(r * A, clip(r, low, high) * A); `clip_low_threshold` 0.8, `clip_high_threshold` 1.2
 - cispo: -sg(clip(r, low, high)) * logprob * A; thresholds 0.0 and 4.0 (Tinker's tutorial 202)
 - dro: -(logprob * A - beta / 2 * (logprob - sampling_logprob)^2); `beta` has no documented default, so
-  it is required. The penalty applies to the sampled tokens: those with a sampling logprob (the SDKs
-  and the cookbook send 0.0 on prompt tokens, which carry no advantage either).
+  it is required. The penalty applies to the sampled tokens: those with a weight and a sampling logprob
+  or an advantage (the SDKs and the cookbook send 0.0 and no advantage on prompt tokens; the logprob alone
+  does not tell, as a bfloat16 sampler gives a token of p > ~0.97 a logprob of exactly 0.0). Left out: a
+  sampled token of logprob 0.0 in a sequence of advantage 0 (its penalty, (beta / 2) logprob^2, is tiny).
 - gspo (GSPO-token): every token carries the sequence ratio s = exp(mean over the sampled tokens of
   sg(logprob) - sampling_logprob) with its own logprob's gradient, -min(s_t * A, clip(s_t, low, high) * A);
   thresholds 0.8 and 1.2 (Tinker's page gives no default; PPO's). Tinker takes the sampled tokens from
@@ -89,9 +91,10 @@ def resolved(loss_fn: str, config: dict | None) -> tuple:
     return (loss_fn, *(float(values[k]) for k in CONFIG_KEYS[loss_fn]))
 
 
-def sampled_tokens(weights: list[float], sampling_logprobs: list[float]) -> list[bool]:
-    """The tokens gspo's ratio and dro's penalty run over: with a weight and a sampling logprob."""
-    return [w != 0 and lp != 0 for w, lp in zip(weights, sampling_logprobs)]
+def sampled_tokens(weights: list[float], sampling_logprobs: list[float], advantages: list[float]) -> list[bool]:
+    """The tokens gspo's ratio and dro's penalty run over: with a weight, and a sampling logprob or an
+    advantage (a bfloat16 sampler's confident token has a logprob of exactly 0.0; a prompt token neither)."""
+    return [w != 0 and (lp != 0 or a != 0) for w, lp, a in zip(weights, sampling_logprobs, advantages)]
 
 
 def datum_problem(loss_fn: str, inputs: dict) -> str | None:
@@ -101,9 +104,10 @@ def datum_problem(loss_fn: str, inputs: dict) -> str | None:
         return None
     n = len(inputs["target_tokens"])
     weights, logprobs = inputs.get("weights") or [1.0] * n, inputs.get("logprobs") or [0.0] * n
-    if [m != 0 for m in mask] != sampled_tokens(weights, logprobs):
-        return ("gspo's sequence_ratio_mask must mark exactly the sampled tokens (those with a weight and a sampling "
-                "logprob): this cluster computes the sequence ratio over them, and cannot take another mask")
+    if [m != 0 for m in mask] != sampled_tokens(weights, logprobs, inputs.get("advantages") or [0.0] * n):
+        return ("gspo's sequence_ratio_mask must mark exactly the sampled tokens (those with a weight, and a sampling "
+                "logprob or an advantage): this cluster computes the sequence ratio over them, and cannot take "
+                "another mask")
     return None
 
 
@@ -291,8 +295,8 @@ def loss_function(key: tuple):
     def counted(x, weights):  # upstream's safe_loss_mask: only tokens with a weight count
         return jnp.where(weights != 0, weights * x, jnp.zeros_like(x))
 
-    def sampled(weights, sampling_logprobs):
-        return (weights != 0) & (sampling_logprobs != 0)
+    def sampled(weights, sampling_logprobs, advantages):  # as `sampled_tokens`
+        return (weights != 0) & ((sampling_logprobs != 0) | (advantages != 0))
 
     if name == "cross_entropy":
         return lambda tlp, w, slp, adv: -counted(tlp, w)
@@ -301,7 +305,7 @@ def loss_function(key: tuple):
     if name == "dro":
         (beta,) = parameters
         return lambda tlp, w, slp, adv: -counted(
-            tlp * adv - jnp.where(sampled(w, slp), 0.5 * beta * (tlp - slp) ** 2, 0.0), w)
+            tlp * adv - jnp.where(sampled(w, slp, adv), 0.5 * beta * (tlp - slp) ** 2, 0.0), w)
     low, high = parameters
     if name == "ppo":
         def ppo(tlp, w, slp, adv):
@@ -312,7 +316,7 @@ def loss_function(key: tuple):
         return lambda tlp, w, slp, adv: -counted(sg(jnp.clip(jnp.exp(tlp - slp), low, high)) * tlp * adv, w)
     if name == "gspo":
         def gspo(tlp, w, slp, adv):
-            mask = sampled(w, slp)
+            mask = sampled(w, slp, adv)
             log_ratio = jnp.where(mask, sg(tlp) - slp, 0.0).sum() / jnp.maximum(mask.sum(), 1)
             ratio = jnp.exp(log_ratio + tlp - sg(tlp))
             return -counted(jnp.minimum(ratio * adv, jnp.clip(ratio, low, high) * adv), w)
