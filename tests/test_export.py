@@ -256,20 +256,19 @@ def test_the_export_of_a_bfloat16_model_is_proven(bf16_sampler, tmp_path):
     assert result.passed, export.failure(result)
     assert result.max_abs_logprob_diff <= export.LOGPROB_BOUND and result.greedy_tokens_match
     assert result.compared_against.startswith("SkyRL-tx's forward of the checkpoint in float32")
-    assert 10 * export.LOGPROB_BOUND < result.cluster_max_abs_logprob_diff <= export.CLUSTER_BOUND
+    assert 10 * export.LOGPROB_BOUND < result.cluster_mean_abs_logprob_diff <= result.cluster_max_abs_logprob_diff < 0.1
     print(f"bf16 base: max |Δ logprob| {result.max_abs_logprob_diff:.2e} against SkyRL-tx's float32 forward, "
           f"the cluster's bfloat16 figures {result.cluster_max_abs_logprob_diff:.2e} from it")
 
 
-def test_cluster_figures_beyond_bfloat16s_noise_fail_on_a_bfloat16_model(bf16_sampler, tmp_path):
-    # SkyRL-tx's float32 forward and PEFT agree on any checkpoint: the cluster's figures say it is this one
-    # (coarsely: bfloat16's noise is up to 0.73 nats on SmolLM2; a model without its adapter is 12 off).
+def test_the_cluster_figures_of_a_bfloat16_model_are_reported_not_checked(bf16_sampler, tmp_path):
+    # bfloat16's noise (up to 1.5 nats per token on SmolLM2-135M) is too wide to check: the figures of the
+    # cluster only say how far its dtype took it from SkyRL-tx's float32 forward.
     moved = bf16_sampler["reference"].model_copy(update={"logprobs": [[x - 2.0 for x in xs]
                                                                        for xs in bf16_sampler["reference"].logprobs]})
     result = writer.export(moved, str(tmp_path / "out"), {}, bf16_sampler["base"], {})
-    assert result.max_abs_logprob_diff <= export.LOGPROB_BOUND
-    assert not result.passed and export.failure(result).startswith("the cluster's figures: max |Δ logprob| 2")
-    assert not (tmp_path / "out").exists()
+    assert result.passed and result.max_abs_logprob_diff <= export.LOGPROB_BOUND
+    assert result.cluster_max_abs_logprob_diff > 1.9 and result.cluster_mean_abs_logprob_diff > 1.9
 
 
 def test_a_dropped_module_fails_the_check_on_a_bfloat16_model_too(bf16_sampler, tmp_path):

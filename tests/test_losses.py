@@ -404,3 +404,15 @@ def test_loss_sum_of_every_loss_is_the_sum_of_its_pages_per_token_losses(backend
         expected += float(np.sum(per_token))
         scale += float(np.abs(per_token).sum())
     assert out.metrics["loss:sum"] == pytest.approx(expected, rel=1e-4, abs=1e-5 * scale)
+
+
+def test_a_bfloat16_sampler_gives_a_confident_token_a_logprob_of_exactly_zero_and_it_still_counts():
+    # Why the logprob alone cannot tell a sampled token from a prompt token: SkyRL-tx's own logits_to_logprobs
+    # on bfloat16 logits gives a token of p ~ 0.975 exactly 0.0, the prompt tokens' placeholder.
+    from tx.utils.logits_processor import LogitsProcessorMixin
+
+    logits = jnp.asarray([[20.0, 16.0, 15.0, 12.0]], dtype=jnp.bfloat16)
+    confident = float(LogitsProcessorMixin.logits_to_logprobs(logits, jnp.asarray([0]))[0])
+    assert confident == 0.0
+    # Token 0 a prompt token, token 1 sampled with that logprob (its advantage marks it), token 2 sampled.
+    assert losses.sampled_tokens([0.0, 1.0, 1.0], [0.0, confident, -1.2], [0.0, 0.5, 0.5]) == [False, True, True]

@@ -15,9 +15,10 @@ sampler computed while the cluster was up (`ExportReference`, recorded by evalua
 per-token logprobs of fixed sequences within `LOGPROB_BOUND`, and the greedy tokens of fixed prompts
 exactly. A base model in bfloat16 (or float16) is computed in that dtype by the cluster, on a grid no
 float32 model reproduces; the proof then compares like with like: SkyRL-tx's own forward of the sampler
-checkpoint, run here in float32, is what PEFT must reproduce (the same bound, the same greedy tokens), and
-the cluster's figures must lie within bfloat16's noise of that forward (`CLUSTER_BOUND`), which ties the
-checkpoint to what the cluster served.
+checkpoint, run here in float32, is what PEFT must reproduce (the same bound, the same greedy tokens). The
+cluster's own figures are then only reported against that forward: bfloat16's noise, up to 1.5 nats per
+token on SmolLM2-135M, is too wide for a check (the checkpoint is the one evaluate-restore restored and
+checked against the live model, by its URL and digests).
 The merged model must match the PEFT model the same way. An export is written to local staging
 and committed like every checkpoint (its files, then the marker with every digest, last), and only when
 the proof holds.
@@ -47,11 +48,6 @@ EXPORT_DIR, PEFT_DIR, MERGED_DIR = "export", "peft", "merged"  # <run_root>/expo
 # export is off by far more: 0.2-0.6 nats with upstream's config (LoRA on 2 of 7 modules), a dropped
 # module or alpha wrong by 2x. The bound leaves 50x room for other models' reduction orders.
 LOGPROB_BOUND = 1e-4
-# A bfloat16 model: the cluster's figures against SkyRL-tx's own float32 forward of the same checkpoint. That
-# is bfloat16's noise: on SmolLM2-135M at most 0.41 nats per token (mean 0.13, 156 tokens), 0.73 in another
-# run; the base model without its adapter is 12.3 nats off. Twice the largest noise seen: a coarse tie
-# between the checkpoint and the cluster (the float32 comparison is the export's proof).
-CLUSTER_BOUND = 1.5
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's --max-lora-rank choices (vllm/config/lora.py)
 _LORA_KEY = re.compile(r"base_model\.model\.(?P<module>.+)\.lora_(?P<which>[AB])\.weight")
 
@@ -79,8 +75,9 @@ class Figures(BaseModel):
     unapplied: list[str] = Field(default_factory=list,
                                  description="Adapter tensors the loaded model did not apply (should be none)")
     expected: Figures | None = Field(default=None, description="What these figures must reproduce (prove sets it)")
-    cluster_max_abs_logprob_diff: float | None = Field(
-        default=None, description="A model not in float32: the cluster's figures against `expected`")
+    cluster_logprob_diff: tuple[float, float] | None = Field(
+        default=None, description="A model not in float32: the cluster's figures against `expected`, (max, mean) "
+        "of |Δ logprob|")
 
 
 class ExportResult(BaseModel):
@@ -99,10 +96,10 @@ class ExportResult(BaseModel):
     compared_against: str = Field(default="the cluster's figures",
                                   description="What PEFT was compared with: the cluster's figures (a float32 model), "
                                   "or SkyRL-tx's forward of the checkpoint in float32 (a bfloat16 or float16 one)")
-    cluster_bound: float = CLUSTER_BOUND
     cluster_max_abs_logprob_diff: float | None = Field(
         default=None, description="A bfloat16 or float16 model: the cluster's logprobs against SkyRL-tx's float32 "
-        "forward of the checkpoint (that dtype's noise)")
+        "forward of the checkpoint, the largest |Δ| (that dtype's noise; reported, not checked)")
+    cluster_mean_abs_logprob_diff: float | None = Field(default=None, description="The same, the mean |Δ|")
     merged_max_abs_logprob_diff: float | None = None
     merged_greedy_tokens_match: bool | None = None
     notes: list[str] = Field(default_factory=list, description="What known servers would refuse or misread")
@@ -119,10 +116,6 @@ def failure(result: ExportResult) -> str | None:
                         f"allowed")
     if not result.greedy_tokens_match:
         problems.append("PEFT adapter: greedy tokens differ from SkyRL's")
-    if result.cluster_max_abs_logprob_diff is not None and not result.cluster_max_abs_logprob_diff <= result.cluster_bound:
-        problems.append(f"the cluster's figures: max |Δ logprob| {result.cluster_max_abs_logprob_diff:.3g} > "
-                        f"{result.cluster_bound:g} allowed against SkyRL-tx's float32 forward of the checkpoint (is "
-                        f"it the checkpoint the cluster served?)")
     if result.merged_max_abs_logprob_diff is not None and not result.merged_max_abs_logprob_diff <= result.logprob_bound:
         problems.append(f"merged model: max |Δ logprob| {result.merged_max_abs_logprob_diff:.3g} > "
                         f"{result.logprob_bound:g} allowed")
@@ -244,9 +237,9 @@ def model_card(result: ExportResult, run: dict, merged: bool) -> str:
               f"{result.max_abs_logprob_diff:.2e} (bound {result.logprob_bound:g}), greedy tokens identical: "
               f"{result.greedy_tokens_match}; compared against {result.compared_against}."]
     if result.cluster_max_abs_logprob_diff is not None:
-        lines.append(f"The cluster computed in the base model's dtype: its figures lie within that dtype's noise of "
-                     f"SkyRL-tx's float32 forward: max |Δ logprob| {result.cluster_max_abs_logprob_diff:.2e} (bound "
-                     f"{result.cluster_bound:g}).")
+        lines.append(f"The cluster computed in the base model's dtype; its figures differ from SkyRL-tx's float32 "
+                     f"forward by that dtype's noise: max |Δ logprob| {result.cluster_max_abs_logprob_diff:.3g}, mean "
+                     f"{result.cluster_mean_abs_logprob_diff:.3g}.")
     if result.merged_max_abs_logprob_diff is not None:
         lines.append(f"The merged model matches the PEFT model: max |Δ logprob| "
                      f"{result.merged_max_abs_logprob_diff:.2e}, greedy tokens identical: "

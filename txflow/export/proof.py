@@ -11,7 +11,6 @@ from txflow.checkpoints.export import (
     ExportReference,
     Figures,
     compute_dtype,
-    max_abs_diff,
 )
 
 
@@ -64,14 +63,13 @@ def prove(base_model_path: str, peft_dir: Path, reference: ExportReference,
           tarball: Path | None = None) -> tuple[Figures, object]:
     """The PEFT model's figures on the reference, with what they must reproduce (`expected`), and the model,
     for a merge. A model the cluster computed in another dtype than float32 is compared like with like:
-    `expected` is SkyRL-tx's own forward of the sampler `tarball` in float32, and the cluster's figures are
-    compared with it."""
+    `expected` is SkyRL-tx's own forward of the sampler `tarball` in float32, and the cluster's distance from it
+    (that dtype's noise) is measured for the report."""
     model = load_peft(base_model_path, peft_dir)
     model.eval()
     found = figures(model, reference)
     found.unapplied = unapplied_tensors(model, peft_dir)
-    dtype = compute_dtype(base_model_path)
-    if dtype == "float32" or tarball is None:
+    if compute_dtype(base_model_path) == "float32" or tarball is None:
         found.expected = Figures(logprobs=reference.logprobs, greedy_tokens=reference.greedy_tokens)
         return found, model
     from txflow.upstream.skyrl_tx.reference import skyrl_figures
@@ -79,7 +77,8 @@ def prove(base_model_path: str, peft_dir: Path, reference: ExportReference,
     logprobs, greedy = skyrl_figures(base_model_path, tarball, reference.sequences, reference.prompts,
                                      [len(tokens) for tokens in reference.greedy_tokens])
     found.expected = Figures(logprobs=logprobs, greedy_tokens=greedy)
-    found.cluster_max_abs_logprob_diff = max_abs_diff(reference.logprobs, logprobs)
+    gaps = [abs(x - y) for xs, ys in zip(reference.logprobs, logprobs) for x, y in zip(xs, ys)]
+    found.cluster_logprob_diff = (max(gaps, default=0.0), sum(gaps) / max(len(gaps), 1))
     return found, model
 
 
