@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.txflow-installed
 
-.PHONY: demo test test-fast venv clean bench
+.PHONY: demo test test-fast lint venv clean bench
 
 venv: $(STAMP)
 
@@ -26,16 +26,19 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/txflow run sft
 
-# Two phases: the unit tests that assert on wall-clock times, alone; then every other test on two
-# pytest-xdist workers, end-to-end tests first (see tests/conftest.py). Both phases run; the target
-# fails if either did.
-test: $(STAMP)
+# Lint first (seconds; it fails the run), then two phases: the unit tests that assert on wall-clock
+# times, alone; then every other test on two pytest-xdist workers, end-to-end tests first (see
+# tests/conftest.py). Both phases run; the target fails if either did.
+test: $(STAMP) lint
 	status=0; \
 	$(BIN)/python -m pytest -v -m timed || status=$$?; \
 	$(BIN)/python -m pytest -v -m "not timed" -n 2 --dist load --no-loadscope-reorder || status=$$?; \
 	exit $$status
 
-test-fast: $(STAMP)
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+test-fast: $(STAMP) lint
 	$(BIN)/python -m pytest -v -m "not e2e"
 
 clean:

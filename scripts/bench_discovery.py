@@ -70,8 +70,8 @@ def main() -> int:
     import fsspec
     import s3fs
 
-    from txflow.processes.ports import free_port, port_open
     from txflow.processes.groups import spawn, stop_groups
+    from txflow.processes.ports import free_port, port_open
 
     server = None
     if not os.environ.get("AWS_ENDPOINT_URL"):

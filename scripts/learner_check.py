@@ -87,7 +87,7 @@ def run(config: dict, broken: str | None, work: Path, env: dict) -> dict:
     began = time.monotonic()
     result = subprocess.run([sys.executable, "-c", RUN, json.dumps(config), broken or ""], env=env, cwd=work,
                             capture_output=True, text=True, timeout=1800)
-    line = next((l for l in result.stdout.splitlines() if l.startswith("REPORT ")), None)
+    line = next((out for out in result.stdout.splitlines() if out.startswith("REPORT ")), None)
     if line is None:
         raise SystemExit(f"run {run_id} gave no report (exit {result.returncode}):\n{result.stderr[-3000:]}")
     report = json.loads(line.removeprefix("REPORT "))

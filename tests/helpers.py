@@ -88,8 +88,8 @@ class MotoServer:
         import os
         import time
 
-        from txflow.processes.ports import free_port, port_open
         from txflow.processes.groups import spawn
+        from txflow.processes.ports import free_port, port_open
 
         self.port = free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"

@@ -204,7 +204,8 @@ class RayCluster:
                "--num-cpus", str(self.num_cpus), "--object-store-memory", str(self.object_store_mb * 1024 * 1024)]
         if private_disk:
             # Same shape as txflow's private_disk_command: `unshare` and `sh` exec, the pid stays ray's.
-            mounts = "".join(f'mount -t tmpfs txflow-ray-node-disk "{d}" || exit 96; ' for d in self.worker_private_dirs)
+            mounts = "".join(f'mount -t tmpfs txflow-ray-node-disk "{d}" || exit 96; '
+                             for d in self.worker_private_dirs)
             for directory in self.worker_private_dirs:
                 directory.mkdir(parents=True, exist_ok=True)
             script = ('mount -t tmpfs txflow-ray-node-disk "$0" || exit 97; mkdir -p "$0/ray" || exit 98; '
@@ -265,9 +266,11 @@ class RayCluster:
             env: dict[str, str] | None = None, input: str | None = None) -> subprocess.CompletedProcess:
         """Run `cmd` to completion inside the namespace; its text output and exit code come back."""
         result = subprocess.run(self.command(cmd, node), capture_output=True, text=True, timeout=timeout,
-                                env={**self.env, **(env or {})}, input=input, stdin=None if input else subprocess.DEVNULL)
+                                env={**self.env, **(env or {})}, input=input,
+                                stdin=None if input else subprocess.DEVNULL)
         if check and result.returncode != 0:
-            raise RayClusterError(f"{cmd} exited {result.returncode}:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+            raise RayClusterError(f"{cmd} exited {result.returncode}:\n{result.stdout[-3000:]}\n"
+                                  f"{result.stderr[-3000:]}")
         return result
 
     def python_run(self, code: str, *args: str, **kw) -> subprocess.CompletedProcess:

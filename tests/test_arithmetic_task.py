@@ -40,8 +40,8 @@ def test_the_committed_data_is_what_the_generator_writes(tmp_path):
 
 
 def test_the_bundled_files_load_as_datasets_of_their_mode():
-    assert len(datasets.load_jsonl(str(REPO / "txflow/data/arithmetic_sft.jsonl"), datasets.REQUIRED_KEYS["sft"])) == 320
-    assert len(datasets.load_jsonl(str(REPO / "txflow/data/arithmetic_rl.jsonl"), datasets.REQUIRED_KEYS["rl"])) == 80
+    for name, mode, count in (("arithmetic_sft.jsonl", "sft", 320), ("arithmetic_rl.jsonl", "rl", 80)):
+        assert len(datasets.load_jsonl(str(REPO / "txflow" / "data" / name), datasets.REQUIRED_KEYS[mode])) == count
 
 
 @pytest.mark.parametrize(("completion", "reward"), [

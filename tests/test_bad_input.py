@@ -41,7 +41,8 @@ CASES = {
                         "line 2: not valid JSON"),
     "empty dataset": (lambda t: {"dataset": write(t / "empty.jsonl", "\n\n")}, "has no rows"),
     "prompt longer than the context": (
-        lambda t: {"dataset": write(t / "long.jsonl", json.dumps({"prompt": "word " * 2000, "completion": "x"}) + "\n")},
+        lambda t: {"dataset": write(t / "long.jsonl",
+                                    json.dumps({"prompt": "word " * 2000, "completion": "x"}) + "\n")},
         "longer than the model's context"),
     "rl prompt longer than the context": (
         lambda t: {"mode": "rl", "dataset": write(t / "long.jsonl", json.dumps({"prompt": "word " * 2000}) + "\n")},

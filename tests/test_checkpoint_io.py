@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.together]
 def backend():
     from tx.tinker.backends.jax import JaxBackendConfig, JaxBackendImpl
 
-    originals = {n: JaxBackendImpl.__dict__[n] for n in ("save_checkpoint", "load_checkpoint", "load_sampler_checkpoint")}
+    originals = {n: JaxBackendImpl.__dict__[n]
+                 for n in ("save_checkpoint", "load_checkpoint", "load_sampler_checkpoint")}
     upstream_save = originals["save_checkpoint"]
     checkpoint_io.install_checkpoint_io()
     try:

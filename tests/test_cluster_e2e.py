@@ -13,14 +13,13 @@ from pathlib import Path
 import psutil
 import pytest
 
-from txflow.processes.procfs import is_alive
-
 from tasks.launch_workers import launch_workers
 from tasks.provision_coordinator import provision_coordinator
 from tasks.teardown import teardown
 from tests.helpers import alive_pids, cluster_pids, descendants, run_txflow, txflow_cmd
 from txflow.cluster.launchers.local import LocalLauncher
 from txflow.config import RunConfig
+from txflow.processes.procfs import is_alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.heavy(9)]
 
@@ -93,7 +92,8 @@ class StuckWorkerLauncher(LocalLauncher):
 
     def start(self, cluster, role, rank, cmd, env, ports, log_name):
         if role == "worker":
-            cmd = [sys.executable, "-c", "print('worker stuck before joining', flush=True); import time; time.sleep(600)"]
+            cmd = [sys.executable, "-c",
+                   "print('worker stuck before joining', flush=True); import time; time.sleep(600)"]
         return super().start(cluster, role, rank, cmd, env, ports, log_name)
 
 

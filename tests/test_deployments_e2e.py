@@ -15,8 +15,8 @@ import subprocess
 import time
 import uuid
 from contextlib import contextmanager
-from datetime import timedelta
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import httpx
@@ -350,7 +350,7 @@ def test_three_sft_deployment_runs_take_turns_on_the_slots_and_wait_for_approval
         with api(server) as client:
             while not all(client.read_flow_run(uuid.UUID(f)).state.is_final() for _, f, _ in runs.values()):
                 assert time.monotonic() < deadline, worker.tail()
-                for name, (run_id, flow_run_id, state) in runs.items():
+                for name, (_run_id, flow_run_id, state) in runs.items():
                     run = client.read_flow_run(uuid.UUID(flow_run_id))
                     if name in asked or not run.state.is_paused():
                         continue
@@ -380,7 +380,7 @@ def test_three_sft_deployment_runs_take_turns_on_the_slots_and_wait_for_approval
                    for times in (_task_times(server, flow_run_id) for _, flow_run_id, _ in runs.values()))
     assert all(later[0] >= earlier[1] for earlier, later in zip(spans, spans[1:])), spans
 
-    for name, (run_id, flow_run_id, state) in runs.items():
+    for name, (run_id, _flow_run_id, state) in runs.items():
         assert f"Promote run `{run_id}` (sft, 6 steps" in asked[name] and "eval_loss_gain" in asked[name]
         run = finished[name]
         assert run.parameters["config"]["run_id"] == run_id
@@ -479,7 +479,8 @@ def test_crashed_deployment_run_stops_its_cluster(server, worker, tmp_path, reap
     # The worker runs the hook in a fresh process after reporting Crashed; its line names each process.
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        hook_lines = [line for line in _flow_run_logs(server, flow_run_id) if "Crashed hook: stopped the cluster" in line]
+        hook_lines = [line for line in _flow_run_logs(server, flow_run_id)
+                      if "Crashed hook: stopped the cluster" in line]
         if hook_lines:
             break
         time.sleep(1)

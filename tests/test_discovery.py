@@ -13,8 +13,8 @@ import uuid
 from pathlib import Path
 
 import fsspec
-from fsspec.implementations.memory import MemoryFileSystem
 import pytest
+from fsspec.implementations.memory import MemoryFileSystem
 
 from tests.helpers import fresh_root
 from txflow.checkpoints.discovery import discover, write_manifest

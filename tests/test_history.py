@@ -7,7 +7,7 @@ import hashlib
 import json
 import subprocess
 import threading
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 import fsspec
 import pytest
@@ -17,7 +17,7 @@ from tests.helpers import fresh_root
 from txflow.reporting import history
 from txflow.reporting.history import NightlyRecord, Versions, compare
 
-T0 = datetime(2026, 3, 1, 3, 0, tzinfo=timezone.utc)
+T0 = datetime(2026, 3, 1, 3, 0, tzinfo=UTC)
 VERSIONS = Versions(skyrl_tx="0.3.0", tinker="0.13.1", jax="0.10.2", txflow_commit="a" * 40)
 
 

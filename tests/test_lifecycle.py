@@ -89,7 +89,8 @@ def test_a_deletion_stopped_half_way_reads_incomplete_and_the_next_prune_finishe
     [found] = [a for a in discover(str(tmp_path / "r")) if storage.step_of(a.path) == 2]
     assert not found.complete and found.reason == BEING_PRUNED
     cfg = RunConfig(run_id="again", checkpoints=str(tmp_path / "other"), resume_from=urls[2]).resolved()
-    with pytest.raises(ValueError, match=r"is being pruned; the newest state still there is .*step-000006.* \(step 6\)"):
+    with pytest.raises(ValueError,
+                       match=r"is being pruned; the newest state still there is .*step-000006.* \(step 6\)"):
         storage.resolve_resume_from(cfg)
 
     [run] = retention.prune(str(tmp_path), keep_last=1, older_than_days=None)
@@ -319,5 +320,6 @@ def test_a_trim_that_fails_after_the_pointer_moved_leaves_the_promotion_standing
     monkeypatch.setattr(retention, "delete", real_delete)
     passed_run(tmp_path / "ckpt", "r", (2,))
     assert cli.main(["prune", checkpoints, "--keep-last", "1", "--json"]) == 0  # the next prune finishes it
-    assert json.loads(capsys.readouterr().out)["promotions_removed"] == [f"{checkpoints}/promoted/prod/history/{ids[0]}"]
+    removed = json.loads(capsys.readouterr().out)["promotions_removed"]
+    assert removed == [f"{checkpoints}/promoted/prod/history/{ids[0]}"]
     assert [r["id"] for r in promotion.history(checkpoints, "prod")] == [result.id, *ids[:0:-1]]

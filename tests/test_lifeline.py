@@ -26,7 +26,8 @@ PARENT = textwrap.dedent("""
     from pathlib import Path
     out = {}
     def start():
-        proc = groups.spawn(json.loads(sys.argv[1]), Path(sys.argv[2]), env=lifeline.child_env(dict(__import__('os').environ)))
+        proc = groups.spawn(json.loads(sys.argv[1]), Path(sys.argv[2]),
+                            env=lifeline.child_env(dict(__import__('os').environ)))
         out["pid"], out["start"] = proc.pid, procfs.start_time(proc.pid)
     t = threading.Thread(target=start); t.start(); t.join()
     print(json.dumps(out), flush=True)

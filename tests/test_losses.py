@@ -152,8 +152,9 @@ def test_dros_penalty_leaves_out_the_prompt_tokens_that_its_page_penalizes(beta)
     np.testing.assert_allclose(grad[1:], page_grad[1:], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name, config", [("gspo", {}), ("gspo", {"clip_low_threshold": 0.1,
-                                                                  "clip_high_threshold": 10.0}), ("dro", {"beta": 2.0})])
+@pytest.mark.parametrize("name, config", [("gspo", {}),
+                                          ("gspo", {"clip_low_threshold": 0.1, "clip_high_threshold": 10.0}),
+                                          ("dro", {"beta": 2.0})])
 def test_a_sampled_token_whose_sampling_logprob_is_exactly_zero_still_counts(name, config):
     # A bf16 model returns exactly 0.0 for a token it samples with p > ~0.97 (issue 31): token 3 here. It
     # has an advantage, so it is a sampled token: in gspo's sequence ratio, under dro's penalty.

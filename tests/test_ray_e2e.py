@@ -300,7 +300,8 @@ def test_sigkill_of_the_driver_leaves_no_actor_or_rank_within_15_s(ray_env):
     try:
         wait_until(lambda: metrics.exists() and metrics.read_text().strip(), proc, log, "training to start")
         records = cluster_json(states, "ray-kill9")["processes"]
-        actors = [pid for pid in cluster.pids() if "RankHost" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+        actors = [pid for pid in cluster.pids()
+                  if "RankHost" in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
         assert len(records) == 3 and len(actors) == 2
         proc.kill()
         killed_at = time.monotonic()

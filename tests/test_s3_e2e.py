@@ -20,8 +20,21 @@ import fsspec
 import pytest
 import s3fs
 
-from tests.helpers import (API_KEY_MARKER, BUCKET, LOAD_PEFT_AND_GREEDY, PASSWORD_MARKER, S3_SECRET_MARKER, TcpProxy,
-                           alive_pids, bucket_keys, descendants, private_mounts_work, run_txflow, txflow_cmd, until_eos)
+from tests.helpers import (
+    API_KEY_MARKER,
+    BUCKET,
+    LOAD_PEFT_AND_GREEDY,
+    PASSWORD_MARKER,
+    S3_SECRET_MARKER,
+    TcpProxy,
+    alive_pids,
+    bucket_keys,
+    descendants,
+    private_mounts_work,
+    run_txflow,
+    txflow_cmd,
+    until_eos,
+)
 from txflow.checkpoints import storage
 from txflow.checkpoints.discovery import discover
 from txflow.checkpoints.markers import COMMIT_SUFFIX, SIGNING_KEY_ENV
@@ -67,7 +80,7 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
         s3_env = s3_env | {ISOLATE_WORKER_DISKS_ENV: "1"}
     elif os.environ.get(SHARED_DISK_OPT_OUT) == "1":
         warnings.warn(f"unshare --mount is not permitted here and {SHARED_DISK_OPT_OUT}=1: the ranks of this test "
-                      "share a disk, so it does not prove that checkpoints need no shared filesystem")
+                      "share a disk, so it does not prove that checkpoints need no shared filesystem", stacklevel=2)
     else:
         pytest.fail(f"unshare --mount is not permitted here, so rank 1 cannot get a private disk and this test "
                     f"would not prove that checkpoints need no shared filesystem. Run as root on Linux, or set "

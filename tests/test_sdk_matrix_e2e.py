@@ -19,9 +19,8 @@ import tarfile
 import time
 from pathlib import Path
 
-import safetensors.numpy
-
 import pytest
+import safetensors.numpy
 
 from tasks.launch_workers import launch_workers
 from tasks.provision_coordinator import provision_coordinator

@@ -9,11 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-import sqlalchemy
 import pytest
+import sqlalchemy
 
-from tests.helpers import (LOAD_PEFT_AND_GREEDY, PASSWORD_MARKER, alive_pids, new_prefect_home, run_txflow,
-                           until_eos)
+from tests.helpers import LOAD_PEFT_AND_GREEDY, PASSWORD_MARKER, alive_pids, new_prefect_home, run_txflow, until_eos
 from txflow.cluster.launchers import stop_cluster
 
 pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(8)]

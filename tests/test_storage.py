@@ -12,8 +12,14 @@ import pytest
 from tests.helpers import fresh_root
 from txflow.checkpoints import storage
 from txflow.checkpoints.discovery import discover
-from txflow.checkpoints.markers import (COMMIT_SUFFIX, SIGNING_KEY_BLOCK_ENV, SIGNING_KEY_ENV, check_signature,
-                                        commit_record, md5_of)
+from txflow.checkpoints.markers import (
+    COMMIT_SUFFIX,
+    SIGNING_KEY_BLOCK_ENV,
+    SIGNING_KEY_ENV,
+    check_signature,
+    commit_record,
+    md5_of,
+)
 from txflow.config import RunConfig
 from txflow.log import scrub
 from txflow.upstream.skyrl_tx.layout import STATE_FILE

@@ -72,8 +72,8 @@ def test_each_mode_is_judged_by_its_own_bar_only():
 
 
 def test_every_failed_check_is_listed():
-    found = failed("rl", abs_diff=1.0, tokens_match=False, moved=False, quality={"reward_gain": 0.0, "sign_flip_p": 1.0},
-                   logprob_diff=1.0)
+    found = failed("rl", abs_diff=1.0, tokens_match=False, moved=False,
+                   quality={"reward_gain": 0.0, "sign_flip_p": 1.0}, logprob_diff=1.0)
     assert len(found) == 6, found
 
 

@@ -424,4 +424,5 @@ class RunConfig(BaseModel, extra="forbid"):
 API_KEY_ENV = "TINKER_API_KEY"  # the Tinker SDK's own variable
 
 # The fields that hold credentials: never logged, and never needed to find or stop a run's processes.
-SECRET_FIELDS = frozenset(name for name, field in RunConfig.model_fields.items() if "SecretStr" in str(field.annotation))
+SECRET_FIELDS = frozenset(name for name, field in RunConfig.model_fields.items()
+                          if "SecretStr" in str(field.annotation))

@@ -254,7 +254,8 @@ def check_database(cfg: RunConfig) -> None:
         engine = create_engine(url, connect_args={"connect_timeout": 10} if url.get_backend_name() == "postgresql"
                                else {})
     except Exception as exc:  # unparseable, or a driver that is not installed
-        raise PreflightError(f"--database-url {redact(given)}: not a usable database URL ({_first_line(exc)})") from None
+        raise PreflightError(f"--database-url {redact(given)}: not a usable database URL "
+                             f"({_first_line(exc)})") from None
     try:
         with engine.connect() as connection:
             connection.execute(text("SELECT 1"))

@@ -41,10 +41,23 @@ from typing import Literal
 import fsspec
 from pydantic import BaseModel
 
-from txflow.checkpoints.markers import (BEING_PRUNED, COMMIT_SUFFIX, PRUNED_SUFFIX, PRUNING_SUFFIX, VERIFY_ETAG,
-                                        commit_record, listed_size, md5_etag, md5_of, read_commit, relpath, same_path,
-                                        signing_key, verify_method)
 from txflow.checkpoints.lease import LEASE
+from txflow.checkpoints.markers import (
+    BEING_PRUNED,
+    COMMIT_SUFFIX,
+    PRUNED_SUFFIX,
+    PRUNING_SUFFIX,
+    VERIFY_ETAG,
+    commit_record,
+    listed_size,
+    md5_etag,
+    md5_of,
+    read_commit,
+    relpath,
+    same_path,
+    signing_key,
+    verify_method,
+)
 from txflow.upstream.skyrl_tx.layout import STATE_FILE
 
 MANIFEST_NAME = "manifest.json"

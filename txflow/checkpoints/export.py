@@ -116,7 +116,8 @@ def failure(result: ExportResult) -> str | None:
                         f"allowed")
     if not result.greedy_tokens_match:
         problems.append("PEFT adapter: greedy tokens differ from SkyRL's")
-    if result.merged_max_abs_logprob_diff is not None and not result.merged_max_abs_logprob_diff <= result.logprob_bound:
+    merged = result.merged_max_abs_logprob_diff
+    if merged is not None and not merged <= result.logprob_bound:
         problems.append(f"merged model: max |Δ logprob| {result.merged_max_abs_logprob_diff:.3g} > "
                         f"{result.logprob_bound:g} allowed")
     if result.merged_greedy_tokens_match is False:
@@ -318,7 +319,8 @@ def locate(url: str, options: dict) -> tuple[str, ExportReference]:
     try:
         reference = read_reference(run_root, options)
     except (OSError, ValueError) as exc:
-        raise ExportError(f"{url}: cannot read {REFERENCE_NAME} under {run_root} ({type(exc).__name__}: {exc})") from None
+        raise ExportError(f"{url}: cannot read {REFERENCE_NAME} under {run_root} "
+                          f"({type(exc).__name__}: {exc})") from None
     if reference is None:
         raise ExportError(f"{url} is not a txflow run root with a checked sampler checkpoint: {run_root} has no "
                           f"{REFERENCE_NAME} (evaluate-restore writes it when a run's restore check passes)")

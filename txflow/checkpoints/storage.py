@@ -29,13 +29,19 @@ from pathlib import Path
 import fsspec
 
 from txflow.checkpoints.discovery import Artifact, count_tar_members, discover
-from txflow.checkpoints.markers import (BEING_PRUNED, COMMIT_SUFFIX, check_signature, md5_of, read_commit,
-                                        signing_key, write_commit)
+from txflow.checkpoints.markers import (
+    BEING_PRUNED,
+    COMMIT_SUFFIX,
+    check_signature,
+    md5_of,
+    read_commit,
+    signing_key,
+    write_commit,
+)
 from txflow.checkpoints.names import step_of
 from txflow.checkpoints.retention import pruned_record
 from txflow.config import RunConfig
 from txflow.upstream.skyrl_tx import layout
-
 
 
 def engine_checkpoints_base(cfg: RunConfig) -> str:

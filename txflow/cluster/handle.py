@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from txflow.cluster.launcher import Launcher
 from txflow.cluster.monitor import ClusterFault, NoProgress, RankDied, RankMonitor
+from txflow.cluster.records import Cluster, ProcessRecord
 
 WAIT_THREADS = 4
 
@@ -25,7 +26,6 @@ def _concurrent_future(future) -> Future | None:
         return future
     inner = getattr(future, "_future", None)
     return inner if isinstance(inner, Future) else None
-from txflow.cluster.records import Cluster, ProcessRecord
 
 
 @dataclass(eq=False)

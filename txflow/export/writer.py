@@ -49,7 +49,8 @@ def export(reference: ExportReference, dest: str, options: dict, base_model_path
             max_abs_logprob_diff=max_abs_diff(found.logprobs, found.expected.logprobs),
             greedy_tokens_match=found.greedy_tokens == found.expected.greedy_tokens,
             compared_against="the cluster's figures" if found.cluster_logprob_diff is None else
-            f"SkyRL-tx's forward of the checkpoint in float32 (the cluster computed in {compute_dtype(base_model_path)})",
+            f"SkyRL-tx's forward of the checkpoint in float32 (the cluster computed in "
+            f"{compute_dtype(base_model_path)})",
             cluster_max_abs_logprob_diff=found.cluster_logprob_diff and found.cluster_logprob_diff[0],
             cluster_mean_abs_logprob_diff=found.cluster_logprob_diff and found.cluster_logprob_diff[1],
             notes=serving_notes(config, reference.base_model, base_model_path), passed=False)

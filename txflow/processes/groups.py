@@ -16,7 +16,8 @@ from pathlib import Path
 from txflow.processes.procfs import proc_stats
 
 
-def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: str | None = None) -> subprocess.Popen:
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None,
+          cwd: str | None = None) -> subprocess.Popen:
     """Start `cmd` in a new session (its own process group), stdout+stderr appended to `log_path`."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:

@@ -6,7 +6,6 @@ from txflow.checkpoints import storage
 from txflow.cluster.handle import ClusterHandle
 from txflow.config import RunConfig
 
-
 # The adapter txflow's sft and rl modes train: attention and MLP (as SkyRL-tx always trained them), not the
 # unembedding the Tinker SDK asks for by default, so that the exported adapter serves on vLLM unmerged.
 # Every client that restores or samples such an adapter must ask for the same modules.

@@ -9,9 +9,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from txflow.cluster.records import Cluster
 from txflow.processes import groups, lifeline, logs
 from txflow.training import sft
-from txflow.cluster.records import Cluster
 
 PLACEHOLDERS = ("base_url", "base_model", "run_id", "checkpoint_root")
 

@@ -10,6 +10,7 @@ from txflow.cluster.startup import greedy_params
 from txflow.results import LiveReference
 from txflow.training import clients, sft
 
+
 def eval_loss(training_client, examples: list[sft.Example], handle: ClusterHandle, timeout_s: float) -> float:
     """Mean NLL per completion token of `examples` under the client's weights (forward only)."""
     future = training_client.forward([sft.to_datum(e) for e in examples], "cross_entropy")

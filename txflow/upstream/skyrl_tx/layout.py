@@ -5,6 +5,7 @@ one way to make it serve a checkpoint it did not write (`register_checkpoint`)."
 from __future__ import annotations
 
 import re
+from datetime import UTC
 
 STATE_FILE = "txflow-state.msgpack"
 """The one file of a training-state checkpoint, inside the `<name>.tar.gz/` directory upstream names
@@ -63,7 +64,7 @@ def register_checkpoint(database_url: str, model_id: str, checkpoint_id: str, ki
     storage under a live model's id needs this row before load_state or a
     sampling client can use it. Can go when upstream can load from a URL.
     """
-    from datetime import datetime, timezone
+    from datetime import datetime
 
     from sqlmodel import Session, create_engine
     from tx.tinker import types
@@ -74,7 +75,7 @@ def register_checkpoint(database_url: str, model_id: str, checkpoint_id: str, ki
     try:
         with Session(engine) as session:
             session.merge(CheckpointDB(model_id=model_id, checkpoint_id=checkpoint_id, checkpoint_type=checkpoint_type,
-                                       status=CheckpointStatus.COMPLETED, completed_at=datetime.now(timezone.utc)))
+                                       status=CheckpointStatus.COMPLETED, completed_at=datetime.now(UTC)))
             session.commit()
     finally:
         engine.dispose()

@@ -193,7 +193,8 @@ def _request_problem(scope, body: bytes) -> str | None:
     for datum in found.get("data") or []:
         if reason or not isinstance(datum, dict):
             break
-        inputs = {k: (v.get("data") if isinstance(v, dict) else v) for k, v in (datum.get("loss_fn_inputs") or {}).items()}
+        inputs = {k: (v.get("data") if isinstance(v, dict) else v)
+                  for k, v in (datum.get("loss_fn_inputs") or {}).items()}
         reason = datum_problem(loss_fn, inputs)
     return reason
 

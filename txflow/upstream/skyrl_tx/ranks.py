@@ -46,7 +46,7 @@ def compilation_cache_written_by_every_rank() -> None:
                                                       int(compile_time_secs))
         except Exception as error:  # a cache that cannot be written costs time, never the run
             warnings.warn(f"txflow: compilation cache entry for {module_name!r} not written: "
-                          f"{type(error).__name__}: {error}")
+                          f"{type(error).__name__}: {error}", stacklevel=2)
 
     compiler._cache_write = write_on_every_rank
 
