@@ -457,18 +457,21 @@ def test_a_store_whose_etags_are_not_md5s_commits_by_reading_back_and_verifies_b
         fsspec.filesystem("kmsmem").rm(root, recursive=True)
 
 
+class Md5EtagStore(MemoryFileSystem):
+    """An in-memory store that lists each file with its MD5 as ETag, as S3 does for a single-part upload."""
+
+    protocol = "md5mem"
+
+    def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
+        found = super().find(path, maxdepth=maxdepth, withdirs=withdirs, detail=True, **kwargs)
+        for p, info in found.items():
+            if info.get("type") == "file":
+                info["ETag"] = hashlib.md5(self.cat_file(p)).hexdigest()
+        return found if detail else sorted(found)
+
+
 def test_on_a_store_with_md5_etags_the_marker_trusts_the_listing():
-    class Md5Store(MemoryFileSystem):
-        protocol = "md5mem"
-
-        def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
-            found = super().find(path, maxdepth=maxdepth, withdirs=withdirs, detail=True, **kwargs)
-            for p, info in found.items():
-                if info.get("type") == "file":
-                    info["ETag"] = hashlib.md5(self.cat_file(p)).hexdigest()
-            return found if detail else sorted(found)
-
-    fsspec.register_implementation("md5mem", Md5Store, clobber=True)
+    fsspec.register_implementation("md5mem", Md5EtagStore, clobber=True)
     root = f"md5mem://md5-{uuid.uuid4().hex}"
     fs = fsspec.filesystem("md5mem")
     fs.pipe_file(f"{root}/m1/sampler_weights/s.tar.gz", b"tarball bytes")
@@ -488,16 +491,9 @@ def test_a_signed_checkpoint_is_still_verified_from_the_listing_alone(tmp_path, 
     from txflow.checkpoints import storage
     from txflow.checkpoints.markers import SIGNING_KEY_ENV
 
-    class Md5Store(MemoryFileSystem):
+    class Md5Store(Md5EtagStore):
         protocol = "md5sig"
         reads: list = []
-
-        def find(self, path, maxdepth=None, withdirs=False, detail=False, **kwargs):
-            found = super().find(path, maxdepth=maxdepth, withdirs=withdirs, detail=True, **kwargs)
-            for p, info in found.items():
-                if info.get("type") == "file":
-                    info["ETag"] = hashlib.md5(self.cat_file(p)).hexdigest()
-            return found if detail else sorted(found)
 
         def cat(self, path, *args, **kwargs):
             Md5Store.reads.append(path)

@@ -190,15 +190,20 @@ def test_an_alpha_wrong_by_2x_fails_the_check(skyrl_sampler, tmp_path):
     print(f"alpha x2: max |Δ logprob| {diff:.3f}")
 
 
-def test_a_dropped_module_fails_the_check(skyrl_sampler, tmp_path):
+def _without_down_proj(sampler, tmp_path) -> Path:
+    """The sampler's PEFT adapter with one module (down_proj) dropped, weights and config alike."""
     from safetensors.torch import load_file, save_file
 
-    peft_dir, config = _peft_dir(skyrl_sampler, tmp_path)
+    peft_dir, config = _peft_dir(sampler, tmp_path)
     weights = load_file(str(peft_dir / "adapter_model.safetensors"))
     save_file({k: v for k, v in weights.items() if ".down_proj." not in k}, str(peft_dir / "adapter_model.safetensors"))
     (peft_dir / "adapter_config.json").write_text(json.dumps(
         {**config, "target_modules": [m for m in config["target_modules"] if m != "down_proj"]}))
-    diff, _, _ = _check(skyrl_sampler, peft_dir)
+    return peft_dir
+
+
+def test_a_dropped_module_fails_the_check(skyrl_sampler, tmp_path):
+    diff, _, _ = _check(skyrl_sampler, _without_down_proj(skyrl_sampler, tmp_path))
     assert diff > export.LOGPROB_BOUND
     print(f"down_proj dropped: max |Δ logprob| {diff:.3f}")
 
@@ -272,13 +277,7 @@ def test_the_cluster_figures_of_a_bfloat16_model_are_reported_not_checked(bf16_s
 
 
 def test_a_dropped_module_fails_the_check_on_a_bfloat16_model_too(bf16_sampler, tmp_path):
-    from safetensors.torch import load_file, save_file
-
-    peft_dir, config = _peft_dir(bf16_sampler, tmp_path)
-    weights = load_file(str(peft_dir / "adapter_model.safetensors"))
-    save_file({k: v for k, v in weights.items() if ".down_proj." not in k}, str(peft_dir / "adapter_model.safetensors"))
-    (peft_dir / "adapter_config.json").write_text(json.dumps(
-        {**config, "target_modules": [m for m in config["target_modules"] if m != "down_proj"]}))
+    peft_dir = _without_down_proj(bf16_sampler, tmp_path)
     found, _ = proof.prove(bf16_sampler["base"], peft_dir, bf16_sampler["reference"], bf16_sampler["tarball"])
     assert export.max_abs_diff(found.logprobs, found.expected.logprobs) > export.LOGPROB_BOUND
 
