@@ -242,14 +242,15 @@ def _lifecycle(cfg: RunConfig, done: Progress) -> str | None:
             done.discovered = done.pruned.discovered
         if not cfg.promote_as:
             return None
-        verdict, comment = "approved", None
+        decision = None
         if cfg.approve:
             summary = run_report.approval_markdown(cfg, metrics, done.restore, done.exported.result)
-            verdict, comment = done.run(approval, cfg, summary)
-        if verdict != "approved":
-            done.promoted = Promotion(name=cfg.promote_as, status=verdict, comment=comment)
-            return None
-        done.promoted = done.run(promote, cfg, done.saved, done.restore, done.exported.result, metrics, comment)
+            decision = done.run(approval, cfg, summary)
+            if decision.verdict != "approved":
+                done.promoted = Promotion(name=cfg.promote_as, status=decision.verdict, comment=decision.comment,
+                                          approver=decision.approver)
+                return None
+        done.promoted = done.run(promote, cfg, done.saved, done.restore, done.exported.result, metrics, decision)
     except Exception as exc:
         get_logger().error(f"run {cfg.run_id} failed in {done.step}: {exc}")
         if done.step == promote.name:

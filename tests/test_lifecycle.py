@@ -10,16 +10,18 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsspec
 import pytest
 
 from tests.helpers import fresh_root
-from txflow import cli
+from txflow import cli, lifecycle
 from txflow.checkpoints import lease, promotion, retention, storage
 from txflow.checkpoints.discovery import discover
 from txflow.checkpoints.markers import BEING_PRUNED, COMMIT_SUFFIX, PRUNED_SUFFIX, PRUNING_SUFFIX
 from txflow.config import RunConfig
+from txflow.reporting.report import lifecycle_markdown
 from txflow.upstream.skyrl_tx.layout import STATE_FILE
 
 
@@ -321,3 +323,28 @@ def test_a_trim_that_fails_after_the_pointer_moved_leaves_the_promotion_standing
     assert cli.main(["prune", checkpoints, "--keep-last", "1", "--json"]) == 0  # the next prune finishes it
     assert json.loads(capsys.readouterr().out)["promotions_removed"] == [f"{checkpoints}/promoted/prod/history/{ids[0]}"]
     assert [r["id"] for r in promotion.history(checkpoints, "prod")] == [result.id, *ids[:0:-1]]
+
+
+def test_the_approver_is_prefects_sender_else_the_name_given_else_unknown():
+    """Prefect 3.9.1's server knows no user: a sender is stored only when the answer was written with one."""
+    assert lifecycle.approver("prefect.flow-run.x", "alice") == "prefect.flow-run.x (the sender Prefect stored " \
+                                                               "with the answer)"
+    assert lifecycle.approver(None, " alice ") == "alice (named in the approval form; the Prefect server records " \
+                                                  "no user)"
+    assert lifecycle.approver(None, "  ") == lifecycle.approver(None, None) == \
+        "unknown (the Prefect server records no user)"
+
+
+def test_the_report_names_who_answered_the_approval():
+    approved = promotion.Promotion(name="prod", status="promoted", url="u", pointer="p", comment="ship it",
+                                   approver="alice (named in the approval form; the Prefect server records no user)")
+    rejected = approved.model_copy(update={"status": "rejected", "approver": "bob (the sender Prefect stored "
+                                                                             "with the answer)"})
+    lines = lifecycle_markdown(SimpleNamespace(retention=None, promotion=approved))
+    assert "- approved by: alice (named in the approval form; the Prefect server records no user)" in lines
+    assert "- approver's comment: ship it" in lines
+    lines = lifecycle_markdown(SimpleNamespace(retention=None, promotion=rejected))
+    assert "- answered by: bob (the sender Prefect stored with the answer)" in lines
+    unanswered = approved.model_copy(update={"status": "not approved in time", "approver": None, "comment": None})
+    assert not [line for line in lifecycle_markdown(SimpleNamespace(retention=None, promotion=unanswered))
+                if " by: " in line]

@@ -185,6 +185,8 @@ def promoted_cmd(args) -> int:
     if "merged" in current["files"]:
         lines.append(f"  merged model: {current['files']['merged']}")
     lines += [f"  {k}: {v:.6g}" if isinstance(v, float) else f"  {k}: {v}" for k, v in current["figures"].items()]
+    if current.get("approver"):
+        lines.append(f"  approved by: {current['approver']}")
     if current.get("approval_comment"):
         lines.append(f"  approved: {current['approval_comment']}")
     lines.append("  history: " + ", ".join(f"{r['id']} (run {r['run_id']})" for r in kept if r["id"] != current["id"])
