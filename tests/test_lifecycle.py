@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import fsspec
 import pytest
 
-from tests.helpers import fresh_root
+from tests.helpers import fresh_root, lease_race, taken_over_while_held
 from txflow import cli, lifecycle
 from txflow.checkpoints import lease, promotion, retention, storage
 from txflow.checkpoints.discovery import discover
@@ -198,12 +198,46 @@ def test_a_dead_holders_lease_is_taken_over_with_a_log_line(run_root, caplog):
         assert not lease.alive(run_root)
         with caplog.at_level(logging.WARNING), lease.held(run_root, "new"):
             assert lease.holder(run_root)["run_id"] == "new"
-        assert f"taking over the lease of run old under {run_root} " in caplog.text and why in caplog.text
+        assert f"took over the lease of run old under {run_root} " in caplog.text and why in caplog.text
     # Another host's lease, renewed a moment ago: its pid says nothing here, and it is refused.
     fs.pipe_file(f"{root}/{lease.LEASE}", json.dumps({**silent, "renewed_at": now, "expires_at": now + 600}).encode())
     with pytest.raises(lease.LeaseHeld, match="host another-host, pid 1"):
         with lease.held(run_root, "new"):
             pass
+
+
+@pytest.fixture
+def slow_takeovers(monkeypatch):
+    """Every run that finds the lease dead reads it before any takes it over, and each replace waits 0.02 s:
+    a takeover that is not one compare-and-swap lets two in."""
+    stale, replace = lease.stale, os.replace
+
+    def slow_stale(record):
+        time.sleep(0.1)
+        return stale(record)
+
+    def slow_replace(*args):
+        time.sleep(0.02)
+        return replace(*args)
+
+    monkeypatch.setattr(lease, "stale", slow_stale)
+    monkeypatch.setattr(os, "replace", slow_replace)
+
+
+def test_of_many_runs_taking_over_one_dead_lease_at_once_exactly_one_gets_it(tmp_path, slow_takeovers):
+    """The takeover is a compare-and-swap under the run root's flock: the others find the winner's live lease."""
+    won = lease_race(str(tmp_path / "r"))
+    assert len(won) == 1, won
+    assert json.loads((tmp_path / "r" / lease.LEASE).read_text())["run_id"] == won[0]
+
+
+def test_a_holder_taken_over_learns_it_at_its_next_renewal_and_leaves_the_new_lease(run_root):
+    after, messages = taken_over_while_held(run_root)
+    assert after is not None and after["run_id"] == "other"  # neither renewed over nor deleted by the old holder
+    assert [m for m in messages if m == f"run r: the lease of {run_root} was taken over (by run other); another "
+                                        "run may use this run id now"], messages
+    after, _ = taken_over_while_held(f"{run_root}/released", renew=False)
+    assert after is not None and after["run_id"] == "other"  # its release left the other run's lease
 
 
 # --- promotion -------------------------------------------------------------------------------------------
