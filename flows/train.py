@@ -165,8 +165,9 @@ def _train(cfg: RunConfig) -> RunReport:
     done = Progress()
     began = time.monotonic()
     data = done.time(preflight, cfg)
-    # The run root says the run is running (for `txflow prune`, maybe elsewhere) until it ends.
-    with lease.held(cfg.run_root, cfg.run_id, cfg.plain_storage_options()):
+    # The run root says the run is running (for `txflow prune`, maybe elsewhere) until it ends. `txflow run`
+    # took it already, before the flow started: joined.
+    with lease.held(cfg.run_root, cfg.run_id, cfg.plain_storage_options(), join=True):
         return _run(cfg, data, done, began)
 
 

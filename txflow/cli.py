@@ -24,6 +24,7 @@ import time
 import traceback
 import types
 import typing
+from contextlib import ExitStack
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
@@ -244,6 +245,16 @@ def run(args) -> int:
     except PreflightError as exc:
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
+    from txflow.checkpoints import lease
+
+    held = ExitStack()
+    try:
+        # Taken here (the flow joins it): of two runs past pre-flight at the same moment, the second is refused
+        # as pre-flight refuses one, before anything starts.
+        held.enter_context(lease.held(config.run_root, config.run_id, config.plain_storage_options()))
+    except lease.LeaseHeld as exc:
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
+        return 2
     print(f"txflow: run {config.run_id}, state directory {config.state_dir}", file=sys.stderr)
     signal.signal(signal.SIGTERM, _on_sigterm)
     from txflow.reporting.bar import PROGRESS_ENV
@@ -253,7 +264,7 @@ def run(args) -> int:
 
     from txflow.cluster import embedded_prefect
 
-    with embedded_prefect.server(config.state_dir) as prefect_server:
+    with held, embedded_prefect.server(config.state_dir) as prefect_server:
         from flows.train import RunFailed, train_flow  # imports while the server starts
 
         if prefect_server is not None:

@@ -239,16 +239,26 @@ def _acquire(fs, path: str, run_root: str, run_id: str, token: str, ttl_s: float
     raise LeaseHeld(f"Another run keeps taking the lease of {run_root} (run id {run_id}); use another --run-id")
 
 
+# The leases this process holds, by URL: `txflow run` takes its run's before the flow starts (so a second run
+# is refused before anything starts), and the flow's own `held(..., join=True)` joins it.
+_held_here: set[str] = set()
+
+
 @contextmanager
 def held(run_root: str, run_id: str, storage_options: dict | None = None, ttl_s: float = TTL_S,
-         renew_s: float = RENEW_S):
+         renew_s: float = RENEW_S, join: bool = False):
     """Hold the run's lease for the duration of the block. Raises LeaseHeld, before the block, when a live
-    run holds it."""
+    run holds it. With `join`, a lease this process holds already is held with it (not refused)."""
     fs, root = fsspec.core.url_to_fs(run_root, **(storage_options or {}))
     fs.makedirs(root, exist_ok=True)
     path = f"{root.rstrip('/')}/{LEASE}"
+    url = fs.unstrip_protocol(path)
+    if join and url in _held_here:
+        yield path
+        return
     token = secrets.token_hex(16)
     version = _acquire(fs, path, run_root, run_id, token, ttl_s)
+    _held_here.add(url)
     stop = threading.Event()
 
     def renew():
@@ -273,6 +283,7 @@ def held(run_root: str, run_id: str, storage_options: dict | None = None, ttl_s:
     finally:
         stop.set()
         thread.join()
+        _held_here.discard(url)
         try:
             if version is not None:
                 _remove(fs, path, version)  # never another run's lease
