@@ -231,6 +231,18 @@ def test_of_many_runs_taking_over_one_dead_lease_at_once_exactly_one_gets_it(tmp
     assert json.loads((tmp_path / "r" / lease.LEASE).read_text())["run_id"] == won[0]
 
 
+@pytest.mark.parametrize(("code", "status", "lost"), [("PreconditionFailed", 412, True),
+                                                   ("ConditionalRequestConflict", 409, True), ("SlowDown", 503, False)])
+def test_an_s3_write_that_another_write_beat_is_a_lost_race_and_nothing_else_is(code, status, lost):
+    """S3 answers one of two concurrent conditional writes 412, or 409 (retry): either way the other run won."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    error = ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                        "PutObject")
+    assert lease._conflict(translate_boto_error(error)) is lost
+
+
 def test_a_holder_taken_over_learns_it_at_its_next_renewal_and_leaves_the_new_lease(run_root):
     after, messages = taken_over_while_held(run_root)
     assert after is not None and after["run_id"] == "other"  # neither renewed over nor deleted by the old holder

@@ -105,6 +105,13 @@ def _locked(path: str):
         os.close(directory)  # and with it the lock
 
 
+def _conflict(exc: OSError) -> bool:
+    """Whether an S3 write failed because another write to the object came first: 412 PreconditionFailed
+    (s3fs's EINVAL), or 409 ConditionalRequestConflict, which S3 answers to one of two concurrent ones."""
+    code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
+    return exc.errno == errno.EINVAL or code == "ConditionalRequestConflict"
+
+
 def _swap(fs, path: str, seen: Version, data: bytes) -> Version | None:
     """Replace the lease at `path` with `data` only if it is still `seen`: the new version, or None when it
     changed or went in between."""
@@ -114,7 +121,7 @@ def _swap(fs, path: str, seen: Version, data: bytes) -> Version | None:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            if exc.errno == errno.EINVAL:  # s3fs's PreconditionFailed: another write came first
+            if _conflict(exc):
                 return None
             raise
     if _is_local(fs):
@@ -146,7 +153,7 @@ def _remove(fs, path: str, seen: Version) -> None:
         try:
             fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=seen)
         except OSError as exc:
-            if exc.errno != errno.EINVAL:  # PreconditionFailed: it is another run's now
+            if not _conflict(exc):  # else it is another run's now
                 raise
         fs.invalidate_cache(path)
         return
