@@ -394,3 +394,14 @@ def test_the_report_names_who_answered_the_approval():
     unanswered = approved.model_copy(update={"status": "not approved in time", "approver": None, "comment": None})
     assert not [line for line in lifecycle_markdown(SimpleNamespace(retention=None, promotion=unanswered))
                 if " by: " in line]
+
+
+def test_a_server_that_cannot_say_who_answered_leaves_the_answer_standing(caplog):
+    """Who answered is a record, not a condition: a Prefect server out of reach gives no sender, with a warning."""
+    import uuid
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}), caplog.at_level(logging.WARNING):
+        assert lifecycle.answer_sender(uuid.uuid4(), "paused-1-response") is None
+    assert "could not read who answered the approval (ConnectError" in caplog.text

@@ -100,11 +100,17 @@ def approver(sender: str | None, named: str | None) -> str:
 
 
 def answer_sender(flow_run_id, key: str) -> str | None:
-    """The sender Prefect stored with the flow run input `key` (the approval's answer), if any."""
+    """The sender Prefect stored with the flow run input `key` (the approval's answer), if any; None, with a
+    warning, when the server cannot say (the answer stands: who gave it is a record, not a condition)."""
     from prefect.client.orchestration import get_client
 
-    with get_client(sync_client=True) as client:
-        found = client.filter_flow_run_input(flow_run_id=flow_run_id, key_prefix=key, limit=10, exclude_keys=set())
+    try:
+        with get_client(sync_client=True) as client:
+            found = client.filter_flow_run_input(flow_run_id=flow_run_id, key_prefix=key, limit=10,
+                                                 exclude_keys=set())
+    except Exception as exc:  # the server briefly away: the approval is not undone for its record
+        get_logger().warning(f"could not read who answered the approval ({type(exc).__name__}: {exc})")
+        return None
     return next((i.sender for i in found if i.key == key and i.sender), None)
 
 
