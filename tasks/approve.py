@@ -37,7 +37,7 @@ def approval(cfg: RunConfig, summary: str) -> Decision:
     poll_s = int(min(10, max(1, cfg.approve_timeout_s // 10)))
     try:
         answer = pause_flow_run(wait_for_input=Approval.with_initial_data(description=summary, approve=False),
-                                  timeout=int(cfg.approve_timeout_s), poll_interval=poll_s)
+                                timeout=int(cfg.approve_timeout_s), poll_interval=poll_s)
     except FlowPauseTimeout:
         _running_again("no approval in time: not promoted")
         log.warning(f"no approval within {cfg.approve_timeout_s:g} s: run {cfg.run_id} is not promoted")
