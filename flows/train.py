@@ -165,8 +165,9 @@ def _train(cfg: RunConfig) -> RunReport:
     done = Progress()
     began = time.monotonic()
     data = done.time(preflight, cfg)
-    # The run root says the run is running (for `txflow prune`, maybe elsewhere) until it ends.
-    with lease.held(cfg.run_root, cfg.run_id, cfg.plain_storage_options()):
+    # The run root says the run is running (for `txflow prune`, maybe elsewhere) until it ends. `txflow run`
+    # took it already, before the flow started: joined.
+    with lease.held(cfg.run_root, cfg.run_id, cfg.plain_storage_options(), join=True):
         return _run(cfg, data, done, began)
 
 
@@ -242,14 +243,15 @@ def _lifecycle(cfg: RunConfig, done: Progress) -> str | None:
             done.discovered = done.pruned.discovered
         if not cfg.promote_as:
             return None
-        verdict, comment = "approved", None
+        decision = None
         if cfg.approve:
             summary = run_report.approval_markdown(cfg, metrics, done.restore, done.exported.result)
-            verdict, comment = done.run(approval, cfg, summary)
-        if verdict != "approved":
-            done.promoted = Promotion(name=cfg.promote_as, status=verdict, comment=comment)
-            return None
-        done.promoted = done.run(promote, cfg, done.saved, done.restore, done.exported.result, metrics, comment)
+            decision = done.run(approval, cfg, summary)
+            if decision.verdict != "approved":
+                done.promoted = Promotion(name=cfg.promote_as, status=decision.verdict, comment=decision.comment,
+                                          approver=decision.approver)
+                return None
+        done.promoted = done.run(promote, cfg, done.saved, done.restore, done.exported.result, metrics, decision)
     except Exception as exc:
         get_logger().error(f"run {cfg.run_id} failed in {done.step}: {exc}")
         if done.step == promote.name:

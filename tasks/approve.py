@@ -12,8 +12,10 @@ from prefect.exceptions import FlowPauseTimeout
 from prefect.input import RunInput
 from pydantic import Field
 
+from txflow import lifecycle
 from txflow.config import RunConfig
 from txflow.log import get_logger
+from txflow.results import Decision
 
 
 class Approval(RunInput):
@@ -21,10 +23,12 @@ class Approval(RunInput):
 
     approve: bool = Field(default=False, description="Promote this run")
     comment: str = Field(default="", description="Why (kept in promotion.json and the report)")
+    approver: str = Field(default="", description="Your name (kept in promotion.json and the report: the Prefect "
+                                                  "server records no user)")
 
 
-def approval(cfg: RunConfig, summary: str) -> tuple[str, str | None]:
-    """("approved" | "rejected" | "not approved in time", the approver's comment)."""
+def approval(cfg: RunConfig, summary: str) -> Decision:
+    """The person's answer, its comment and who gave it; "not approved in time" when nobody answered."""
     from prefect.flow_runs import pause_flow_run
 
     log = get_logger()
@@ -32,16 +36,18 @@ def approval(cfg: RunConfig, summary: str) -> tuple[str, str | None]:
              f"{cfg.promote_as!r} (Prefect UI: the flow run's Resume button)")
     poll_s = int(min(10, max(1, cfg.approve_timeout_s // 10)))
     try:
-        decision = pause_flow_run(wait_for_input=Approval.with_initial_data(description=summary, approve=False),
-                                  timeout=int(cfg.approve_timeout_s), poll_interval=poll_s)
+        answer = pause_flow_run(wait_for_input=Approval.with_initial_data(description=summary, approve=False),
+                                timeout=int(cfg.approve_timeout_s), poll_interval=poll_s)
     except FlowPauseTimeout:
         _running_again("no approval in time: not promoted")
         log.warning(f"no approval within {cfg.approve_timeout_s:g} s: run {cfg.run_id} is not promoted")
-        return "not approved in time", None
-    verdict = "approved" if decision.approve else "rejected"
-    log.info(f"run {cfg.run_id} {verdict} for promotion as {cfg.promote_as!r}"
-             + (f": {decision.comment}" if decision.comment else ""))
-    return verdict, decision.comment or None
+        return Decision(verdict="not approved in time")
+    verdict = "approved" if answer.approve else "rejected"
+    approver = lifecycle.approver(lifecycle.answer_sender(answer.metadata.receiver, answer.metadata.key),
+                                  answer.approver)
+    log.info(f"run {cfg.run_id} {verdict} for promotion as {cfg.promote_as!r} by {approver}"
+             + (f": {answer.comment}" if answer.comment else ""))
+    return Decision(verdict=verdict, comment=answer.comment or None, approver=approver)
 
 
 def _running_again(message: str) -> None:

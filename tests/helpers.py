@@ -259,3 +259,66 @@ def bucket_keys(prefix: str) -> dict[str, int]:
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix):
         keys.update({o["Key"]: o["Size"] for o in page.get("Contents", [])})
     return keys
+
+
+def lease_race(run_root: str, contenders: int = 8) -> list[str]:
+    """`contenders` runs taking over one dead lease under `run_root` at the same moment (the lease expired 100 s
+    ago): the run ids that got it. Each judges the lease dead 0.1 s after reading it, so all of them read it
+    before any writes (call it with `lease.stale` slowed, as the tests do)."""
+    import threading
+    import time
+
+    import fsspec
+
+    from txflow.checkpoints import lease
+
+    fs, root = fsspec.core.url_to_fs(run_root)
+    fs.makedirs(root, exist_ok=True)
+    path = f"{root.rstrip('/')}/{lease.LEASE}"
+    now = time.time()
+    fs.pipe_file(path, json.dumps({"run_id": "dead", "host": "another-host", "pid": 1, "renewed_at": now - 700,
+                                   "expires_at": now - 100}).encode())
+    start, won = threading.Barrier(contenders), []
+
+    def contender(i: int) -> None:
+        start.wait()
+        try:
+            lease._acquire(fs, path, run_root, f"run{i}", f"token{i}", 600)
+            won.append(f"run{i}")
+        except lease.LeaseHeld:
+            pass
+
+    threads = [threading.Thread(target=contender, args=(i,)) for i in range(contenders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return won
+
+
+def taken_over_while_held(run_root: str, renew: bool = True) -> tuple[dict, list[str]]:
+    """A run holds `run_root`'s lease, renewing every 0.1 s (or, without `renew`, not before it ends); another
+    run's lease is written over it (as a takeover by a run that found it dead would). The lease after the
+    holder's block ended, and what the holder logged."""
+    import logging
+    import time
+
+    import fsspec
+
+    from txflow.checkpoints import lease
+
+    messages: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logger = logging.getLogger("txflow")
+    logger.addHandler(handler)
+    try:
+        with lease.held(run_root, "r", renew_s=0.1 if renew else 600) as path:
+            fs, _ = fsspec.core.url_to_fs(run_root)
+            now = time.time()
+            fs.pipe_file(path, json.dumps({"run_id": "other", "host": "another-host", "pid": 1, "token": "t",
+                                           "renewed_at": now, "expires_at": now + 600}).encode())
+            time.sleep(0.5 if renew else 0)  # the holder's renewals; or it ends, releasing its lease
+    finally:
+        logger.removeHandler(handler)
+    return lease.holder(run_root), messages

@@ -95,6 +95,35 @@ def test_txflow_run_reusing_a_completed_run_id_exits_2_and_keeps_its_report(tmp_
     assert not (state / "cluster.json").exists()
 
 
+def test_a_run_beaten_to_the_lease_by_one_started_at_the_same_moment_exits_2_with_one_line(
+        capsys, cli_env, tmp_path, monkeypatch):
+    """Both runs passed pre-flight (no lease yet); the other creates its lease a moment before this one, whose
+    conditional create then fails: refused as pre-flight refuses a run, one line naming the live run and exit
+    2, before anything starts."""
+    from txflow.checkpoints import lease
+
+    create = lease._create
+
+    def the_other_run_first(fs, path, data):
+        create(fs, path, json.dumps(json.loads(data) | {"token": "the other run's"}).encode())  # alive: this pid
+        return create(fs, path, data)
+
+    monkeypatch.setattr(lease, "_create", the_other_run_first)
+    mask = os.umask(0o022)
+    try:
+        code = cli_exit(["run", "sft", "--run-id", "twin", "--state-dir", str(tmp_path / "state"),
+                         "--checkpoints", str(tmp_path / "ckpt")])
+    finally:
+        os.umask(mask)  # `txflow run` sets the run's own
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.startswith(f"txflow: Run twin is running under {tmp_path / 'ckpt' / 'twin'} (host ") \
+        and "one live run per run id" in err and len(err.splitlines()) == 1, err
+    # Nothing started: no Prefect server (its log), no cluster; the other run's lease is untouched.
+    assert not (tmp_path / "state" / "logs").exists() and not (tmp_path / "state" / "cluster.json").exists()
+    assert json.loads((tmp_path / "ckpt" / "twin" / lease.LEASE).read_text())["token"] == "the other run's"
+
+
 # --- one option list ------------------------------------------------------------------
 
 

@@ -333,8 +333,13 @@ def test_three_sft_deployment_runs_take_turns_on_the_slots_and_wait_for_approval
     limit = RunConfig.model_fields["concurrency_limit"].default
     server.prefect("gcl", "create", limit, "--limit", "1")
     checkpoints = tmp_path / "ckpt"
-    answers = {"approved": {"approve": True, "comment": "ship it"},
+    # The approved run's answer names its approver in the form; the rejected run's answer is written with a
+    # sender before the resume (as a client that knows its user can), which Prefect stores with it.
+    answers = {"approved": {"approve": True, "comment": "ship it", "approver": "alice"},
                "rejected": {"approve": False, "comment": "not this one"}, "unanswered": None}
+    senders = {"rejected": "bob@example.org"}
+    approvers = {"approved": "alice (named in the approval form; the Prefect server records no user)",
+                 "rejected": "bob@example.org (the sender Prefect stored with the answer)", "unanswered": None}
     try:
         runs = {}
         for name in answers:
@@ -365,9 +370,12 @@ def test_three_sft_deployment_runs_take_turns_on_the_slots_and_wait_for_approval
                         # Prefect sets Paused first and writes the input's schema and description after
                         # (flow_runs.pause_flow_run): ask again on the next round, as the UI would.
                         continue
+                    if name in senders:
+                        client.create_flow_run_input(run.id, keyset["response"], json.dumps(answers[name]),
+                                                     sender=senders[name])
                     if answers[name] is not None:
                         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-                            resume_flow_run(run.id, run_input=answers[name])
+                            resume_flow_run(run.id, run_input=None if name in senders else answers[name])
                 time.sleep(1)
         finished = {name: _wait_final(server, flow_run_id, worker) for name, (_, flow_run_id, _) in runs.items()}
         print(f"three train/sft runs with approvals: {time.monotonic() - began:.1f} s")
@@ -406,11 +414,14 @@ def test_three_sft_deployment_runs_take_turns_on_the_slots_and_wait_for_approval
         assert promotion["status"] == {"approved": "promoted", "rejected": "rejected",
                                        "unanswered": "not approved in time"}[name], promotion
         assert promotion["comment"] == (answers[name] or {}).get("comment"), promotion
+        assert promotion["approver"] == approvers[name], promotion
+        if approvers[name]:
+            assert f"by: {approvers[name]}" in reports[0].data
         assert alive_pids(state) == []
     current = json.loads((checkpoints / "promoted" / "prod" / "current.json").read_text())
     assert current["run_id"] == runs["approved"][0]
     record = json.loads((checkpoints / "promoted" / "prod" / current["path"] / "promotion.json").read_text())
-    assert record["approval_comment"] == "ship it"
+    assert record["approval_comment"] == "ship it" and record["approver"] == approvers["approved"]
     assert [p.name for p in (checkpoints / "promoted" / "prod" / "history").iterdir()] == [current["id"]]
 
 

@@ -10,16 +10,18 @@ import subprocess
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import fsspec
 import pytest
 
-from tests.helpers import fresh_root
-from txflow import cli
+from tests.helpers import fresh_root, lease_race, taken_over_while_held
+from txflow import cli, lifecycle
 from txflow.checkpoints import lease, promotion, retention, storage
 from txflow.checkpoints.discovery import discover
 from txflow.checkpoints.markers import BEING_PRUNED, COMMIT_SUFFIX, PRUNED_SUFFIX, PRUNING_SUFFIX
 from txflow.config import RunConfig
+from txflow.reporting.report import lifecycle_markdown
 from txflow.upstream.skyrl_tx.layout import STATE_FILE
 
 
@@ -197,12 +199,58 @@ def test_a_dead_holders_lease_is_taken_over_with_a_log_line(run_root, caplog):
         assert not lease.alive(run_root)
         with caplog.at_level(logging.WARNING), lease.held(run_root, "new"):
             assert lease.holder(run_root)["run_id"] == "new"
-        assert f"taking over the lease of run old under {run_root} " in caplog.text and why in caplog.text
+        assert f"took over the lease of run old under {run_root} " in caplog.text and why in caplog.text
     # Another host's lease, renewed a moment ago: its pid says nothing here, and it is refused.
     fs.pipe_file(f"{root}/{lease.LEASE}", json.dumps({**silent, "renewed_at": now, "expires_at": now + 600}).encode())
     with pytest.raises(lease.LeaseHeld, match="host another-host, pid 1"):
         with lease.held(run_root, "new"):
             pass
+
+
+@pytest.fixture
+def slow_takeovers(monkeypatch):
+    """Every run that finds the lease dead reads it before any takes it over, and each replace waits 0.02 s:
+    a takeover that is not one compare-and-swap lets two in."""
+    stale, replace = lease.stale, os.replace
+
+    def slow_stale(record):
+        time.sleep(0.1)
+        return stale(record)
+
+    def slow_replace(*args):
+        time.sleep(0.02)
+        return replace(*args)
+
+    monkeypatch.setattr(lease, "stale", slow_stale)
+    monkeypatch.setattr(os, "replace", slow_replace)
+
+
+def test_of_many_runs_taking_over_one_dead_lease_at_once_exactly_one_gets_it(tmp_path, slow_takeovers):
+    """The takeover is a compare-and-swap under the run root's flock: the others find the winner's live lease."""
+    won = lease_race(str(tmp_path / "r"))
+    assert len(won) == 1, won
+    assert json.loads((tmp_path / "r" / lease.LEASE).read_text())["run_id"] == won[0]
+
+
+@pytest.mark.parametrize(("code", "status", "lost"), [("PreconditionFailed", 412, True),
+                                                   ("ConditionalRequestConflict", 409, True), ("SlowDown", 503, False)])
+def test_an_s3_write_that_another_write_beat_is_a_lost_race_and_nothing_else_is(code, status, lost):
+    """S3 answers one of two concurrent conditional writes 412, or 409 (retry): either way the other run won."""
+    from botocore.exceptions import ClientError
+    from s3fs.errors import translate_boto_error
+
+    error = ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                        "PutObject")
+    assert lease._conflict(translate_boto_error(error)) is lost
+
+
+def test_a_holder_taken_over_learns_it_at_its_next_renewal_and_leaves_the_new_lease(run_root):
+    after, messages = taken_over_while_held(run_root)
+    assert after is not None and after["run_id"] == "other"  # neither renewed over nor deleted by the old holder
+    assert [m for m in messages if m == f"run r: the lease of {run_root} was taken over (by run other); another "
+                                        "run may use this run id now"], messages
+    after, _ = taken_over_while_held(f"{run_root}/released", renew=False)
+    assert after is not None and after["run_id"] == "other"  # its release left the other run's lease
 
 
 # --- promotion -------------------------------------------------------------------------------------------
@@ -323,3 +371,39 @@ def test_a_trim_that_fails_after_the_pointer_moved_leaves_the_promotion_standing
     removed = json.loads(capsys.readouterr().out)["promotions_removed"]
     assert removed == [f"{checkpoints}/promoted/prod/history/{ids[0]}"]
     assert [r["id"] for r in promotion.history(checkpoints, "prod")] == [result.id, *ids[:0:-1]]
+
+
+def test_the_approver_is_prefects_sender_else_the_name_given_else_unknown():
+    """Prefect 3.9.1's server knows no user: a sender is stored only when the answer was written with one."""
+    assert lifecycle.approver("prefect.flow-run.x", "alice") == "prefect.flow-run.x (the sender Prefect stored " \
+                                                               "with the answer)"
+    assert lifecycle.approver(None, " alice ") == "alice (named in the approval form; the Prefect server records " \
+                                                  "no user)"
+    assert lifecycle.approver(None, "  ") == lifecycle.approver(None, None) == \
+        "unknown (the Prefect server records no user)"
+
+
+def test_the_report_names_who_answered_the_approval():
+    approved = promotion.Promotion(name="prod", status="promoted", url="u", pointer="p", comment="ship it",
+                                   approver="alice (named in the approval form; the Prefect server records no user)")
+    rejected = approved.model_copy(update={"status": "rejected", "approver": "bob (the sender Prefect stored "
+                                                                             "with the answer)"})
+    lines = lifecycle_markdown(SimpleNamespace(retention=None, promotion=approved))
+    assert "- approved by: alice (named in the approval form; the Prefect server records no user)" in lines
+    assert "- approver's comment: ship it" in lines
+    lines = lifecycle_markdown(SimpleNamespace(retention=None, promotion=rejected))
+    assert "- answered by: bob (the sender Prefect stored with the answer)" in lines
+    unanswered = approved.model_copy(update={"status": "not approved in time", "approver": None, "comment": None})
+    assert not [line for line in lifecycle_markdown(SimpleNamespace(retention=None, promotion=unanswered))
+                if " by: " in line]
+
+
+def test_a_server_that_cannot_say_who_answered_leaves_the_answer_standing(caplog):
+    """Who answered is a record, not a condition: a Prefect server out of reach gives no sender, with a warning."""
+    import uuid
+
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}), caplog.at_level(logging.WARNING):
+        assert lifecycle.answer_sender(uuid.uuid4(), "paused-1-response") is None
+    assert "could not read who answered the approval (ConnectError" in caplog.text

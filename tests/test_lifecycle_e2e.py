@@ -17,7 +17,9 @@ import time
 import boto3
 import pytest
 
-from tests.helpers import BUCKET, HoldingProxy, alive_pids, bucket_keys, run_txflow, txflow_cmd
+from tests.helpers import (BUCKET, HoldingProxy, alive_pids, bucket_keys, lease_race, run_txflow, taken_over_while_held,
+                           txflow_cmd)
+from txflow.checkpoints import lease
 from txflow.checkpoints.names import step_of
 from txflow.reporting.report import RunReport, markdown
 
@@ -221,3 +223,23 @@ def test_a_prune_killed_mid_deletion_reads_incomplete_and_the_next_one_finishes(
     line = lines[0]
     assert re.search(r"was pruned on .* \(beyond the newest 1 periodic states\); the newest state still there is "
                      r"s3://.*/life-c/.*step-000006\.tar\.gz \(step 6\)", line), line
+
+
+def test_of_many_runs_taking_over_one_dead_lease_on_s3_exactly_one_gets_it(s3_env, monkeypatch):
+    """On S3 a takeover is a PUT with `If-Match` the dead lease's ETag: of 8 runs that all read the dead lease
+    before any wrote, one replaces it and the others find its live lease."""
+    stale = lease.stale
+    monkeypatch.setattr(lease, "stale", lambda record: time.sleep(0.1) or stale(record))
+    won = lease_race(f"s3://{BUCKET}/leases/race")
+    assert len(won) == 1, won
+    assert lease.holder(f"s3://{BUCKET}/leases/race")["run_id"] == won[0]
+
+
+def test_a_holder_taken_over_on_s3_learns_it_at_its_next_renewal_and_leaves_the_new_lease(s3_env):
+    """Renewals are PUTs with `If-Match` the holder's own last ETag, the release a DELETE with it: neither
+    touches the lease another run wrote over it."""
+    after, messages = taken_over_while_held(f"s3://{BUCKET}/leases/renewal")
+    assert after is not None and after["run_id"] == "other"
+    assert [m for m in messages if "was taken over (by run other)" in m], messages
+    after, _ = taken_over_while_held(f"s3://{BUCKET}/leases/release", renew=False)
+    assert after is not None and after["run_id"] == "other"  # its release left the other run's lease

@@ -175,6 +175,13 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
     assert not (states / "ray-sft" / "logs" / "rank1.log").exists()  # it is on node 1's own disk
     node1_log = cluster.run(["cat", str(states / "ray-sft" / "logs" / "rank1.log")], node=1, check=True).stdout
     assert "entering command loop" in node1_log
+    # Every file a rank or the API wrote, on either node, is its owner's only: the actor's mask, not the raylet's.
+    for node, logs in ((0, {"rank0.log", "api.log"}), (1, {"rank1.log"})):
+        listing = cluster.run(["find", str(states / "ray-sft"), "-mindepth", "1", "-printf", "%m %y %P\n"],
+                              node=node, check=True).stdout
+        rows = [line.split(" ", 2) for line in listing.splitlines()]
+        assert {f"logs/{name}" for name in logs} <= {path for _, _, path in rows}, rows
+        assert [row for row in rows if row[:2] not in (["600", "f"], ["700", "d"])] == [], (node, rows)
     # cluster.json says what a hook needs to find the cluster by name.
     recorded = first["launcher_state"]
     assert recorded["address"] == cluster.address and recorded["namespace"] == "txflow"

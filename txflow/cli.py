@@ -24,6 +24,7 @@ import time
 import traceback
 import types
 import typing
+from contextlib import ExitStack
 
 from pydantic import BaseModel, SecretStr, ValidationError
 
@@ -185,6 +186,8 @@ def promoted_cmd(args) -> int:
     if "merged" in current["files"]:
         lines.append(f"  merged model: {current['files']['merged']}")
     lines += [f"  {k}: {v:.6g}" if isinstance(v, float) else f"  {k}: {v}" for k, v in current["figures"].items()]
+    if current.get("approver"):
+        lines.append(f"  approved by: {current['approver']}")
     if current.get("approval_comment"):
         lines.append(f"  approved: {current['approval_comment']}")
     lines.append("  history: " + ", ".join(f"{r['id']} (run {r['run_id']})" for r in kept if r["id"] != current["id"])
@@ -242,6 +245,16 @@ def run(args) -> int:
     except PreflightError as exc:
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
+    from txflow.checkpoints import lease
+
+    held = ExitStack()
+    try:
+        # Taken here (the flow joins it): of two runs past pre-flight at the same moment, the second is refused
+        # as pre-flight refuses one, before anything starts.
+        held.enter_context(lease.held(config.run_root, config.run_id, config.plain_storage_options()))
+    except lease.LeaseHeld as exc:
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
+        return 2
     print(f"txflow: run {config.run_id}, state directory {config.state_dir}", file=sys.stderr)
     signal.signal(signal.SIGTERM, _on_sigterm)
     from txflow.reporting.bar import PROGRESS_ENV
@@ -251,7 +264,7 @@ def run(args) -> int:
 
     from txflow.cluster import embedded_prefect
 
-    with embedded_prefect.server(config.state_dir) as prefect_server:
+    with held, embedded_prefect.server(config.state_dir) as prefect_server:
         from flows.train import RunFailed, train_flow  # imports while the server starts
 
         if prefect_server is not None:

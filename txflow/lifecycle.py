@@ -1,6 +1,7 @@
 """What a run left in durable storage and what becomes of it: discover-artifacts (every artifact listed and
 checked, the manifest written), export-adapter (the proven PEFT export of the checked sampler),
-prune-checkpoints (`keep_last`) and promote (`promote_as`). The steps in `tasks/` wrap these."""
+prune-checkpoints (`keep_last`), who answered the approval (`approve`) and promote (`promote_as`). The steps in
+`tasks/` wrap these."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from txflow.config import TINY_MODEL, RunConfig
 from txflow.export import writer
 from txflow.log import get_logger
 from txflow.reporting.history import current_versions
-from txflow.results import Discovered, Exported, Pruned, RestoreCheck, Saved
+from txflow.results import Decision, Discovered, Exported, Pruned, RestoreCheck, Saved
 
 
 def discover(cfg: RunConfig, saved: Saved) -> Discovered:
@@ -79,8 +80,42 @@ def prune_run(cfg: RunConfig, discovered: Discovered) -> Pruned:
                   discovered=Discovered.list_run_root(cfg.run_root, options))
 
 
+UNKNOWN_APPROVER = "unknown (the Prefect server records no user)"
+
+
+def approver(sender: str | None, named: str | None) -> str:
+    """Who answered an approval, as the promotion record and the report name them: the sender Prefect stored
+    with the answer, else the name the answer gives, else unknown.
+
+    Prefect 3.9.1's own server knows no users: a resume through the UI or `resume_flow_run` stores the answer
+    without a sender (`POST /flow_runs/{id}/resume`), the Running state it sets carries no author, and
+    `pause_flow_run` returns the input with `metadata.sender` None. A sender is there only when whoever
+    answered wrote the input with one (`create_flow_run_input(..., sender=...)`) before resuming. A name
+    typed into the form is the approver's own word, and is recorded as such."""
+    if sender:
+        return f"{sender} (the sender Prefect stored with the answer)"
+    if named and named.strip():
+        return f"{named.strip()} (named in the approval form; the Prefect server records no user)"
+    return UNKNOWN_APPROVER
+
+
+def answer_sender(flow_run_id, key: str) -> str | None:
+    """The sender Prefect stored with the flow run input `key` (the approval's answer), if any; None, with a
+    warning, when the server cannot say (the answer stands: who gave it is a record, not a condition)."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            found = client.filter_flow_run_input(flow_run_id=flow_run_id, key_prefix=key, limit=10,
+                                                 exclude_keys=set())
+    except Exception as exc:  # the server briefly away: the approval is not undone for its record
+        get_logger().warning(f"could not read who answered the approval ({type(exc).__name__}: {exc})")
+        return None
+    return next((i.sender for i in found if i.key == key and i.sender), None)
+
+
 def promotion_record(cfg: RunConfig, saved: Saved, restore: RestoreCheck, exported: ExportResult,
-                     metrics: list[dict], comment: str | None) -> dict:
+                     metrics: list[dict], decision: Decision | None) -> dict:
     """promotion.json, but for what `promotion.promote` adds (name, id, time, files, previous)."""
     state = next((c.url for c in reversed(saved.checkpoints) if c.kind == "state"), None)
     figures = {"steps": len(metrics), **{k: v for k, v in (metrics[-1] if metrics else {}).items() if k != "step"},
@@ -92,16 +127,20 @@ def promotion_record(cfg: RunConfig, saved: Saved, restore: RestoreCheck, export
             "sources": {"state": state, "sampler": exported.sampler_url, "peft": exported.peft_url,
                         "merged": exported.merged_url},
             "adapter": {"r": exported.r, "lora_alpha": exported.lora_alpha, "target_modules": exported.target_modules},
-            "versions": current_versions().model_dump(), "approval_comment": comment}
+            "versions": current_versions().model_dump(),
+            "approval_comment": decision.comment if decision else None,
+            "approver": decision.approver if decision else None}
 
 
 def promote_run(cfg: RunConfig, saved: Saved, restore: RestoreCheck, exported: ExportResult, metrics: list[dict],
-                comment: str | None = None) -> promotion.Promotion:
-    """Publish the exported adapter as `<checkpoints>/promoted/<promote_as>/`, its figures in the record."""
+                decision: Decision | None = None) -> promotion.Promotion:
+    """Publish the exported adapter as `<checkpoints>/promoted/<promote_as>/`, its figures (and, with `approve`,
+    the approval's comment and approver) in the record."""
     parts = {part: url for part, url in (("peft", exported.peft_url), ("merged", exported.merged_url)) if url}
     result = promotion.promote(cfg.checkpoints, cfg.promote_as, cfg.run_id, parts,
-                               promotion_record(cfg, saved, restore, exported, metrics, comment),
+                               promotion_record(cfg, saved, restore, exported, metrics, decision),
                                cfg.plain_storage_options(), workdir=cfg.state_dir)
     get_logger().info(f"promoted run {cfg.run_id} as {cfg.promote_as!r}: {result.url} (pointer {result.pointer})"
                       + (f"; removed {len(result.removed)} older promotions" if result.removed else ""))
-    return result.model_copy(update={"comment": comment})
+    return result.model_copy(update={"comment": decision.comment if decision else None,
+                                     "approver": decision.approver if decision else None})

@@ -2,7 +2,7 @@
 
 train -> `Trained`; save-checkpoint -> `Saved`; discover-artifacts ->
 `Discovered`; evaluate-restore -> `RestoreCheck`; export-adapter -> `Exported`;
-prune-checkpoints -> `Pruned`; promote -> `Promotion`
+prune-checkpoints -> `Pruned`; approval -> `Decision`; promote -> `Promotion`
 (`txflow.checkpoints.promotion`). The report is built from `Progress`.
 """
 
@@ -116,6 +116,14 @@ class Pruned(BaseModel):
     def as_report(self) -> dict:
         return {"keep_last": self.keep_last, "bytes_freed": self.bytes_freed,
                 "deleted": [d.model_dump() for d in self.deletions]}
+
+
+class Decision(BaseModel):
+    """The approval's outcome: what the person answered, and who answered (`txflow.lifecycle.approver`)."""
+
+    verdict: Literal["approved", "rejected", "not approved in time"]
+    comment: str | None = None
+    approver: str | None = None  # None when nobody answered
 
 
 def step_name(step) -> str:

@@ -10,6 +10,17 @@ still lives refuses the second run (`LeaseHeld`, naming the holder). A lease
 whose holder is dead is taken over, with a log line: not renewed for `TTL_S`
 (10 renewals missed), or, on this host, its process is gone.
 
+Every change to a lease that exists (a takeover, a renewal, the release) is
+made only if the lease is still the one read: on S3 a write or delete with
+`If-Match` its ETag, on a local disk under an exclusive `flock` of the run
+root. So of two runs taking over one dead lease at once, one wins and the
+other is refused like any second run; and a holder that was taken over (it
+looked dead: it stopped renewing for `TTL_S`) finds out at its next renewal,
+which fails, and logs it, instead of overwriting the new holder's lease.
+Other stores compare and then write, which is not atomic: two takeovers at
+the same moment can both succeed there, and the loser learns it only at its
+first renewal (logged; the run goes on).
+
 `txflow prune` may run on another machine than the run, against the same
 bucket, so a local `cluster.json` cannot tell it a run is still going. The
 lease can: it names its holder and an expiry, renewed every `RENEW_S` while
@@ -20,6 +31,8 @@ as unfinished, which prune leaves alone unless told `--include-failed`.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import secrets
@@ -53,8 +66,16 @@ def _is_local(fs) -> bool:
     return "file" in fs.protocol or "local" in fs.protocol
 
 
-def _create(fs, path: str, data: bytes) -> bool:
-    """Write `data` at `path` only when nothing is there; False when something is."""
+def _is_s3(fs) -> bool:
+    return hasattr(fs, "call_s3")  # s3fs: conditional requests by ETag
+
+
+# What a run last saw of a lease, to change it only if it is still that: its ETag on S3, else its bytes.
+Version = str | bytes
+
+
+def _create(fs, path: str, data: bytes) -> Version | None:
+    """Write `data` at `path` only when nothing is there: its version, or None when something is."""
     try:
         if _is_local(fs):
             temporary = f"{path}.{secrets.token_hex(4)}.tmp"
@@ -64,32 +85,110 @@ def _create(fs, path: str, data: bytes) -> bool:
                 os.link(temporary, path)  # fails when the name exists; the file is whole before it appears
             finally:
                 os.unlink(temporary)
+        elif _is_s3(fs):
+            return fs.pipe_file(path, data, mode="create")["ETag"]
         else:
             fs.pipe_file(path, data, mode="create")
     except FileExistsError:
-        return False
-    return True
+        return None
+    return data
 
 
-def _replace(fs, path: str, data: bytes) -> None:
-    if _is_local(fs):
-        temporary = f"{path}.{secrets.token_hex(4)}.tmp"
-        with open(temporary, "wb") as f:
-            f.write(data)
-        os.replace(temporary, path)  # readers see the old lease or the new, never part of one
-    else:
-        fs.pipe_file(path, data)  # one PUT
-
-
-def _read(fs, path: str) -> dict | None:
-    """The lease at `path`, None when there is none; {} when it is unreadable (no holder can be named)."""
+@contextmanager
+def _locked(path: str):
+    """Exclusive, among the processes of this machine, over the directory holding the local lease `path`."""
+    directory = os.open(os.path.dirname(path), os.O_RDONLY)
     try:
-        record = json.loads(fs.cat_file(path))
+        fcntl.flock(directory, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(directory)  # and with it the lock
+
+
+def _conflict(exc: OSError) -> bool:
+    """Whether an S3 write failed because another write to the object came first: 412 PreconditionFailed
+    (s3fs's EINVAL), or 409 ConditionalRequestConflict, which S3 answers to one of two concurrent ones."""
+    code = getattr(exc.__cause__, "response", {}).get("Error", {}).get("Code")
+    return exc.errno == errno.EINVAL or code == "ConditionalRequestConflict"
+
+
+def _swap(fs, path: str, seen: Version, data: bytes) -> Version | None:
+    """Replace the lease at `path` with `data` only if it is still `seen`: the new version, or None when it
+    changed or went in between."""
+    if _is_s3(fs):
+        try:
+            return fs.pipe_file(path, data, IfMatch=seen)["ETag"]
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            if _conflict(exc):
+                return None
+            raise
+    if _is_local(fs):
+        with _locked(path):
+            try:
+                with open(path, "rb") as f:
+                    if f.read() != seen:
+                        return None
+            except FileNotFoundError:
+                return None
+            temporary = f"{path}.{secrets.token_hex(4)}.tmp"
+            with open(temporary, "wb") as f:
+                f.write(data)
+            os.replace(temporary, path)  # readers see the old lease or the new, never part of one
+        return data
+    try:
+        if fs.cat_file(path) != seen:
+            return None
     except FileNotFoundError:
         return None
+    fs.pipe_file(path, data)  # not atomic with the comparison (module docstring)
+    return data
+
+
+def _remove(fs, path: str, seen: Version) -> None:
+    """Delete the lease at `path` only if it is still `seen`: never another run's."""
+    if _is_s3(fs):
+        bucket, key, _ = fs.split_path(path)
+        try:
+            fs.call_s3("delete_object", Bucket=bucket, Key=key, IfMatch=seen)
+        except OSError as exc:
+            if not _conflict(exc):  # else it is another run's now
+                raise
+        fs.invalidate_cache(path)
+        return
+    if _is_local(fs):
+        with _locked(path):
+            with open(path, "rb") as f:
+                if f.read() == seen:
+                    os.unlink(path)
+        return
+    if fs.cat_file(path) == seen:
+        fs.rm_file(path)
+
+
+def _read(fs, path: str) -> tuple[dict | None, Version | None]:
+    """The lease at `path` and its version, (None, None) when there is none; ({}, version) when it is
+    unreadable (no holder can be named)."""
+    for attempt in range(3):
+        try:
+            if _is_s3(fs):
+                fs.invalidate_cache(path)
+                with fs.open(path, "rb") as f:  # s3fs reads with If-Match the ETag it found: body and ETag agree
+                    raw, seen = f.read(), f.details["ETag"]
+            else:
+                raw = seen = fs.cat_file(path)
+            break
+        except FileNotFoundError:
+            return None, None
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or attempt == 2:  # EINVAL: it changed between s3fs's HEAD and GET
+                raise
+    try:
+        record = json.loads(raw)
     except ValueError:
-        return {}
-    return record if isinstance(record, dict) else {}
+        return {}, seen
+    return (record if isinstance(record, dict) else {}), seen
 
 
 def stale(record: dict) -> str | None:
@@ -116,7 +215,7 @@ def describe(record: dict, run_root: str) -> str:
 def holder(run_root: str, storage_options: dict | None = None) -> dict | None:
     """The lease of the live run under `run_root`, or None when no live run holds it."""
     fs, root = fsspec.core.url_to_fs(run_root, **(storage_options or {}))
-    record = _read(fs, f"{root.rstrip('/')}/{LEASE}")
+    record, _ = _read(fs, f"{root.rstrip('/')}/{LEASE}")
     return record if record is not None and stale(record) is None else None
 
 
@@ -125,49 +224,64 @@ def alive(run_root: str, storage_options: dict | None = None) -> bool:
     return holder(run_root, storage_options) is not None
 
 
-def _acquire(fs, path: str, run_root: str, run_id: str, token: str, ttl_s: float) -> None:
-    """Create the lease; take it over from a dead holder; raise LeaseHeld when a live one has it."""
+def _acquire(fs, path: str, run_root: str, run_id: str, token: str, ttl_s: float) -> Version:
+    """Create the lease; take it over from a dead holder; raise LeaseHeld when a live one has it. The lease's
+    version."""
     for _ in range(3):  # a lease that vanishes or is taken over between two looks: look again
-        if _create(fs, path, _record(run_id, token, ttl_s)):
-            return
-        record = _read(fs, path)
+        data = _record(run_id, token, ttl_s)
+        version = _create(fs, path, data)
+        if version is not None:
+            return version
+        record, seen = _read(fs, path)
         if record is None:
             continue
         why = stale(record)
         if why is None:
             raise LeaseHeld(describe(record, run_root))
-        get_logger().warning(f"taking over the lease of run {record.get('run_id')} under {run_root} (host "
-                             f"{record.get('host')}, pid {record.get('pid')}): its holder is dead ({why})")
-        try:
-            fs.rm_file(path)
-        except FileNotFoundError:
-            pass
+        version = _swap(fs, path, seen, data)
+        if version is not None:
+            get_logger().warning(f"took over the lease of run {record.get('run_id')} under {run_root} (host "
+                                 f"{record.get('host')}, pid {record.get('pid')}): its holder is dead ({why})")
+            return version
     raise LeaseHeld(f"Another run keeps taking the lease of {run_root} (run id {run_id}); use another --run-id")
+
+
+# The leases this process holds, by URL: `txflow run` takes its run's before the flow starts (so a second run
+# is refused before anything starts), and the flow's own `held(..., join=True)` joins it.
+_held_here: set[str] = set()
 
 
 @contextmanager
 def held(run_root: str, run_id: str, storage_options: dict | None = None, ttl_s: float = TTL_S,
-         renew_s: float = RENEW_S):
+         renew_s: float = RENEW_S, join: bool = False):
     """Hold the run's lease for the duration of the block. Raises LeaseHeld, before the block, when a live
-    run holds it."""
+    run holds it. With `join`, a lease this process holds already is held with it (not refused)."""
     fs, root = fsspec.core.url_to_fs(run_root, **(storage_options or {}))
     fs.makedirs(root, exist_ok=True)
     path = f"{root.rstrip('/')}/{LEASE}"
+    url = fs.unstrip_protocol(path)
+    if join and url in _held_here:
+        yield path
+        return
     token = secrets.token_hex(16)
-    _acquire(fs, path, run_root, run_id, token, ttl_s)
+    version = _acquire(fs, path, run_root, run_id, token, ttl_s)
+    _held_here.add(url)
     stop = threading.Event()
 
     def renew():
+        nonlocal version
         while not stop.wait(renew_s):
             try:
-                record = _read(fs, path)
-                if record is None or record.get("token") != token:
-                    get_logger().error(f"run {run_id}: the lease of {run_root} was taken over (by run "
-                                       f"{(record or {}).get('run_id')}); another run may use this run id now")
-                    return
-                _replace(fs, path, _record(run_id, token, ttl_s))
+                renewed = _swap(fs, path, version, _record(run_id, token, ttl_s))
             except Exception:  # a store briefly away: the next renewal tries again, well within the TTL
-                pass
+                continue
+            if renewed is None:
+                record, _ = _read(fs, path)
+                get_logger().error(f"run {run_id}: the lease of {run_root} was taken over (by run "
+                                   f"{(record or {}).get('run_id')}); another run may use this run id now")
+                version = None
+                return
+            version = renewed
 
     thread = threading.Thread(target=renew, name="txflow-lease", daemon=True)
     thread.start()
@@ -176,8 +290,9 @@ def held(run_root: str, run_id: str, storage_options: dict | None = None, ttl_s:
     finally:
         stop.set()
         thread.join()
+        _held_here.discard(url)
         try:
-            if (_read(fs, path) or {}).get("token") == token:  # never another run's lease
-                fs.rm_file(path)
+            if version is not None:
+                _remove(fs, path, version)  # never another run's lease
         except Exception:  # gone already, or the store away: the lease then expires on its own
             pass

@@ -282,6 +282,9 @@ def lifecycle_markdown(report: RunReport) -> list[str]:
                       f"`txflow promoted <checkpoints> {promoted.name}` shows it)"]
         else:
             lines += [f"- **not promoted** as {promoted.name}: {promoted.status}"]
+        if promoted.approver:
+            answer = "approved" if promoted.status == "promoted" else "answered"
+            lines.append(f"- {answer} by: {promoted.approver}")
         if promoted.comment:
             lines.append(f"- approver's comment: {promoted.comment}")
     return lines

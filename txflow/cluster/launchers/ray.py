@@ -48,7 +48,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from txflow.cluster.launcher import Launcher, LostProcess, PlacementFailed
 from txflow.cluster.records import Cluster, ProcessRecord
-from txflow.processes import groups, lifeline, logs, ports, procfs
+from txflow.processes import groups, lifeline, logs, ports, procfs, umask
 
 NAMESPACE = "txflow"
 ADDRESS_ENV = "RAY_ADDRESS"
@@ -61,6 +61,10 @@ class RankHost:
     """Hosts the processes of one bundle on its node: starts them, waits for them, stops them."""
 
     def __init__(self):
+        # The actor has the raylet's mask (022 as a rule): its ranks' logs, the database and the checkpoints
+        # they write would be readable by every local user. The actor's worker process is its own and dies
+        # with it, so its mask is set once, for it and every process it starts, as `txflow run` does.
+        os.umask(umask.PRIVATE)
         self.procs: dict[int, subprocess.Popen] = {}
 
     @ray.method(concurrency_group="control")
