@@ -11,7 +11,7 @@ from txflow import lifecycle
 from txflow.checkpoints.export import ExportResult
 from txflow.checkpoints.promotion import Promotion
 from txflow.config import RunConfig
-from txflow.results import Decision, RestoreCheck, Saved
+from txflow.results import RestoreCheck, Saved
 
 
 @task(name="promote", retries=1, retry_delay_seconds=2, cache_policy=NO_CACHE)

@@ -17,8 +17,16 @@ import time
 import boto3
 import pytest
 
-from tests.helpers import (BUCKET, HoldingProxy, alive_pids, bucket_keys, lease_race, run_txflow, taken_over_while_held,
-                           txflow_cmd)
+from tests.helpers import (
+    BUCKET,
+    HoldingProxy,
+    alive_pids,
+    bucket_keys,
+    lease_race,
+    run_txflow,
+    taken_over_while_held,
+    txflow_cmd,
+)
 from txflow.checkpoints import lease
 from txflow.checkpoints.names import step_of
 from txflow.reporting.report import RunReport, markdown
