@@ -24,6 +24,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from txflow.config import environ_without_secrets
 from txflow.processes import groups, lifeline, logs, ports
 
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
@@ -83,7 +84,7 @@ class EmbeddedServer:
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         # What Prefect's SubprocessASGIServer sets for its server process, and EMBEDDED_DEFAULTS under
         # whatever the environment sets.
-        env = {**EMBEDDED_DEFAULTS, **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+        env = {**EMBEDDED_DEFAULTS, **environ_without_secrets(), "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                "PREFECT__SERVER_FINAL": "1"}
         cmd = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
                "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
