@@ -25,7 +25,7 @@ import traceback
 import types
 import typing
 
-from pydantic import BaseModel, SecretStr, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from txflow.config import PROMOTION_NAME_PATTERN, SECRET_ENV, RunConfig, storage_options_from_env
 from txflow.log import scrub
@@ -63,10 +63,12 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "") -> None:
         help_text = info.description or ""
         origin = typing.get_origin(annotation)
         if name in SECRET_ENV and not prefix:
+            hint = ("A flag shows in `ps` to every local user: prefer the environment variable."
+                    if SECRET_ENV[name] in help_text else
+                    f"Prefer {SECRET_ENV[name]} in the environment: a flag shows in `ps` to every local user.")
             parser.add_argument(flag, dest=dest, metavar="KEY=VALUE" if origin is dict else name.upper(),
                                 action="append" if origin is dict else "store",
-                                help=help_text + (" (repeatable)" if origin is dict else "") + f". Prefer "
-                                f"{SECRET_ENV[name]} in the environment: a flag shows in `ps` to every local user.")
+                                help=help_text + (" (repeatable)" if origin is dict else "") + " " + hint)
         elif origin is list:
             parser.add_argument(flag, dest=dest, action="append", metavar="VALUE", help=help_text + " (repeatable)")
         elif origin is dict:
