@@ -293,8 +293,9 @@ def test_private_disk_command_gives_the_process_an_empty_directory_of_its_own(tm
 
 
 # A stand-in for the API: it serves on the socket it inherited and answers each connection with its pid.
-SERVE_INHERITED = [sys.executable, "-c", "import os\nfrom txflow.processes import ports\nsock = ports.inherited_listener()\n"
-                   "while True:\n    conn, _ = sock.accept()\n    conn.sendall(str(os.getpid()).encode())\n    conn.close()"]
+SERVE_INHERITED = [sys.executable, "-c", "import os\nfrom txflow.processes import ports\n"
+                   "sock = ports.inherited_listener()\nwhile True:\n    conn, _ = sock.accept()\n"
+                   "    conn.sendall(str(os.getpid()).encode())\n    conn.close()"]
 
 
 def test_the_api_port_stays_bound_from_its_pick_until_the_api_serves_on_that_very_socket(local_cluster):

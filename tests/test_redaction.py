@@ -109,7 +109,8 @@ def test_logger_outside_a_prefect_run_emits_scrubbed_records(caplog):
 
 
 @pytest.mark.parametrize("url, secret, kept", [
-    ("https://acct.blob.core.windows.net/c/sft.jsonl?sv=2024-08-04&sp=r&sig=AbC%2Fq1w2e3", "AbC%2Fq1w2e3", "sv=2024-08-04"),
+    ("https://acct.blob.core.windows.net/c/sft.jsonl?sv=2024-08-04&sp=r&sig=AbC%2Fq1w2e3", "AbC%2Fq1w2e3",
+     "sv=2024-08-04"),
     ("https://b.s3.amazonaws.com/k?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIAX%2F20261202%2Fus&"
      "X-Amz-Signature=f00dfeed&X-Amz-Expires=60", "f00dfeed", "X-Amz-Expires=60"),
     ("https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIAX%2F20261202&X-Amz-Expires=60", "AKIAX", "X-Amz-Expires=60"),

@@ -295,7 +295,8 @@ def discover_cmd(args) -> int:
     from txflow.checkpoints.discovery import discover
 
     try:
-        artifacts = discover(args.url, _command_storage_options(args.storage_option), require_commit=args.require_commit)
+        artifacts = discover(args.url, _command_storage_options(args.storage_option),
+                             require_commit=args.require_commit)
     except (FileNotFoundError, ValueError) as exc:
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 1

@@ -36,7 +36,8 @@ def run_card(cfg: RunConfig, restore: RestoreCheck) -> dict:
     """What the exported model card says of the run."""
     return {"run_id": cfg.run_id, "mode": cfg.mode, "steps": cfg.steps, "base_model": cfg.base_model,
             "base_model_source": "tiny" if cfg.base_model == TINY_MODEL else "user",
-            "dataset": scrub(cfg.dataset) if cfg.dataset else f"txflow's bundled {cfg.mode} dataset", "quality": restore.quality}
+            "dataset": scrub(cfg.dataset) if cfg.dataset else f"txflow's bundled {cfg.mode} dataset",
+            "quality": restore.quality}
 
 
 def export_run(cfg: RunConfig, restore: RestoreCheck) -> Exported:

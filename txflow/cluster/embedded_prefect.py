@@ -87,8 +87,8 @@ class EmbeddedServer:
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         # What Prefect's SubprocessASGIServer sets for its server process, and EMBEDDED_DEFAULTS under
         # whatever the environment sets.
-        env = {**EMBEDDED_DEFAULTS, **environ_without_secrets(), "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-               "PREFECT__SERVER_FINAL": "1", ports.LISTEN_FD_ENV: str(listening.fileno())}
+        env = {**EMBEDDED_DEFAULTS, **environ_without_secrets(), "PREFECT_UI_ENABLED": "0",
+               "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1", ports.LISTEN_FD_ENV: str(listening.fileno())}
         cmd = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
                "--fd", str(listening.fileno()), "--log-level", "error", "--lifespan", "on"]
         try:
