@@ -52,7 +52,9 @@ def test_cli_rejects_invalid_options_with_exit_2_before_any_run(capsys, cli_env,
 
 def test_cli_rejects_a_storage_option_without_a_value_with_exit_2(capsys, cli_env, tmp_path):
     assert cli_exit(["run", "sft", "--state-dir", str(tmp_path / "s"), "--storage-option", "novalue"]) == 2
-    assert capsys.readouterr().err == "txflow: invalid options: --storage-option 'novalue' must be KEY=VALUE\n"
+    # Not echoed: a malformed option is often the secret itself, pasted without its key.
+    assert capsys.readouterr().err == ("txflow: invalid options: every --storage-option must be KEY=VALUE (one was "
+                                       "not; its text is not shown)\n")
     assert not (tmp_path / "s").exists()
 
 
@@ -188,3 +190,20 @@ def test_the_txflow_command_hands_over_its_output_and_exit_code(tmp_path):
     assert (artifact["kind"], artifact["complete"], artifact["bytes"]) == ("sampler", False, 11)
     assert tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"] == {
         "txflow": "txflow.cli:entry"}
+
+
+@pytest.mark.parametrize("command, given_by", [(["discover", "s3://bucket/runs"], "flag"),
+                                               (["promoted", "s3://bucket/runs", "prod"], "flag"),
+                                               (["prune", "s3://bucket/runs", "--dry-run"], "environment")])
+def test_storage_option_values_are_masked_in_every_command(tmp_path, command, given_by):
+    """Any value may be a credential, and a store's error may echo one (an endpoint URL here, the whole
+    of it): each is masked wherever it shows, by flag or by TXFLOW_STORAGE_OPTIONS."""
+    endpoint = "http://127.0.0.1:1/option-MARKER-40c1"  # nothing listens: the store's error names it
+    env = {**os.environ, "AWS_MAX_ATTEMPTS": "1", "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s"}
+    if given_by == "flag":
+        command = [*command, "--storage-option", f"endpoint_url={endpoint}"]
+    else:
+        env["TXFLOW_STORAGE_OPTIONS"] = json.dumps({"endpoint_url": endpoint})
+    result = run_txflow(command, env, tmp_path, timeout=120)
+    assert result.returncode != 0 and "option-MARKER" not in result.stdout + result.stderr
+    assert "Could not connect to the endpoint URL: \"***/bucket" in result.stderr, result.stderr[-2000:]

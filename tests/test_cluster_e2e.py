@@ -90,11 +90,11 @@ def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, 
 class StuckWorkerLauncher(LocalLauncher):
     """Starts rank 1 as a process that never joins the JAX cluster."""
 
-    def start(self, cluster, role, rank, cmd, env, ports, log_name):
+    def start(self, cluster, role, rank, cmd, env, ports, log_name, **secrets):
         if role == "worker":
             cmd = [sys.executable, "-c",
                    "print('worker stuck before joining', flush=True); import time; time.sleep(600)"]
-        return super().start(cluster, role, rank, cmd, env, ports, log_name)
+        return super().start(cluster, role, rank, cmd, env, ports, log_name, **secrets)
 
 
 def test_readiness_timeout_names_the_missing_rank_with_its_log(tmp_path, reaper):

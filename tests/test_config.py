@@ -302,3 +302,38 @@ def test_a_real_model_defaults_to_the_arithmetic_task_and_the_tiny_model_keeps_i
     assert bundled_dataset("sft").endswith("sft.jsonl") and bundled_dataset("rl").endswith("rl_prompts.jsonl")
     assert bundled_dataset("sft", SMOLLM2_MODEL).endswith("arithmetic_sft.jsonl")
     assert bundled_dataset("rl", "/models/my-llama").endswith("arithmetic_rl.jsonl")
+
+
+def test_the_database_url_and_storage_options_come_from_the_environment(monkeypatch):
+    # Off every command line: `ps` shows a flag to every local user, the environment only to its owner.
+    monkeypatch.setenv("TXFLOW_DATABASE_URL", "postgresql://u:pw-from-env@/db")
+    monkeypatch.setenv("TXFLOW_STORAGE_OPTIONS", '{"key": "id", "secret": "from-env"}')
+    cfg = RunConfig().resolved()
+    assert cfg.database_url.get_secret_value() == "postgresql://u:pw-from-env@/db"
+    assert cfg.plain_storage_options() == {"key": "id", "secret": "from-env"}
+    given = RunConfig(database_url="sqlite:///given.db", storage_options={"secret": "given"}).resolved()
+    assert given.database_url.get_secret_value() == "sqlite:///given.db"  # given wins
+    assert given.plain_storage_options() == {"key": "id", "secret": "given"}  # per option
+    assert given.resolved().plain_storage_options() == given.plain_storage_options()  # resolving again: the same
+    monkeypatch.delenv("TXFLOW_DATABASE_URL")
+    monkeypatch.delenv("TXFLOW_STORAGE_OPTIONS")
+    assert RunConfig().resolved().database_url is None and RunConfig().resolved().storage_options == {}
+
+
+@pytest.mark.parametrize("value", ['{"secret": 5}', "secret=not-json-MARKER", '["a"]'])
+def test_storage_options_from_the_environment_that_are_no_json_object_are_refused_without_echo(monkeypatch, value):
+    monkeypatch.setenv("TXFLOW_STORAGE_OPTIONS", value)
+    with pytest.raises(ValueError, match="TXFLOW_STORAGE_OPTIONS must be a JSON object of strings") as refused:
+        RunConfig().resolved()
+    assert value not in str(refused.value) and "MARKER" not in str(refused.value)
+
+
+def test_children_inherit_no_credential_variable(monkeypatch):
+    from txflow.config import environ_without_secrets
+
+    for name in ("TINKER_API_KEY", "TXFLOW_DATABASE_URL", "TXFLOW_STORAGE_OPTIONS"):
+        monkeypatch.setenv(name, "secret")
+    monkeypatch.setenv("TXFLOW_TEST_PLAIN", "kept")
+    env = environ_without_secrets()
+    assert env["TXFLOW_TEST_PLAIN"] == "kept"
+    assert {"TINKER_API_KEY", "TXFLOW_DATABASE_URL", "TXFLOW_STORAGE_OPTIONS"}.isdisjoint(env)

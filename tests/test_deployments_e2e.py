@@ -289,6 +289,38 @@ def test_deployments_on_the_server(server, deployed):
     assert [s.schedule.cron for s in deployments["train/sft"].schedules + deployments["train/rl"].schedules] == []
 
 
+def test_a_deployment_takes_its_database_url_from_a_prefect_secret_block(server, deployed):
+    """README, "Credentials": job variables name the block, `{{ prefect.blocks.secret.NAME }}`; the
+    worker resolves it into the flow run process's environment when it starts the run (Prefect stores and
+    shows the reference only), and the flow reads TXFLOW_DATABASE_URL there."""
+    import asyncio
+
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.workers.process import ProcessJobConfiguration
+
+    secret = "postgresql://txflow:block-MARKER-1d9e@/tinker?host=/run/pg"
+    reference = {"env": {"TXFLOW_DATABASE_URL": "{{ prefect.blocks.secret.txflow-database-url }}"}}
+
+    async def job_environment() -> dict:
+        async with get_client() as client:
+            pool = await client.read_work_pool("txflow")
+            job = await ProcessJobConfiguration.from_template_and_values(pool.base_job_template, reference,
+                                                                           client=client)
+        return job.env
+
+    with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        Secret(value=secret).save("txflow-database-url", overwrite=True)
+        env = asyncio.run(job_environment())
+    assert env["TXFLOW_DATABASE_URL"] == secret
+    os.environ["TXFLOW_DATABASE_URL"] = env["TXFLOW_DATABASE_URL"]  # the flow run process's environment
+    try:
+        assert RunConfig().resolved().database_url.get_secret_value() == secret
+    finally:
+        del os.environ["TXFLOW_DATABASE_URL"]
+
+
 def test_unknown_config_field_is_rejected_before_any_run(server, deployed):
     """enforce_parameter_schema: the server checks overrides against RunConfig's schema."""
     params = {"config": {"mode": "sft", "stepz": 3}}

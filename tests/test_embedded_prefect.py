@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import listening_addresses, new_prefect_home
+from tests.helpers import descendants, listening_addresses, new_prefect_home
 from txflow.cluster import embedded_prefect
 from txflow.processes.procfs import is_alive
 
@@ -83,6 +83,11 @@ def test_two_servers_starting_at_once_on_one_database_take_turns_and_both_come_u
         for t in threads:
             t.join(timeout=300)
         assert errors == [] and len(ready) == 2, errors
+        for server in servers:  # each serves on the socket bound before it was spawned: no port to squat
+            assert listening_addresses(server.port) == ["127.0.0.1"]
+            [uvicorn] = [pid for pid, _ in descendants(server.proc.pid)]
+            argv = Path(f"/proc/{uvicorn}/cmdline").read_bytes().split(b"\0")
+            assert b"--fd" in argv and b"--port" not in argv
     finally:
         for server in servers:
             server.stop()

@@ -290,3 +290,62 @@ def test_private_disk_command_gives_the_process_an_empty_directory_of_its_own(tm
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == f"txflow: private node disk: {tmp_path} holds 0 entries"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shared.txt"]  # what the rank wrote stayed private
+
+
+# A stand-in for the API: it serves on the socket it inherited and answers each connection with its pid.
+SERVE_INHERITED = [sys.executable, "-c", "import os\nfrom txflow.processes import ports\n"
+                   "sock = ports.inherited_listener()\nwhile True:\n    conn, _ = sock.accept()\n"
+                   "    conn.sendall(str(os.getpid()).encode())\n    conn.close()"]
+
+
+def test_the_api_port_stays_bound_from_its_pick_until_the_api_serves_on_that_very_socket(local_cluster):
+    """No gap for another local user to bind the port first and receive the requests (the readiness
+    request carries the run's key): the launcher binds it in `place`, the API inherits the socket."""
+    cluster, launcher = local_cluster
+    launcher.place(cluster, "127.0.0.1")
+    port = cluster.api_port
+    for reuse in (socket.SO_REUSEADDR, socket.SO_REUSEPORT):  # a squatter's best tries
+        with socket.socket() as squatter:
+            squatter.setsockopt(socket.SOL_SOCKET, reuse, 1)
+            with pytest.raises(OSError, match="Address already in use"):
+                squatter.bind(("127.0.0.1", port))
+    api = launcher.start(cluster, "api", None, SERVE_INHERITED, {}, {"http": port}, "api")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as conn:
+        assert conn.recv(64) == str(api.pid).encode()  # served by the API itself
+    assert launcher._api_socket is None  # only the API holds it now
+    launcher.stop(cluster, grace_s=1.0)
+    with socket.socket() as after:  # and nothing else did: the port is free once the API is gone
+        # SO_REUSEADDR: the API closed the connection first, so the port may be in TIME_WAIT (not held);
+        # a socket still listening on it would refuse this bind all the same.
+        after.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        after.bind(("127.0.0.1", port))
+
+
+def test_a_placed_api_socket_that_was_never_started_is_closed_by_stop(local_cluster):
+    cluster, launcher = local_cluster
+    launcher.place(cluster, "127.0.0.1")
+    launcher.stop(cluster, grace_s=1.0)
+    with socket.socket() as again:
+        again.bind(("127.0.0.1", cluster.api_port))
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def test_credentials_reach_only_the_process_given_them_and_only_by_environment(local_cluster, monkeypatch):
+    cluster, launcher = local_cluster
+    # The orchestrator's own credential variables (how the user gave them) are inherited by no child.
+    monkeypatch.setenv("TINKER_API_KEY", "tml-env-MARKER")
+    monkeypatch.setenv("TXFLOW_DATABASE_URL", "postgresql://u:env-MARKER@/db")
+    monkeypatch.setenv("TXFLOW_STORAGE_OPTIONS", '{"secret": "env-MARKER"}')
+    rank0 = launcher.start(cluster, "coordinator", 0, SLEEP, {"PLAIN": "1"}, {}, "rank0",
+                           secret_env={"TX_DATABASE_URL": "postgresql://u:given-MARKER@/db"})
+    worker = launcher.start(cluster, "worker", 1, SLEEP, {"PLAIN": "1"}, {}, "rank1")
+    env0, env1 = environ_of(rank0.pid), environ_of(worker.pid)
+    assert env0["TX_DATABASE_URL"] == "postgresql://u:given-MARKER@/db" and env0["PLAIN"] == env1["PLAIN"] == "1"
+    assert [k for k, v in env0.items() if "env-MARKER" in v] == []
+    assert [k for k, v in env1.items() if "MARKER" in v] == []
+    for pid in (rank0.pid, worker.pid):
+        assert b"MARKER" not in Path(f"/proc/{pid}/cmdline").read_bytes()

@@ -130,11 +130,12 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
     on loopback, and no secret reaches Ray's tables, Ray's logs or any command line."""
     cluster, env, work, states = ray_env
     # Held after step 4 (txflow.processes.holds) while the probes below run, so the kill lands in training.
-    env = env | {"TINKER_API_KEY": API_KEY_MARKER, "TXFLOW_HOLD_AT": "train-step-4", "TXFLOW_HOLD_DIR": str(work)}
+    # Every credential by environment: none on a command line, and each process gets only those it uses.
+    env = env | {"TINKER_API_KEY": API_KEY_MARKER, "TXFLOW_DATABASE_URL": postgres("tinker_ray"),
+                 "TXFLOW_STORAGE_OPTIONS": json.dumps({"key": "txflow-test", "secret": STORAGE_MARKER}),
+                 "TXFLOW_HOLD_AT": "train-step-4", "TXFLOW_HOLD_DIR": str(work)}
     proc, log = txflow(cluster, env, work, "ray-sft", states, "--steps", "10", "--save-every", "3",
-                       "--train-retries", "1", "--checkpoints", f"s3://{BUCKET}/runs",
-                       "--storage-option", "key=txflow-test", "--storage-option", f"secret={STORAGE_MARKER}",
-                       "--database-url", postgres("tinker_ray"))
+                       "--train-retries", "1", "--checkpoints", f"s3://{BUCKET}/runs")
     try:
         wait_until(lambda: (work / "train-step-4.held").exists(), proc, log, "step 4 on the first placement")
         first = cluster_json(states, "ray-sft")
@@ -144,9 +145,12 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
                                    timeout=60, check=True)
         auth = json.loads(probe.stdout.strip().splitlines()[-1])
         listeners = cluster.listeners()
-        # Every process of the namespace but `txflow` itself, whose command line is the user's own.
+        # Every process of the namespace, `txflow` itself included.
         command_lines = {pid: Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-                         for pid in cluster.pids() if pid != proc.pid and Path(f"/proc/{pid}/cmdline").exists()}
+                         for pid in cluster.pids() if Path(f"/proc/{pid}/cmdline").exists()}
+        environments = {p["role"] + str(p["rank"]): Path(f"/proc/{p['pid']}/environ").read_bytes().decode()
+                        for p in first["processes"]}
+        left_secret_files = sorted(p.name for p in (states / "ray-sft").glob(".secret-env-*"))
         during = ray_state(cluster)
         worker = next(p for p in first["processes"] if p["rank"] == 1)
         killed_at = time.time()
@@ -196,6 +200,9 @@ def test_sft_on_two_ray_nodes_with_s3_checkpoints_survives_a_rank_kill(ray_env, 
     markers = [STORAGE_MARKER, PASSWORD_MARKER, API_KEY_MARKER]
     assert [m for m in markers if m in during["raw"]] == []
     assert [(pid, m) for pid, line in command_lines.items() for m in markers if m in line] == []
+    held = {name: [m for m in markers if m in environment] for name, environment in environments.items()}
+    assert held == {"apiNone": [PASSWORD_MARKER, API_KEY_MARKER], "coordinator0": [PASSWORD_MARKER], "worker1": []}
+    assert left_secret_files == []  # the actor read and deleted the file that carried rank 0's
     for node in (0, 1):
         found = cluster.run(["grep", "-rl", "-e", markers[0], "-e", markers[1], "-e", markers[2],
                              str(cluster.nodes[node].temp_dir)], node=node)

@@ -106,3 +106,26 @@ def test_logger_outside_a_prefect_run_emits_scrubbed_records(caplog):
     assert "S3cretMarker" not in messages[0] and "OtherMarker9" not in messages[0]
     assert "engine uses *** and ***" in messages[0]
     assert "S3cretMarker" not in caplog.text
+
+
+@pytest.mark.parametrize("url, secret, kept", [
+    ("https://acct.blob.core.windows.net/c/sft.jsonl?sv=2024-08-04&sp=r&sig=AbC%2Fq1w2e3", "AbC%2Fq1w2e3",
+     "sv=2024-08-04"),
+    ("https://b.s3.amazonaws.com/k?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Credential=AKIAX%2F20261202%2Fus&"
+     "X-Amz-Signature=f00dfeed&X-Amz-Expires=60", "f00dfeed", "X-Amz-Expires=60"),
+    ("https://b.s3.amazonaws.com/k?X-Amz-Credential=AKIAX%2F20261202&X-Amz-Expires=60", "AKIAX", "X-Amz-Expires=60"),
+    ("https://b.s3.amazonaws.com/k?X-Amz-Security-Token=IQoJb3JpZ2lu&a=1", "IQoJb3JpZ2lu", "a=1"),
+    ("https://storage.googleapis.com/b/o?X-Goog-Algorithm=GOOG4&X-Goog-Signature=0a1b2c3d", "0a1b2c3d", "GOOG4"),
+    ("http://h/data.jsonl?token=t0k3nValue&max_tokens=5", "t0k3nValue", "max_tokens=5"),
+    ("loading https://h/x.jsonl?key=AIzaSyK3y#frag failed", "AIzaSyK3y", "#frag failed"),
+])
+def test_query_string_credentials_are_masked(url, secret, kept):
+    out = redact(url)
+    assert secret not in out and kept in out and "***" in out
+
+
+def test_a_signed_dataset_url_registers_its_signature_wherever_it_shows_later():
+    log.register_run_secrets(RunConfig(dataset="s3://b/data/sft.jsonl?sig=SigMarker77"))
+    # An error that names the object by its key without the `sig=` before it.
+    assert log.scrub("NoSuchKey: data/sft.jsonl%3Fsig%3DSigMarker77 / SigMarker77") == \
+        "NoSuchKey: data/sft.jsonl%3Fsig%3D*** / ***"

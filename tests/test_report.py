@@ -92,3 +92,17 @@ def test_the_answers_before_and_after_training_are_shown_with_their_accuracy():
     assert "| What is 12 + 7? | 19 | 9 | 19 |" in text
     assert run_report.answers_text(report) == ["  'What is 12 + 7?' (expected 19): base model '9', trained '19'",
                                                "  held-out accuracy: 25% base model -> 75% trained"]
+
+
+def test_the_report_scrubs_the_dataset_and_every_url(tmp_path):
+    from txflow.log import register_run_secrets
+
+    cfg = RunConfig(run_id="signed", state_dir=str(tmp_path / "state"), checkpoints=str(tmp_path / "ckpt"),
+                    dataset="https://acct.blob.core.windows.net/c/sft.jsonl?sv=1&sig=SigMarker42").resolved()
+    register_run_secrets(cfg)
+    report = run_report.build(cfg, Progress(), f"OSError: cannot read {cfg.dataset}")
+    text = report.to_json()
+    assert "SigMarker42" not in text
+    assert report.dataset == "https://acct.blob.core.windows.net/c/sft.jsonl?sv=1&sig=***"
+    assert report.error == "OSError: cannot read https://acct.blob.core.windows.net/c/sft.jsonl?sv=1&sig=***"
+    assert report.num_processes == cfg.processes and report.metrics == []  # the rest as built

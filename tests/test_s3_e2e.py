@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import sqlite3
 import subprocess
 import sys
 import tarfile
@@ -46,22 +47,25 @@ pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(3)]
 
 SHARED_DISK_OPT_OUT = "TXFLOW_TEST_ALLOW_SHARED_WORKER_DISK"
 STORAGE_OPTION_MARKER = "storage-option-MARKER-5d1e"
+SIGNATURE_MARKER = "sig-MARKER-e07b"
+BUNDLED_SFT = Path(storage.__file__).parents[1] / "data" / "sft.jsonl"
 
 
-def run_watching_command_lines(args: list[str], env: dict, cwd: Path) -> tuple[subprocess.CompletedProcess, dict]:
-    """`txflow ARGS` to completion; also {pid: command line} of every process it started, read from
-    /proc while they ran (the txflow command itself is the user's own and not included)."""
+def run_watching_processes(args: list[str], env: dict, cwd: Path) -> tuple[subprocess.CompletedProcess, dict]:
+    """`txflow ARGS` to completion; also {pid: (command line, environment)} of the txflow process and of
+    every process it started, read from /proc while they ran."""
     out, err = cwd / "watched.out", cwd / "watched.err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(txflow_cmd(*args), env=env, cwd=cwd, stdout=stdout, stderr=stderr)
-        seen: dict[int, str] = {}
+        seen: dict[int, tuple[str, str]] = {}
         try:
             deadline = time.monotonic() + 800
             while proc.poll() is None:
                 assert time.monotonic() < deadline, "the run did not finish"
-                for pid, _ in descendants(proc.pid):
+                for pid in [proc.pid, *(pid for pid, _ in descendants(proc.pid))]:
                     try:
-                        seen.setdefault(pid, Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+                        seen.setdefault(pid, tuple(Path(f"/proc/{pid}/{name}").read_bytes().replace(b"\0", b" ")
+                                                   .decode(errors="replace") for name in ("cmdline", "environ")))
                     except OSError:
                         pass
                 time.sleep(0.5)
@@ -70,6 +74,8 @@ def run_watching_command_lines(args: list[str], env: dict, cwd: Path) -> tuple[s
                 proc.kill()
             proc.wait()
     return subprocess.CompletedProcess(args, proc.returncode, out.read_text(), err.read_text()), seen
+
+
 def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, s3_env, reaper, postgres):
     first_state, second_state = reaper.watch(tmp_path / "s1"), reaper.watch(tmp_path / "s2")
     root = f"s3://{BUCKET}/runs"
@@ -85,15 +91,19 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
         pytest.fail(f"unshare --mount is not permitted here, so rank 1 cannot get a private disk and this test "
                     f"would not prove that checkpoints need no shared filesystem. Run as root on Linux, or set "
                     f"{SHARED_DISK_OPT_OUT}=1 to run it with a shared disk anyway")
-    # The first run carries four secrets: a database password, the S3 secret key (environment), a Tinker
-    # API key, and a storage option; the command lines of its processes are read while it runs.
-    env = s3_env | {"TINKER_API_KEY": API_KEY_MARKER}
-    first, command_lines = run_watching_command_lines(
-        ["run", "sft", "--run-id", "s3-first", "--steps", "8", "--save-every", "3",
-         "--database-url", postgres("tinker_s3"), "--checkpoints", root, "--state-dir", str(first_state),
-         "--storage-option", "key=txflow-test", "--storage-option", f"secret={STORAGE_OPTION_MARKER}", "--json"],
-        env, tmp_path)
+    # The first run carries five secrets: a database password, the S3 secret key (AWS_*), a Tinker API key
+    # and a storage option, each in the environment, none on a command line; and a dataset URL whose
+    # query string holds a signature (the bundled dataset, under a key that ends `?sig=...`). The
+    # command line and environment of each of its processes are read while it runs.
+    dataset_key = f"data/sft.jsonl?sig={SIGNATURE_MARKER}"
+    boto3.client("s3").put_object(Bucket=BUCKET, Key=dataset_key, Body=BUNDLED_SFT.read_bytes())
+    env = s3_env | {"TINKER_API_KEY": API_KEY_MARKER, "TXFLOW_DATABASE_URL": postgres("tinker_s3"),
+                    "TXFLOW_STORAGE_OPTIONS": json.dumps({"key": "txflow-test", "secret": STORAGE_OPTION_MARKER})}
+    first, processes = run_watching_processes(
+        ["run", "sft", "--run-id", "s3-first", "--steps", "8", "--save-every", "3", "--checkpoints", root,
+         "--state-dir", str(first_state), "--dataset", f"s3://{BUCKET}/{dataset_key}", "--json"], env, tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
+    command_lines = {pid: line for pid, (line, _) in processes.items()}
     # api, rank 0, rank 1, the embedded Prefect server (and its guard) were all seen running.
     assert sum("txflow.upstream.skyrl_tx" in c for c in command_lines.values()) >= 3, command_lines
     assert any("prefect.server.api.server:create_app" in c for c in command_lines.values()), command_lines
@@ -154,15 +164,44 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
         for state in (first_state, second_state):
             assert f"txflow: private node disk: {state} holds 0 entries" in (state / "logs" / "rank1.log").read_text()
 
-    # No secret reached a log, report, manifest, artifact, the Prefect store (its logs and parameters
-    # included) or the command line of any process the run started.
-    markers = [S3_SECRET_MARKER, PASSWORD_MARKER, API_KEY_MARKER, STORAGE_OPTION_MARKER]
-    assert [(pid, m) for pid, line in command_lines.items() for m in markers if m in line] == []
+    # No secret reached a log, report, manifest, artifact, the Prefect store (its logs and artifacts) or the
+    # command line of any process of the run, txflow's own included (but for the dataset URL the user typed
+    # there, which Prefect also keeps among the flow's parameters: README, "What a run protects against").
+    # The environment of each process holds the credentials it uses and no other: the API the key and the
+    # database, rank 0 the database, rank 1 and the Prefect server none (AWS_* are the user's own
+    # environment, which every process inherits).
+    markers = [S3_SECRET_MARKER, PASSWORD_MARKER, API_KEY_MARKER, STORAGE_OPTION_MARKER, SIGNATURE_MARKER]
+    typed = next(iter(processes))  # the txflow process, watched first
+    assert [(pid, m) for pid, line in command_lines.items() for m in markers if m in line] == [
+        (typed, SIGNATURE_MARKER)]
+    cluster = json.loads((first_state / "cluster.json").read_text())["processes"]
+    roles = {p["pid"]: p["role"] + ("" if p["rank"] is None else str(p["rank"])) for p in cluster}
+    roles.update({pid: "prefect" for pid, line in command_lines.items() if "prefect.server.api.server" in line})
+    assert {"api", "coordinator0", "worker1", "prefect"} <= {roles.get(pid) for pid in processes}, processes
+    roles[typed] = "txflow"
+    held: dict[str, set] = {}
+    for pid, (_, environment) in processes.items():
+        held.setdefault(roles.get(pid, "other"), set()).update(m for m in markers[1:] if m in environment)
+    held = {role: sorted(found) for role, found in held.items()}
+    assert held.pop("txflow") == sorted(markers[1:4])  # as the user gave them (not vacuous)
+    assert held["api"] == sorted([PASSWORD_MARKER, API_KEY_MARKER])
+    assert held["coordinator0"] == [PASSWORD_MARKER]
+    assert held["worker1"] == held["prefect"] == held.get("other", []) == [], (held, processes)
+    assert report["dataset"] == f"s3://{BUCKET}/data/sft.jsonl?sig=***"
     for output in (first.stdout, first.stderr, second.stdout, second.stderr):
         assert [m for m in markers if m in output] == []
     for top in (first_state, second_state, Path(s3_env["PREFECT_HOME"])):
         files = [p for p in Path(top).rglob("*") if p.is_file()]
-        assert files and [(p, m) for p in files for m in markers if m.encode() in p.read_bytes()] == []
+        found = [(p, m) for p in files for m in markers if m.encode() in p.read_bytes()]
+        prefect_parameters = top == Path(s3_env["PREFECT_HOME"])  # the flow's parameters, checked below
+        assert files and [(p, m) for p, m in found if not (prefect_parameters and m == SIGNATURE_MARKER and
+                                                             p.name.startswith("prefect.db"))] == []
+    with sqlite3.connect(Path(s3_env["PREFECT_HOME"]) / "prefect.db") as db:
+        stored = json.dumps(db.execute("SELECT key, description, data FROM artifact").fetchall()
+                            + db.execute("SELECT message FROM log").fetchall())
+        parameters = json.dumps(db.execute("SELECT parameters FROM flow_run").fetchall())
+    assert "report-" in stored and "sig=***" in stored and [m for m in markers if m in stored] == []
+    assert SIGNATURE_MARKER in parameters  # where it is (above): the flow's parameters, as given
     for key in bucket_keys("runs/"):
         body = boto3.client("s3").get_object(Bucket=BUCKET, Key=key)["Body"].read()
         assert [m for m in markers if m.encode() in body] == [], key

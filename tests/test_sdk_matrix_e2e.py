@@ -30,7 +30,7 @@ from tests.sdk_envs import SDK_VERSIONS, sdk_env
 from txflow.cluster.launchers.local import LocalLauncher
 from txflow.config import RunConfig
 from txflow.processes import groups, lifeline
-from txflow.processes.ports import free_port, port_open
+from txflow.processes.ports import LISTEN_FD_ENV, free_port, port_open
 from txflow.training.custom import client_env
 from txflow.upstream.skyrl_tx.tinker_compat import SKIP_ENV
 from txflow.upstream.wake import ENV as WAKE_ENV
@@ -266,6 +266,7 @@ class ShimlessApis:
         env = dict(item.split("=", 1) for item in Path(f"/proc/{api.pid}/environ").read_text().split("\0")
                    if "=" in item)
         env.pop(WAKE_ENV, None)  # the cluster's API owns the wake channel; these poll, as upstream does
+        env.pop(LISTEN_FD_ENV, None)  # the cluster's API inherited its socket; these bind --port themselves
         self.procs, self.ports, self.logs = [], {}, {}
         for skip in skips:
             port = free_port()

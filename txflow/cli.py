@@ -26,10 +26,17 @@ import types
 import typing
 from contextlib import ExitStack
 
-from pydantic import BaseModel, SecretStr, ValidationError
+from pydantic import BaseModel, ValidationError
 
-from txflow.config import API_KEY_ENV, NAMED_MODELS, PROMOTION_NAME_PATTERN, TINY_MODEL, RunConfig
-from txflow.log import redact
+from txflow.config import (
+    NAMED_MODELS,
+    PROMOTION_NAME_PATTERN,
+    SECRET_ENV,
+    TINY_MODEL,
+    RunConfig,
+    storage_options_from_env,
+)
+from txflow.log import scrub
 from txflow.processes import umask
 
 # Flags whose name is not the field's name with '-' for '_'.
@@ -63,7 +70,14 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "") -> None:
         flag = flag_of(dest.replace(".", "_"))
         help_text = info.description or ""
         origin = typing.get_origin(annotation)
-        if origin is list:
+        if name in SECRET_ENV and not prefix:
+            hint = ("A flag shows in `ps` to every local user: prefer the environment variable."
+                    if SECRET_ENV[name] in help_text else
+                    f"Prefer {SECRET_ENV[name]} in the environment: a flag shows in `ps` to every local user.")
+            parser.add_argument(flag, dest=dest, metavar="KEY=VALUE" if origin is dict else name.upper(),
+                                action="append" if origin is dict else "store",
+                                help=help_text + (" (repeatable)" if origin is dict else "") + " " + hint)
+        elif origin is list:
             parser.add_argument(flag, dest=dest, action="append", metavar="VALUE", help=help_text + " (repeatable)")
         elif origin is dict:
             parser.add_argument(flag, dest=dest, action="append", metavar="KEY=VALUE",
@@ -73,9 +87,6 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "") -> None:
         elif typing.get_origin(inner) is typing.Literal:  # the model checks the choice, in one line
             parser.add_argument(flag, dest=dest, metavar="{" + ",".join(typing.get_args(inner)) + "}",
                                 help=help_text)
-        elif inner is SecretStr and name == "api_key":
-            parser.add_argument(flag, dest=dest, metavar="KEY",
-                                help=help_text + f" Prefer {API_KEY_ENV} in the environment: a flag shows in `ps`.")
         else:
             parser.add_argument(flag, dest=dest, metavar=name.upper().removesuffix("_S"), help=help_text)
 
@@ -131,12 +142,12 @@ def prune_cmd(args) -> int:
     from txflow.checkpoints import promotion, retention
 
     try:
-        options = _storage_options(args.storage_option)
+        options = _command_storage_options(args.storage_option)
         protected = promotion.sources(args.root, options)
         runs = retention.prune(args.root, args.keep_last, args.older_than, dry_run=args.dry_run,
                                include_failed=args.include_failed, protected=protected, storage_options=options)
     except ValueError as exc:
-        print(f"txflow: {redact(str(exc))}", file=sys.stderr)
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
     # Promotions the pointer moved past that a promotion's own trim failed to delete.
     trimmed = [] if args.dry_run else promotion.trim_all(args.root, options)
@@ -168,11 +179,11 @@ def promoted_cmd(args) -> int:
     try:
         if not re.fullmatch(PROMOTION_NAME_PATTERN, args.name):
             raise ValueError(f"{args.name!r} is no promotion name (1-64 letters, digits, '.', '-' or '_')")
-        options = _storage_options(args.storage_option)
+        options = _command_storage_options(args.storage_option)
         current = promotion.current(args.root, args.name, options)
         kept = promotion.history(args.root, args.name, options)
     except ValueError as exc:
-        print(f"txflow: {redact(str(exc))}", file=sys.stderr)
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
     if args.json:
         json.dump({"current": current, "history": kept}, sys.stdout, indent=2)
@@ -197,13 +208,29 @@ def promoted_cmd(args) -> int:
 
 
 def _storage_options(pairs: list[str]) -> dict[str, str]:
+    """`--storage-option KEY=VALUE` flags as a dict; every value is masked in all later output."""
+    from txflow.log import register_secret
+
     options = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            raise ValueError(f"--storage-option {pair!r} must be KEY=VALUE")
+            # Not echoed: it may well be the secret itself.
+            raise ValueError("every --storage-option must be KEY=VALUE (one was not; its text is not shown)")
+        register_secret(value)
         options[key] = value
     return options
+
+
+def _command_storage_options(pairs: list[str]) -> dict[str, str]:
+    """The storage options of prune, discover, export and promoted: TXFLOW_STORAGE_OPTIONS, then the flags
+    (which win); every value masked in all later output."""
+    from txflow.log import register_secret
+
+    options = {k: v.get_secret_value() for k, v in storage_options_from_env().items()}
+    for value in options.values():
+        register_secret(value)
+    return options | _storage_options(pairs)
 
 
 def config_values(args: argparse.Namespace) -> dict:
@@ -234,9 +261,9 @@ def run(args) -> int:
     except ValueError as exc:
         if isinstance(exc, ValidationError):
             exc = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
-        print(f"txflow: invalid options: {redact(str(exc))}", file=sys.stderr)
+        print(f"txflow: invalid options: {scrub(str(exc))}", file=sys.stderr)
         return 2
-    from txflow.log import register_run_secrets, scrub
+    from txflow.log import register_run_secrets
     from txflow.preflight import PreflightError, prepare_ahead
 
     register_run_secrets(config)  # before anything can print a URL or a backend's error
@@ -292,9 +319,10 @@ def discover_cmd(args) -> int:
     from txflow.checkpoints.discovery import discover
 
     try:
-        artifacts = discover(args.url, _storage_options(args.storage_option), require_commit=args.require_commit)
+        artifacts = discover(args.url, _command_storage_options(args.storage_option),
+                             require_commit=args.require_commit)
     except (FileNotFoundError, ValueError) as exc:
-        print(f"txflow: {redact(str(exc))}", file=sys.stderr)
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 1
     if args.json:
         json.dump([a.model_dump() for a in artifacts], sys.stdout, indent=2)
@@ -315,7 +343,7 @@ def export_cmd(args) -> int:
     from txflow.upstream.tiny_model import resolve_base_model
 
     try:
-        options = _storage_options(args.storage_option)
+        options = _command_storage_options(args.storage_option)
         run_root, reference = export.locate(args.url, options)
         run = _run_of(run_root, options)
         if args.base_model:
@@ -328,7 +356,7 @@ def export_cmd(args) -> int:
         result = writer.export(reference, args.to, options, reference.base_model, run, merged=args.merged,
                                force=args.force, log=lambda line: print(f"txflow: {line}", file=sys.stderr))
     except (export.ExportError, ValueError) as exc:
-        print(f"txflow: {redact(str(exc))}", file=sys.stderr)
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
     if args.json:
         json.dump(result.model_dump(), sys.stdout, indent=2)

@@ -165,7 +165,8 @@ class RunConfig(BaseModel, extra="forbid"):
         description="Checkpoint root, any fsspec URL or local path; the run writes under `<checkpoints>/<run_id>/`.",
     )
     storage_options: dict[str, SecretStr] = Field(
-        default_factory=dict, description="fsspec storage options for the checkpoint root (never logged)."
+        default_factory=dict, description="fsspec storage options for the checkpoint root (never logged; "
+        "TXFLOW_STORAGE_OPTIONS in the environment, a JSON object, adds to them)."
     )
     state_dir: str | None = Field(
         default=None, description="Local run state (cluster.json, one log per rank). Default `.txflow/runs/<run_id>`."
@@ -182,7 +183,8 @@ class RunConfig(BaseModel, extra="forbid"):
         "absent: no limit). Empty: no guard.",
     )
     database_url: SecretStr | None = Field(
-        default=None, description="SkyRL-tx database URL. Default: SQLite in the run's state directory."
+        default=None, description="SkyRL-tx database URL (never logged; prefer TXFLOW_DATABASE_URL in the "
+        "environment). Default: SQLite in the run's state directory."
     )
     dataset: str | None = Field(
         default=None, description="JSONL dataset URL (any fsspec URL). Default: the bundled dataset of the mode: "
@@ -383,10 +385,15 @@ class RunConfig(BaseModel, extra="forbid"):
         if self.learning_rate is None:
             # None when no rule applies: pre-flight refuses the run and says to pass --learning-rate.
             defaults["learning_rate"] = default_learning_rate(self.mode, self.base_model)[0]
+        # Credentials from the environment, however the run starts (txflow run, a deployment's worker, whose
+        # job variables may fill them from a Prefect Secret block): off command lines and out of the
+        # parameters Prefect stores. A value given in the config wins.
         if self.api_key is None and os.environ.get(API_KEY_ENV):
-            # The standard Tinker variable, however the run starts (txflow run, a deployment's worker): the
-            # key stays off command lines and out of the parameters Prefect stores.
             defaults["api_key"] = self._tinker_key_prefix(SecretStr(os.environ[API_KEY_ENV]))
+        if self.database_url is None and os.environ.get(DATABASE_URL_ENV):
+            defaults["database_url"] = SecretStr(os.environ[DATABASE_URL_ENV])
+        if os.environ.get(STORAGE_OPTIONS_ENV):
+            defaults["storage_options"] = storage_options_from_env() | self.storage_options
         return self.model_copy(
             update={"run_id": run_id, "state_dir": str(Path(state_dir).absolute()), "checkpoints": checkpoints,
                     **defaults}
@@ -422,6 +429,32 @@ class RunConfig(BaseModel, extra="forbid"):
 
 
 API_KEY_ENV = "TINKER_API_KEY"  # the Tinker SDK's own variable
+DATABASE_URL_ENV = "TXFLOW_DATABASE_URL"
+STORAGE_OPTIONS_ENV = "TXFLOW_STORAGE_OPTIONS"  # a JSON object of fsspec options
+# Where each credential field can come from instead of a flag or a parameter.
+SECRET_ENV = {"api_key": API_KEY_ENV, "database_url": DATABASE_URL_ENV, "storage_options": STORAGE_OPTIONS_ENV}
+
+
+def storage_options_from_env() -> dict[str, SecretStr]:
+    """The storage options in TXFLOW_STORAGE_OPTIONS ({} when unset); a value that is no JSON object of
+    strings is refused without echoing it."""
+    text = os.environ.get(STORAGE_OPTIONS_ENV, "")
+    if not text:
+        return {}
+    try:
+        options = json.loads(text)
+    except ValueError:
+        options = None
+    if not isinstance(options, dict) or not all(isinstance(v, str) for v in options.values()):
+        raise ValueError(f"{STORAGE_OPTIONS_ENV} must be a JSON object of strings, such as "
+                         f'{{"key": "...", "secret": "..."}}')
+    return {k: SecretStr(v) for k, v in options.items()}
+
+
+def environ_without_secrets() -> dict[str, str]:
+    """This process's environment without the run's credential variables (SECRET_ENV): what a child
+    inherits. A child that uses a credential gets it explicitly, by environment."""
+    return {k: v for k, v in os.environ.items() if k not in SECRET_ENV.values()}
 
 # The fields that hold credentials: never logged, and never needed to find or stop a run's processes.
 SECRET_FIELDS = frozenset(name for name, field in RunConfig.model_fields.items()

@@ -9,7 +9,7 @@ from txflow.checkpoints import export, promotion, retention
 from txflow.checkpoints.export import ExportResult
 from txflow.config import TINY_MODEL, RunConfig
 from txflow.export import writer
-from txflow.log import get_logger
+from txflow.log import get_logger, scrub
 from txflow.reporting.history import current_versions
 from txflow.results import Decision, Discovered, Exported, Pruned, RestoreCheck, Saved
 
@@ -37,7 +37,8 @@ def run_card(cfg: RunConfig, restore: RestoreCheck) -> dict:
     """What the exported model card says of the run."""
     return {"run_id": cfg.run_id, "mode": cfg.mode, "steps": cfg.steps, "base_model": cfg.base_model,
             "base_model_source": "tiny" if cfg.base_model == TINY_MODEL else "user",
-            "dataset": cfg.dataset or f"txflow's bundled {cfg.mode} dataset", "quality": restore.quality}
+            "dataset": scrub(cfg.dataset) if cfg.dataset else f"txflow's bundled {cfg.mode} dataset",
+            "quality": restore.quality}
 
 
 def export_run(cfg: RunConfig, restore: RestoreCheck) -> Exported:

@@ -15,18 +15,28 @@ _URL_PASSWORD = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<user>[^:
 _SECRET_PAIR = re.compile(
     # `token` but not `tokens`: max_tokens=5 (a sampling option) is no secret.
     r"(?P<key>\b[\w\-]*(?:secret|password|passwd|token(?!s)|api[_\-]?key|credential)[\w\-]*\b"
-    r"[\"']?\s*[:=]\s*)(?P<value>\"[^\"]*\"|'[^']*'|[^\s,\"'}]+)",
+    r"[\"']?\s*[:=]\s*)(?P<value>\"[^\"]*\"|'[^']*'|[^\s,&\"'}]+)",
+    re.IGNORECASE,
+)
+# Credentials in a URL's query string (signed and SAS URLs): Azure's `sig`, S3's `X-Amz-Signature`,
+# `X-Amz-Credential` and `X-Amz-Security-Token`, GCS's `X-Goog-Signature` and `X-Goog-Credential`, and the
+# usual `signature`, `key`, `apikey`, `token`, `access_token`, `password`, `secret`.
+_QUERY_CREDENTIAL = re.compile(
+    r"(?P<key>[?&;](?:sig|signature|x-amz-signature|x-amz-credential|x-amz-security-token|x-goog-signature|"
+    r"x-goog-credential|key|apikey|api_key|token|access_token|password|secret)=)(?P<value>[^&#\s\"'<>]+)",
     re.IGNORECASE,
 )
 _BEARER = re.compile(r"(?P<key>\b(?:Bearer|Basic)\s+)(?P<value>[A-Za-z0-9._~+/=\-]+)", re.IGNORECASE)
 
 
 def redact(text: str, secrets: list[str] | tuple[str, ...] = ()) -> str:
-    """`text` with URL passwords, secret-looking key=value pairs and each of `secrets` masked."""
+    """`text` with URL passwords, query-string credentials, secret-looking key=value pairs and each of
+    `secrets` masked."""
     for secret in secrets:
         if secret:
             text = text.replace(secret, "***")
     text = _URL_PASSWORD.sub(lambda m: f"{m['scheme']}{m['user']}:***@", text)
+    text = _QUERY_CREDENTIAL.sub(lambda m: f"{m['key']}***", text)
     text = _BEARER.sub(lambda m: f"{m['key']}***", text)
     return _SECRET_PAIR.sub(lambda m: f"{m['key']}***", text)
 
@@ -35,9 +45,10 @@ _secrets: set[str] = set()
 
 
 def register_secret(value: str | None) -> None:
-    """Mask `value` in every later log line of this process."""
+    """Mask `value` in every later log line of this process, whoever logs it."""
     if value and len(value) >= 4:
         _secrets.add(value)
+        _scrub_every_record()
 
 
 def scrub(text: str) -> str:
@@ -62,9 +73,9 @@ def get_logger() -> logging.LoggerAdapter:
 
 
 def register_run_secrets(cfg) -> None:
-    """Mask the run's storage options, its API key and every password inside a URL it was given (database,
-    dataset, checkpoints, resume point) in every later log line and message of this process, Prefect's
-    own records (task-failure tracebacks included) as much as txflow's."""
+    """Mask the run's storage options, its API key and every password or query-string credential inside a
+    URL it was given (database, dataset, checkpoints, resume point) in every later log line and message of
+    this process, Prefect's own records (task-failure tracebacks included) as much as txflow's."""
     from urllib.parse import urlsplit
 
     from sqlalchemy.engine import make_url
@@ -80,6 +91,8 @@ def register_run_secrets(cfg) -> None:
             register_secret(urlsplit(url or "").password)
         except ValueError:
             pass  # not a URL: nothing inside it to hide
+        for match in _QUERY_CREDENTIAL.finditer(url or ""):
+            register_secret(match["value"])  # also where it shows without its name (a path, an error)
     _scrub_every_record()
 
 

@@ -16,7 +16,7 @@ from pydantic import SecretStr
 from txflow.checkpoints import lease, storage
 from txflow.checkpoints.markers import signing_key
 from txflow.cluster import embedded_prefect
-from txflow.config import NAMED_MODELS, TINY_MODEL, RunConfig, default_learning_rate
+from txflow.config import NAMED_MODELS, TINY_MODEL, RunConfig, default_learning_rate, environ_without_secrets
 from txflow.log import get_logger, redact, register_run_secrets, scrub
 from txflow.reporting.report import Outcome
 from txflow.training import custom, rl, sft
@@ -183,7 +183,8 @@ def check_client_python(cfg: RunConfig) -> str | None:
     is_module = custom.is_module(cfg.client)
     try:
         probe = subprocess.run([python, "-c", _CLIENT_ENV_PROBE, *([cfg.client] if is_module else [])],
-                               capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+                               capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                               env=environ_without_secrets())
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise PreflightError(f"--client-python {given}: does not run ({exc})") from None
     try:

@@ -24,6 +24,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from txflow.config import environ_without_secrets
 from txflow.processes import groups, lifeline, logs, ports
 
 STARTUP_TIMEOUT_ENV = "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS"
@@ -79,19 +80,26 @@ class EmbeddedServer:
     def __init__(self, log: Path):
         self.log = log
         self._start_lock = StartLock(prefect_home(), startup_timeout_s())
-        self.port = ports.free_port("127.0.0.1")
+        # Bound here and inherited by the server (uvicorn --fd): no other local user can take the port between
+        # its pick and the server's start and receive the run's Prefect traffic.
+        listening = ports.listener("127.0.0.1")
+        self.port = listening.getsockname()[1]
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         # What Prefect's SubprocessASGIServer sets for its server process, and EMBEDDED_DEFAULTS under
         # whatever the environment sets.
-        env = {**EMBEDDED_DEFAULTS, **os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
-               "PREFECT__SERVER_FINAL": "1"}
+        env = {**EMBEDDED_DEFAULTS, **environ_without_secrets(), "PREFECT_UI_ENABLED": "0",
+               "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1",
+               ports.LISTEN_FD_ENV: str(listening.fileno())}
         cmd = [sys.executable, "-m", "uvicorn", "--factory", "prefect.server.api.server:create_app",
-               "--host", "127.0.0.1", "--port", str(self.port), "--log-level", "error", "--lifespan", "on"]
+               "--fd", str(listening.fileno()), "--log-level", "error", "--lifespan", "on"]
         try:
-            self.proc = groups.spawn(lifeline.guarded(cmd), log, env=lifeline.child_env(env))
+            self.proc = groups.spawn(lifeline.guarded(cmd), log, env=lifeline.child_env(env),
+                                     pass_fds=(listening.fileno(),))
         except BaseException:  # no server, so no `stop`: the next start in this process must not wait on us
             self._start_lock.release()
             raise
+        finally:
+            listening.close()  # the server's now
 
     def wait_ready(self) -> None:
         """Block until the server answers /health; fail with its log when it dies or does not answer in time.

@@ -20,13 +20,18 @@ class Launcher(ABC):
     @abstractmethod
     def place(self, cluster: Cluster, host: str) -> None:
         """Decide where the API and rank 0 run: fill in `cluster.host`, `api_port` and
-        `coordinator_port` (picked where they will be bound) and save cluster.json."""
+        `coordinator_port` (picked where they will be bound) and save cluster.json. The API's port is
+        bound here, where the API runs, and stays bound until `start` hands the socket to the API
+        (`txflow.processes.ports.LISTEN_FD_ENV`): no other process can take it in between."""
 
     @abstractmethod
     def start(self, cluster: Cluster, role: Role, rank: int | None, cmd: list[str], env: dict[str, str],
-              ports: dict[str, int], log_name: str) -> ProcessRecord:
-        """Start one process (with `env` on top of its node's environment) and record it in cluster.json
-        before returning."""
+              ports: dict[str, int], log_name: str, secret_env: dict[str, str] | None = None) -> ProcessRecord:
+        """Start one process (with `env` and `secret_env` on top of its node's environment, the run's
+        credential variables taken out of it) and record it in cluster.json before returning. `secret_env`
+        reaches the process by environment only: never a command line, a log, or a record a launcher
+        keeps (Ray's call arguments); only rank 0's node gets any. The API (`role` "api") inherits the
+        socket `place` bound."""
 
     @abstractmethod
     def exit_code(self, record: ProcessRecord) -> int | None:

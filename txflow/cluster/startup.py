@@ -21,9 +21,10 @@ from txflow.upstream.skyrl_tx import DATABASE_URL_ENV, launch
 from txflow.upstream.tiny_model import cache_dir, resolve_base_model
 
 
-def child_env(cfg: RunConfig, database_url: str) -> dict[str, str]:
-    """What every process of the cluster gets on top of its node's own environment."""
-    env = {DATABASE_URL_ENV: database_url, "PYTHONUNBUFFERED": "1",
+def child_env(cfg: RunConfig) -> dict[str, str]:
+    """What every process of the cluster gets on top of its node's own environment; no credential (the
+    launcher hands those by `secret_env` to the processes that use them)."""
+    env = {"PYTHONUNBUFFERED": "1",
            # Compiled programs persist across runs: a new cluster skips most of its ~10 s of JIT per rank.
            # An explicit JAX_COMPILATION_CACHE_DIR (or "" to switch it off) wins.
            "JAX_COMPILATION_CACHE_DIR": os.environ.get("JAX_COMPILATION_CACHE_DIR",
@@ -86,18 +87,19 @@ def provision(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
         handle = ClusterHandle.watch(cluster, launcher)
         engine_argv = launch.engine_args(cfg, cluster.base_model_path, cluster.checkpoints_base,
                                          cluster.coordinator_address)
-        env = child_env(cfg, db_url) | launch.wake_env()  # the API and the engine wake each other
+        env = child_env(cfg) | launch.wake_env()  # the API and the engine wake each other
         # The API first (it creates the database tables), then rank 0 without waiting for it: the
-        # engine waits for the tables itself after its imports (adapter point 8). The API alone gets
-        # the run's key, which it checks on every request (adapter point 15).
-        api_env = env | launch.api_key_env(cluster.api_key.get_secret_value())
+        # engine waits for the tables itself after its imports (adapter point 8). Both use the database;
+        # the API alone gets the run's key, which it checks on every request (adapter point 15).
+        database = {DATABASE_URL_ENV: db_url}
         api = launcher.start(cluster, "api", None, launch.api_command(engine_argv, cluster.host, cluster.api_port),
-                             api_env, {"http": cluster.api_port}, "api")
+                             env, {"http": cluster.api_port}, "api",
+                             secret_env=database | launch.api_key_env(cluster.api_key.get_secret_value()))
         log.info(f"Tinker API server pid {api.pid} on {cluster.base_url}, log {api.log}")
         ports = {"coordinator": cluster.coordinator_port} if cluster.coordinator_port else {}
         rank0_env = env | launch.coordinator_env(cluster.coordinator_address)
         rank0 = launcher.start(cluster, "coordinator", 0, launch.engine_command(engine_argv), rank0_env,
-                               ports, "rank0")
+                               ports, "rank0", secret_env=database)
         log.info(
             f"rank 0 (engine{', JAX coordinator ' + cluster.coordinator_address if cluster.coordinator_port else ''}) "
             f"pid {rank0.pid}, log {rank0.log}; command: {' '.join(launch.engine_command(engine_argv))}"
@@ -166,7 +168,7 @@ def launch_workers(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
         # coordinator accepts connections (adapter point 8), instead of leaning on JAX's retries.
         log.info(f"rank 0 pid {cluster.rank(0).pid} runs; starting ranks 1..{cfg.processes - 1}, each joining "
                  f"once the coordinator {cluster.coordinator_address} accepts connections")
-        env = child_env(cfg, cfg.resolved_database_url())
+        env = child_env(cfg)  # no credential: a worker gets its work from rank 0, never from the database
         for rank in range(1, cfg.processes):
             cmd = launch.worker_command(cluster.coordinator_address, cfg.processes, rank,
                                                cfg.startup_timeout_s)

@@ -16,9 +16,10 @@ from pathlib import Path
 from txflow.processes.procfs import proc_stats
 
 
-def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None,
-          cwd: str | None = None) -> subprocess.Popen:
-    """Start `cmd` in a new session (its own process group), stdout+stderr appended to `log_path`."""
+def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: str | None = None,
+          pass_fds: tuple[int, ...] = ()) -> subprocess.Popen:
+    """Start `cmd` in a new session (its own process group), stdout+stderr appended to `log_path`; the
+    file descriptors `pass_fds` stay open in it under the same numbers."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
@@ -29,6 +30,7 @@ def spawn(cmd: list[str], log_path: Path, env: dict[str, str] | None = None,
             env=env,
             cwd=cwd,
             start_new_session=True,
+            pass_fds=pass_fds,
         )
 
 

@@ -27,6 +27,8 @@ import subprocess
 import sys
 import threading
 
+from txflow.processes.ports import LISTEN_FD_ENV
+
 PARENT_ENV = "TXFLOW_PARENT_PID"
 
 
@@ -78,11 +80,13 @@ def _die(parent: int) -> None:
 
 
 def main(argv: list[str]) -> int:
-    """The guard: watch the parent, run `argv` as a child in this process group, exit as it did."""
+    """The guard: watch the parent, run `argv` as a child in this process group, exit as it did. A
+    listening socket this guard inherited (`ports.LISTEN_FD_ENV`) is the program's: it stays open in it."""
     if not argv:
         sys.exit("usage: python -m txflow.processes.lifeline CMD [ARG ...]")
     watch_parent()
-    child = subprocess.Popen(argv)
+    listening = os.environ.get(LISTEN_FD_ENV)
+    child = subprocess.Popen(argv, pass_fds=(int(listening),) if listening else ())
     # SIGTERM to the guard alone (not its group) still reaches the program.
     signal.signal(signal.SIGTERM, lambda signum, frame: child.send_signal(signum))
     code = child.wait()

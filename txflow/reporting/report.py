@@ -87,10 +87,10 @@ def run_metrics(cfg: RunConfig, progress: Progress) -> list[dict]:
 
 def build(cfg: RunConfig, progress: Progress, error: str | None) -> RunReport:
     """The report of one run from what its steps produced; it passed when nothing failed and the restore
-    check passed."""
+    check passed. Every text in it is scrubbed: the dataset and every URL as much as the error."""
     trained, saved, discovered, restore = progress.trained, progress.saved, progress.discovered, progress.restore
     passed = error is None and restore is not None and restore.passed
-    return RunReport(
+    report = RunReport(
         run_id=cfg.run_id,
         mode=cfg.mode,
         status="passed" if passed else "failed",
@@ -117,6 +117,18 @@ def build(cfg: RunConfig, progress: Progress, error: str | None) -> RunReport:
         failures=[{**f.as_dict(), "message": scrub(f.message)} for f in progress.failures],
         finished_at=time.time(),
     )
+    return RunReport.model_validate(scrubbed(report.model_dump()))
+
+
+def scrubbed(value: Any) -> Any:
+    """`value` with every string inside it scrubbed (`txflow.log.scrub`); keys, numbers and the shape stay."""
+    if isinstance(value, str):
+        return scrub(value)
+    if isinstance(value, dict):
+        return {k: scrubbed(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [scrubbed(v) for v in value]
+    return value
 
 
 def checkpoints_block(saved: Saved | None) -> dict | None:
@@ -185,6 +197,7 @@ def markdown(report: RunReport) -> str:
         f"# txflow run `{report.run_id}`: {report.status}",
         "",
         f"- mode: **{report.mode}**, {report.num_processes} processes, base model `{report.base_model}`",
+        f"- dataset: `{report.dataset or 'bundled'}`",
         f"- steps: {len(metrics)}" + (f", learning rate {report.learning_rate:g}" if report.learning_rate else "")
         + (f", resumed from step {report.resumed_from_step}" if report.resumed_from_step else ""),
     ]

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from txflow.cluster.records import Cluster
+from txflow.config import environ_without_secrets
 from txflow.processes import groups, lifeline, logs
 from txflow.training import sft
 
@@ -98,7 +99,9 @@ def _forward_new_lines(path: Path, offset: int, emit) -> int:
 
 
 def client_env(cluster: Cluster) -> dict[str, str]:
-    env = dict(os.environ)
+    """The client's environment: this process's without the run's credentials, plus the cluster's URL and
+    key (the one credential it uses)."""
+    env = environ_without_secrets()
     env.update(TINKER_BASE_URL=cluster.base_url, TINKER_API_KEY=cluster.api_key.get_secret_value(),
                PYTHONUNBUFFERED="1")
     return env

@@ -15,9 +15,15 @@
   That wait is how the monitor learns of a death without polling: each start
   leaves a `wait_exit` call in flight, which returns the exit code, or fails
   when the actor or its node is lost.
-- Nothing secret reaches Ray's own records: actor names and the runtime env
-  hold none; the run's environment travels as a call argument to `start` and
-  is handed to the subprocess only.
+- Nothing secret reaches Ray: actor names, constructor and call arguments and
+  the runtime env hold none (Ray keeps a task's arguments where any driver or
+  the state API can read them, constructor arguments in the GCS). Credentials
+  go to rank 0's node only, the driver's own: the driver writes them to a file
+  of its private state directory (0600), names the file in the `start` call,
+  and the actor reads and deletes it before it starts the process, which gets
+  them by environment. The ranks on other nodes use no credential.
+- The API's port is bound by actor 0 on its node (`listen`) and stays bound
+  until the API inherits the socket, as with the local launcher.
 - `cluster.json` records what a hook in another process needs to stop the
   cluster by name: address, namespace, placement group, actors, nodes.
 
@@ -35,7 +41,9 @@ Ray quirks this works around, each with how to tell when it can go:
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import subprocess
 import sys
 import time
@@ -48,6 +56,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from txflow.cluster.launcher import Launcher, LostProcess, PlacementFailed
 from txflow.cluster.records import Cluster, ProcessRecord
+from txflow.config import environ_without_secrets
 from txflow.processes import groups, lifeline, logs, ports, procfs, umask
 
 NAMESPACE = "txflow"
@@ -66,6 +75,15 @@ class RankHost:
         # with it, so its mask is set once, for it and every process it starts, as `txflow run` does.
         os.umask(umask.PRIVATE)
         self.procs: dict[int, subprocess.Popen] = {}
+        self.api_socket = None  # bound by listen, handed to the API by start
+
+    @ray.method(concurrency_group="control")
+    def listen(self) -> int:
+        """Bind the API's port on this node, kept bound until `start` hands the socket to the API."""
+        if self.api_socket is not None:
+            self.api_socket.close()
+        self.api_socket = ports.listener(ray.util.get_node_ip_address())
+        return self.api_socket.getsockname()[1]
 
     @ray.method(concurrency_group="control")
     def node(self) -> dict:
@@ -76,11 +94,29 @@ class RankHost:
         return ports.free_port(ray.util.get_node_ip_address())
 
     @ray.method(concurrency_group="control")
-    def start(self, cmd: list[str], env: dict[str, str], log: str) -> dict:
-        """`cmd` (its interpreter replaced by this node's) in its own process group, dying with this actor."""
+    def start(self, cmd: list[str], env: dict[str, str], log: str, secret_file: str | None = None,
+              api: bool = False) -> dict:
+        """`cmd` (its interpreter replaced by this node's) in its own process group, dying with this actor;
+        with the credentials in `secret_file` (read, then deleted) in its environment, and for the `api`
+        the socket `listen` bound."""
         Path(log).parent.mkdir(parents=True, exist_ok=True)
-        full_env = lifeline.child_env({**os.environ, **env})
-        proc = groups.spawn([sys.executable, *cmd[1:]], Path(log), env=full_env)
+        secret_env = {}
+        if secret_file:
+            try:
+                secret_env = json.loads(Path(secret_file).read_text())
+            finally:
+                Path(secret_file).unlink(missing_ok=True)
+        full_env = {**environ_without_secrets(), **env, **secret_env}
+        inherited = (self.api_socket.fileno(),) if api and self.api_socket is not None else ()
+        if inherited:
+            full_env[ports.LISTEN_FD_ENV] = str(inherited[0])
+        try:
+            proc = groups.spawn([sys.executable, *cmd[1:]], Path(log), env=lifeline.child_env(full_env),
+                                pass_fds=inherited)
+        finally:
+            if inherited:
+                self.api_socket.close()
+                self.api_socket = None
         self.procs[proc.pid] = proc
         return {"pid": proc.pid, "start_time": procfs.start_time(proc.pid)}
 
@@ -101,6 +137,16 @@ class RankHost:
         groups.stop_groups(list(self.procs), grace_s)
         # wait(), not poll(): poll() answers None while the "wait" group's thread holds the process.
         return {pid: proc.wait(timeout=5) for pid, proc in self.procs.items()}
+
+
+def _secret_file(state_dir: str, secret_env: dict[str, str]) -> Path:
+    """`secret_env` as a new file only this user can read, in the run's state directory on this node (bundle
+    0's, pinned here): how credentials reach actor 0 without being a Ray argument."""
+    path = Path(state_dir) / f".secret-env-{secrets.token_hex(8)}"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(secret_env, f)
+    return path
 
 
 def connect(address: str | None) -> str:
@@ -165,7 +211,7 @@ class RayLauncher(Launcher):
             nodes = ray.get([a.node.remote() for a in actors], timeout=self.timeout_s)
             cluster.launcher_state["node_ids"] = [n["node_id"] for n in nodes]
             cluster.host = nodes[0]["node_ip"]
-            cluster.api_port = ray.get(actors[0].free_port.remote(), timeout=CONTROL_TIMEOUT_S)
+            cluster.api_port = ray.get(actors[0].listen.remote(), timeout=CONTROL_TIMEOUT_S)
             cluster.coordinator_port = (ray.get(actors[0].free_port.remote(), timeout=CONTROL_TIMEOUT_S)
                                         if n > 1 else None)
             cluster.launcher_state["nodes"] = nodes
@@ -201,11 +247,20 @@ class RayLauncher(Launcher):
             self._actors[name] = ray.get_actor(name, namespace=self.namespace)
         return self._actors[name]
 
-    def start(self, cluster, role, rank, cmd, env, ports, log_name):
+    def start(self, cluster, role, rank, cmd, env, ports, log_name, secret_env=None):
         index = 0 if role == "api" else rank
         actor = self._actor(cluster.launcher_state["actors"][index])
         log = str(Path(cluster.state_dir) / "logs" / f"{log_name}.log")
-        started = ray.get(actor.start.remote(cmd, env, log), timeout=CONTROL_TIMEOUT_S)
+        if secret_env and index != 0:
+            raise ValueError(f"{role} rank {rank}: credentials go to rank 0's node only (the driver's), never "
+                             f"through Ray")
+        secret_file = _secret_file(cluster.state_dir, secret_env) if secret_env else None
+        try:
+            started = ray.get(actor.start.remote(cmd, env, log, secret_file and str(secret_file), role == "api"),
+                              timeout=CONTROL_TIMEOUT_S)
+        finally:
+            if secret_file:
+                secret_file.unlink(missing_ok=True)  # read and deleted by the actor, unless it failed first
         node = cluster.launcher_state["nodes"][index]
         record = ProcessRecord(role=role, rank=rank, pid=started["pid"], start_time=started["start_time"],
                                host=node["node_ip"], ports=ports, log=log, node_id=node["node_id"],

@@ -21,6 +21,7 @@ def serve_api(argv: list[str]) -> None:
     from tx.tinker.db_models import enable_sqlite_wal, get_async_database_url
     from tx.utils.log import get_uvicorn_log_config
 
+    from txflow.processes import ports
     from txflow.upstream import wake
     from txflow.upstream.skyrl_tx import auth, lora_config, losses, tinker_compat
 
@@ -56,7 +57,14 @@ def serve_api(argv: list[str]) -> None:
     lora_config.install_api(api.app)  # (14.)
     auth.install(api.app, key)  # (15.) last added, so it runs first
     api.app.state.engine_config = engine_config
-    uvicorn.run(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
+    config = uvicorn.Config(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
+    # The socket the launcher bound for this API and kept bound until now (txflow.processes.ports.listener):
+    # no other local user can have taken the port. Without one (started by hand), bind --host/--port here.
+    sock = ports.inherited_listener()
+    if sock is not None:
+        print(f"txflow: serving on the inherited socket {sock.getsockname()[0]}:{sock.getsockname()[1]} "
+              f"(fd {sock.fileno()})", file=sys.stderr, flush=True)
+    uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
 
 
 def _wake_engine_on_new_requests(api) -> None:

@@ -74,7 +74,9 @@ def engine_command(engine_argv: list[str]) -> list[str]:
 
 
 def api_command(engine_argv: list[str], host: str, port: int) -> list[str]:
-    """The Tinker API server, without the engine it would otherwise spawn through `uv`."""
+    """The Tinker API server, without the engine it would otherwise spawn through `uv`. It serves on the
+    socket its launcher bound on `host:port` and handed to it (`txflow.processes.ports.LISTEN_FD_ENV`);
+    started by hand, without one, it binds `host:port` itself."""
     return [sys.executable, "-m", ENTRY, "api", "--host", host, "--port", str(port), *engine_argv]
 
 
