@@ -34,8 +34,8 @@ RUNS = "/api/v1/training_runs"
 KINDS = {"weights": "state", "sampler_weights": "sampler"}
 DELETE_REFUSED = ("checkpoints of a txflow cluster are not deleted through the Tinker API: txflow keeps a durable "
                   "copy of each; delete old ones with `txflow prune ROOT` (it never removes a run's newest state)")
-PUBLISH_REFUSED = ("publishing is not served by a txflow cluster: make an adapter public with `txflow run "
-                   "--export DIR --promote-as NAME` (and see `txflow promoted ROOT NAME`)")
+PUBLISH_REFUSED = ("publishing is not served by a txflow cluster: a run publishes its proven adapter with `txflow run "
+                   "... --promote-as NAME` (see `txflow promoted ROOT NAME`)")
 TTL_REFUSED = ("checkpoint expiry is not served by a txflow cluster: remove old checkpoints with `txflow prune ROOT "
                "--older-than DAYS`")
 OVERWRITE_REFUSED = ("save_state(overwrite=True) is not served by a txflow cluster (a committed checkpoint is never "
