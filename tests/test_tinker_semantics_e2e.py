@@ -329,6 +329,8 @@ def test_delete_publish_expiry_and_overwrite_are_refused_in_one_line_naming_the_
         rest.unpublish_checkpoint_from_tinker_path(sampler).result()
     with pytest.raises(tinker.BadRequestError, match="--older-than DAYS"):
         wait(handle, client.save_state("with-ttl", ttl_seconds=60))
+    with pytest.raises(tinker.BadRequestError, match="--older-than DAYS"):
+        wait(handle, client.save_weights_for_sampler("with-ttl", ttl_seconds=3600))
     # Nothing was deleted: the state still loads.
     wait(handle, client.load_state(state))
     # SDKs from 0.25 send `overwrite` with save_state.

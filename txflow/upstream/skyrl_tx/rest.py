@@ -10,7 +10,7 @@ names the txflow command doing its job:
   forms, state checkpoints too (their one file, tarred); the download needs the key or that signature;
 - `GET /checkpoints` (list_user_checkpoints), `GET /sessions`, `GET /sessions/{id}`: from the database;
 - training runs with `last_checkpoint`/`last_sampler_checkpoint`, `get_info` with `lora_rank`;
-- delete, publish/unpublish, a TTL (set_checkpoint_ttl, save_state(ttl_seconds)) and save_state's
+- delete, publish/unpublish, a TTL (set_checkpoint_ttl, the saves' ttl_seconds) and save_state's
   `overwrite`: refused. txflow commits every checkpoint to durable storage and its own rules decide what
   goes (`txflow prune`, crash-safe, marker first) and what is published (promotion); a deletion or an
   expiry that touched only the engine's copy would say "deleted" of a checkpoint that lives on.
@@ -62,6 +62,7 @@ def install(app, signer) -> None:
         ("GET", RUNS + "/{model_id}", get_training_run),
         ("POST", "/api/v1/get_info", get_info),
         ("POST", "/api/v1/save_weights", save_weights),
+        ("POST", "/api/v1/save_weights_for_sampler", save_weights_for_sampler),
     ]
     for method, path, endpoint in routes:
         app.router.routes[:] = [r for r in app.router.routes
@@ -162,6 +163,22 @@ async def save_weights(request: dict, req: Request):
         raise RequestValidationError(exc.errors()) from None
     async with _db(req) as session:
         return await api.save_weights(parsed, session)
+
+
+async def save_weights_for_sampler(request: dict, req: Request):
+    """Upstream's save_weights_for_sampler, refusing a TTL in one line instead of dropping it."""
+    from fastapi.exceptions import RequestValidationError
+    from pydantic import ValidationError
+    from tx.tinker import api
+
+    if request.get("ttl_seconds") is not None:
+        raise HTTPException(status_code=400, detail=TTL_REFUSED)
+    try:
+        parsed = api.SaveWeightsForSamplerRequest.model_validate(request)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+    async with _db(req) as session:
+        return await api.save_weights_for_sampler(parsed, session)
 
 
 # --- listings: checkpoints, sessions, training runs, get_info ----------------------------------------------
