@@ -13,7 +13,8 @@ names the txflow command doing its job:
 - delete, publish/unpublish, a TTL (set_checkpoint_ttl, the saves' ttl_seconds) and save_state's
   `overwrite`: refused. txflow commits every checkpoint to durable storage and its own rules decide what
   goes (`txflow prune`, crash-safe, marker first) and what is published (promotion); a deletion or an
-  expiry that touched only the engine's copy would say "deleted" of a checkpoint that lives on.
+  expiry that touched only the engine's copy would say "deleted" of a checkpoint that lives on;
+- a reused checkpoint name: 400 in one line (upstream's answer was a 500 on SQLite, retried by the SDKs).
 
 Can go when upstream serves the REST surface and signs its download URLs.
 """
@@ -162,7 +163,21 @@ async def save_weights(request: dict, req: Request):
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
     async with _db(req) as session:
+        await _refuse_reused_name(session, parsed.model_id, parsed.path, "state")
         return await api.save_weights(parsed, session)
+
+
+async def _refuse_reused_name(session, model_id: str, name: str, kind: str) -> None:
+    """400 in one line for a name the model has saved before. Upstream's own check runs after a failed insert
+    and then reads through the failed transaction: on SQLite a 500; and the SDKs retry a 409 as they retry a
+    500, for minutes, so the refusal is a 400."""
+    from tx.tinker import types
+    from tx.tinker.db_models import CheckpointDB
+
+    checkpoint_type = types.CheckpointType.TRAINING if kind == "state" else types.CheckpointType.SAMPLER
+    if await session.get(CheckpointDB, (model_id, name, checkpoint_type)) is not None:
+        raise HTTPException(status_code=400, detail=f"{model_id} already has a {kind} checkpoint named {name!r}: "
+                                                    f"save under a new name")
 
 
 async def save_weights_for_sampler(request: dict, req: Request):
@@ -178,6 +193,8 @@ async def save_weights_for_sampler(request: dict, req: Request):
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
     async with _db(req) as session:
+        if parsed.path:
+            await _refuse_reused_name(session, parsed.model_id, parsed.path, "sampler")
         return await api.save_weights_for_sampler(parsed, session)
 
 
