@@ -61,6 +61,9 @@ def test_the_run_passes_with_its_own_client(probed):
 def test_requests_without_the_runs_key_are_refused_on_every_route_but_the_health_check(probed):
     found = probe_results(probed)
     assert found["healthz"] == 200
+    # The one other exception: the download URL get_checkpoint_archive_url signed, as it was handed out.
+    assert found["signed download, no key"] == 200
+    assert (found["tampered download, no key"], found["unsigned download, no key"]) == (403, 401)
     for route in ("create_session", "training_runs", "save_weights_for_sampler"):
         assert found[f"{route}, no key"] == 401, route
         assert found[f"{route}, wrong key"] == 401, route

@@ -214,3 +214,132 @@ def test_prompt_logprobs_are_tinkers_and_top_k_ones_refused_in_one_line(cluster,
     with pytest.raises(tinker.BadRequestError, match="topk_prompt_logprobs: not served by this cluster") as refused:
         wait(handle, sampling.sample(PROMPT, 1, params, include_prompt_logprobs=True, topk_prompt_logprobs=3))
     assert "\n" not in str(refused.value)
+
+
+# --- the REST surface (adapter point 20) ---------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def saved(cluster):
+    """A trained client with one state and one sampler checkpoint, and the SDK's RestClient."""
+    _, handle, service = cluster
+    client = new_client(handle, service)
+    step(handle, client)
+    state = wait(handle, client.save_state("rest-state")).path
+    sampler = wait(handle, client.save_weights_for_sampler("rest-sampler")).path
+    return client, state, sampler, service.create_rest_client()
+
+
+def fetch(url: str) -> tuple[int, bytes]:
+    """GET `url` with plain urllib and no key, as the cookbook and `tinker checkpoint download` do."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as refused:
+        return refused.code, refused.read()
+
+
+def test_an_archive_url_downloads_that_checkpoint_without_the_key_and_nothing_else(cluster, saved):
+    import io
+    import tarfile
+    import time
+    from urllib.parse import urlsplit
+
+    _, handle, _ = cluster
+    client, state, sampler, rest = saved
+    base = Path(handle.cluster.checkpoints_base)
+    url = rest.get_checkpoint_archive_url_from_tinker_path(sampler).result()
+    assert 0 < url.expires.timestamp() - time.time() <= 15 * 60 + 5  # as the SDK reads the Expires header
+    assert fetch(url.url) == (200, (base / layout.relative_checkpoint_path(sampler)).read_bytes())
+    # The state checkpoint: its one file, tarred.
+    status, body = fetch(rest.get_checkpoint_archive_url_from_tinker_path(state).result().url)
+    with tarfile.open(fileobj=io.BytesIO(body)) as tar:
+        assert (status, tar.getnames()) == (200, [layout.STATE_FILE])
+        assert tar.extractfile(layout.STATE_FILE).read() == \
+            (base / layout.relative_checkpoint_path(state) / layout.STATE_FILE).read_bytes()
+    # Upstream's path form (a bare sampler name) is signed too.
+    bare = rest.get_checkpoint_archive_url(client.model_id, "rest-sampler").result().url
+    assert fetch(bare)[0] == 200
+    # Altered: another checkpoint under the same signature, or a later expiry; no signature at all.
+    parts = urlsplit(url.url)
+    expires = int(dict(p.split("=") for p in parts.query.split("&"))["expires"])
+    elsewhere = url.url.replace("/rest-sampler/", "/stops/")
+    later = url.url.replace(f"expires={expires}", f"expires={expires + 3600}")
+    assert [fetch(u)[0] for u in (elsewhere, later)] == [403, 403]
+    assert "expired or was altered" in fetch(later)[1].decode()
+    assert fetch(url.url.split("?")[0])[0] == 401
+
+
+def test_tinker_checkpoint_download_extracts_the_sampler_adapter(cluster, saved, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    _, handle, _ = cluster
+    _, _, sampler, _ = saved
+    env = {**os.environ, "TINKER_BASE_URL": handle.cluster.base_url,
+           "TINKER_API_KEY": handle.cluster.api_key.get_secret_value(), "TINKER_TELEMETRY": "0"}
+    done = subprocess.run([sys.executable, "-m", "tinker.cli", "checkpoint", "download", sampler, "-o", str(tmp_path)],
+                          env=env, capture_output=True, text=True, timeout=TIMEOUT, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    extracted = tmp_path / sampler.removeprefix("tinker://").replace("/", "_")
+    assert {p.name for p in extracted.iterdir()} >= {"adapter_config.json", "adapter_model.safetensors"}
+
+
+def test_checkpoints_sessions_training_runs_and_info_answer_what_the_cluster_holds(saved):
+    import tinker
+
+    client, state, sampler, rest = saved
+    listed = rest.list_user_checkpoints(limit=1000).result()
+    by_path = {c.tinker_path: c for c in listed.checkpoints}
+    assert (by_path[state].checkpoint_type, by_path[sampler].checkpoint_type) == ("training", "sampler")
+    assert listed.cursor.total_count == len(listed.checkpoints)
+    assert listed.checkpoints == sorted(listed.checkpoints, key=lambda c: c.time, reverse=True)
+    run = rest.get_training_run(client.model_id).result()
+    assert (run.last_checkpoint.tinker_path, run.last_sampler_checkpoint.tinker_path, run.lora_rank) == \
+        (state, sampler, 8)
+    info = client.get_info()
+    assert (info.model_id, info.lora_rank, info.is_lora) == (client.model_id, 8, True)
+    sessions = rest.list_sessions().result().sessions
+    owners = [s for s in sessions if client.model_id in rest.get_session(s).result().training_run_ids]
+    assert len(owners) == 1
+    with pytest.raises(tinker.NotFoundError, match="Session not found"):
+        rest.get_session("session_none").result()
+
+
+def test_delete_publish_expiry_and_overwrite_are_refused_in_one_line_naming_the_txflow_command(cluster, saved):
+    import httpx
+    import tinker
+
+    _, handle, _ = cluster
+    client, state, sampler, rest = saved
+    refusals = {
+        "txflow prune ROOT": lambda: rest.delete_checkpoint_from_tinker_path(state).result(),
+        "--promote-as NAME": lambda: rest.publish_checkpoint_from_tinker_path(sampler).result(),
+        "--older-than DAYS": lambda: rest.set_checkpoint_ttl_from_tinker_path(state, 3600).result(),
+    }
+    for names, call in refusals.items():
+        with pytest.raises(tinker.BadRequestError) as refused:
+            call()
+        assert names in str(refused.value) and "\n" not in str(refused.value)
+    with pytest.raises(tinker.BadRequestError, match="promote-as"):
+        rest.unpublish_checkpoint_from_tinker_path(sampler).result()
+    with pytest.raises(tinker.BadRequestError, match="--older-than DAYS"):
+        wait(handle, client.save_state("with-ttl", ttl_seconds=60))
+    with pytest.raises(tinker.BadRequestError, match="--older-than DAYS"):
+        wait(handle, client.save_weights_for_sampler("with-ttl", ttl_seconds=3600))
+    # A name saved before: refused in one line at once (upstream answered 500 on SQLite, which the SDK retries,
+    # as it retries a 409).
+    for save in (client.save_state, client.save_weights_for_sampler):
+        with pytest.raises(tinker.BadRequestError, match="save under a new name"):
+            wait(handle, save(layout.parse_tinker_path(state if save == client.save_state else sampler)[2]))
+    # Nothing was deleted: the state still loads.
+    wait(handle, client.load_state(state))
+    # SDKs from 0.25 send `overwrite` with save_state.
+    answer = httpx.post(f"{handle.cluster.base_url}/api/v1/save_weights", timeout=30,
+                        headers={"X-API-Key": handle.cluster.api_key.get_secret_value()},
+                        json={"model_id": client.model_id, "path": "rest-state", "overwrite": True})
+    assert answer.status_code == 400 and "save under a new name" in answer.json()["detail"]

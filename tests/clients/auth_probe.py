@@ -3,7 +3,8 @@
 Without the key, with a wrong one, and with the run's key (TINKER_API_KEY, as txflow hands it to its
 client): one state-changing route (create_session, save_weights_for_sampler) and one reading route
 (training_runs), raw HTTP; then the Tinker SDK with a wrong key and with the right one, which saves a
-sampler checkpoint for the run to verify. With STATE_DIR, it also records the mode of every file and
+sampler checkpoint for the run to verify, and asks for its archive URL: fetched with no key as it is, with
+its signature altered, and without its signature. With STATE_DIR, it also records the mode of every file and
 folder there while the cluster runs (SQLite's WAL and SHM files exist only then). Prints one JSON line of
 status codes and outcomes.
 
@@ -54,7 +55,12 @@ def main() -> None:
         if name != "the run's key":
             found[f"save_weights_for_sampler, {name}"] = status("POST", "/api/v1/save_weights_for_sampler",
                                                                 headers, save)
-    found["sdk, the run's key"] = training.save_weights_for_sampler("probe-sampler").result().path
+    found["sdk, the run's key"] = sampler = training.save_weights_for_sampler("probe-sampler").result().path
+    url = tinker.ServiceClient(base_url=BASE).create_rest_client().get_checkpoint_archive_url_from_tinker_path(
+        sampler).result().url
+    tampered = url[:-1] + ("0" if url[-1] != "0" else "1")  # the signature's last hex digit
+    for name, download in {"signed": url, "tampered": tampered, "unsigned": url.split("?")[0]}.items():
+        found[f"{name} download, no key"] = httpx.get(download, timeout=60).status_code
     if len(sys.argv) > 2:
         top = Path(sys.argv[2])
         found["live modes"] = {str(p.relative_to(top)): oct(stat.S_IMODE(p.lstat().st_mode))

@@ -5,7 +5,7 @@ API server: points 1, 2, 10, 11, 14 and its ends of 12, 13 and 16, with
 `tinker_compat` for 10 and `protobuf` for its wire format, `result_wait` for 11 and `lora_config` for 14), `engine`
 (rank 0: 8, 9, 17, 19 and its ends of 12 and 16), `worker` (ranks > 0: 8), `ranks` (what
 every rank gets: 6, 13 and 16 installed, 7, 15), `checkpoint_io` (6, 16), `losses`
-(13, both ends), `layout` (5, 17) and `launch` (3, 4 and the command line of each process);
+(13, both ends), `rest` (20; with `auth`'s signed downloads), `layout` (5, 17) and `launch` (3, 4 and the command line of each process);
 `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This
 module holds the names and numbers of the pinned version and its guard.
 
@@ -161,6 +161,19 @@ workaround can go:
     upstream answers len - 1, so entry i was the logprob of token i + 1 and a
     client that indexes by position read its neighbour's. The engine puts the
     None first (`engine.prompt_logprobs_as_tinkers`). Can go when upstream does.
+20. The REST surface (`rest`): upstream's archive URL redirects to a download that
+    the key check (`auth`) covers, so `tinker checkpoint download` and the
+    cookbook's urllib download, which send no key, got 401; and since 17. the SDK
+    asks for `.../checkpoints/sampler_weights/<name>/archive`, which no upstream
+    route matched. The archive URL is now signed for that one checkpoint and
+    expires (`auth.DownloadSigner`, a secret per API process; the key check lets
+    a valid signature through to that download alone, 403 otherwise), in both
+    path forms and for states too. `list_user_checkpoints`, the sessions,
+    `last_checkpoint` and get_info's `lora_rank` were 404 or empty: served from
+    the database. Delete, publish, TTLs and `overwrite` are refused in one line
+    naming the txflow command that does the job (txflow's durable copy and its
+    prune rules decide what goes). Can go when upstream serves these routes and
+    signs its download URLs.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the

@@ -1,4 +1,4 @@
-"""The Tinker API server (points 1, 2, 10, 11, 14, 15 and the API's end of 12 and 13): upstream's FastAPI app,
+"""The Tinker API server (points 1, 2, 10, 11, 14, 15, 20 and the API's end of 12 and 13): upstream's FastAPI app,
 served without the engine spawn its lifespan would start through `uv`."""
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def serve_api(argv: list[str]) -> None:
 
     from txflow.processes import ports
     from txflow.upstream import wake
-    from txflow.upstream.skyrl_tx import auth, lora_config, losses, tinker_compat
+    from txflow.upstream.skyrl_tx import auth, lora_config, losses, rest, tinker_compat
 
     parser = argparse.ArgumentParser(description="SkyRL-tx Tinker API without its engine spawn")
     add_model(parser, EngineConfig)
@@ -55,7 +55,9 @@ def serve_api(argv: list[str]) -> None:
     tinker_compat.install(api.app)
     losses.install_api(api.app)  # (13.)
     lora_config.install_api(api.app)  # (14.)
-    auth.install(api.app, key)  # (15.) last added, so it runs first
+    signer = auth.DownloadSigner()
+    rest.install(api.app, signer)  # (20.)
+    auth.install(api.app, key, signer)  # (15.) last added, so it runs first
     api.app.state.engine_config = engine_config
     config = uvicorn.Config(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
     # The socket the launcher bound for this API and kept bound until now (txflow.processes.ports.listener):

@@ -1,0 +1,72 @@
+"""The signed checkpoint download (adapter point 20) and the key check around it (point 15), on a bare
+FastAPI app: a signature opens one checkpoint's download until it expires, and nothing else."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from txflow.upstream.skyrl_tx import auth
+
+KEY = "tml-test-key"
+DOWNLOAD = "/api/v1/training_runs/model_ab12/checkpoints/sampler_weights/final/download"
+
+
+class Clock:
+    now = 1_000_000.0
+
+    def __call__(self):
+        return self.now
+
+
+@pytest.fixture()
+def served():
+    app = FastAPI()
+    app.add_api_route("/api/v1/training_runs/{run}/checkpoints/{kind}/{name}/download", lambda run, kind, name: name)
+    app.add_api_route("/api/v1/training_runs", lambda: "runs")
+    clock = Clock()
+    signer = auth.DownloadSigner(ttl_s=60, clock=clock)
+    auth.install(app, KEY, signer)
+    return TestClient(app), signer, clock
+
+
+def test_a_signed_download_answers_without_the_key_until_it_expires(served):
+    client, signer, clock = served
+    query, expires = signer.sign(DOWNLOAD)
+    assert expires == clock.now + 60
+    assert client.get(f"{DOWNLOAD}?{query}").json() == "final"
+    clock.now += 60
+    assert client.get(f"{DOWNLOAD}?{query}").status_code == 200  # the last second still counts
+    clock.now += 1
+    refused = client.get(f"{DOWNLOAD}?{query}")
+    assert refused.status_code == 403 and "expired or was altered" in refused.json()["detail"]
+    assert "\n" not in refused.json()["detail"]
+
+
+def test_a_tampered_signature_expiry_or_checkpoint_is_refused(served):
+    client, signer, _ = served
+    query, expires = signer.sign(DOWNLOAD)
+    signature = query.split("signature=")[1]
+    other = DOWNLOAD.replace("/final/", "/other/")
+    tampered = {
+        "signature": f"{DOWNLOAD}?expires={expires}&signature={signature[:-1]}{'0' if signature[-1] != '0' else '1'}",
+        "expiry": f"{DOWNLOAD}?expires={expires + 3600}&signature={signature}",
+        "another checkpoint": f"{other}?{query}",
+        "a state of the same name": f"{DOWNLOAD.replace('sampler_weights', 'weights')}?{query}",
+    }
+    assert {what: client.get(url).status_code for what, url in tampered.items()} == dict.fromkeys(tampered, 403)
+
+
+def test_a_signature_opens_no_other_route_and_a_download_without_one_needs_the_key(served):
+    client, signer, _ = served
+    query, _ = signer.sign(DOWNLOAD)
+    assert client.get(f"/api/v1/training_runs?{query}").status_code == 401
+    assert client.get(DOWNLOAD).status_code == 401
+    assert client.get(DOWNLOAD, headers={"X-API-Key": KEY}).json() == "final"
+
+
+def test_another_api_process_signs_with_another_secret(served):
+    client, _, clock = served
+    query, _ = auth.DownloadSigner(ttl_s=60, clock=clock).sign(DOWNLOAD)
+    assert client.get(f"{DOWNLOAD}?{query}").status_code == 403
