@@ -2,10 +2,12 @@
 
 Its modules follow the upstream process each patch changes: `api` (the Tinker
 API server: points 1, 2, 10, 11, 14 and its ends of 12, 13 and 16, with
-`tinker_compat` for 10 and `protobuf` for its wire format, `result_wait` for 11 and `lora_config` for 14), `engine`
-(rank 0: 8, 9, 17, 19 and its ends of 12 and 16), `worker` (ranks > 0: 8), `ranks` (what
-every rank gets: 6, 13 and 16 installed, 7, 15), `checkpoint_io` (6, 16), `losses`
-(13, both ends), `rest` (20; with `auth`'s signed downloads), `layout` (5, 17) and `launch` (3, 4 and the command line of each process);
+`tinker_compat` for 10 and `protobuf` for its wire format, `result_wait` for
+11 and `lora_config` for 14), `engine` (rank 0: 8, 9, 17, 19 and its ends of 12
+and 16), `worker` (ranks > 0: 8), `ranks` (what every rank gets: 6, 13 and 16
+installed, 7, 15), `checkpoint_io` (6, 16), `losses` (13, both ends), `rest`
+(20; with `auth`'s signed downloads), `layout` (5, 17) and `launch` (3, 4 and
+the command line of each process);
 `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This
 module holds the names and numbers of the pinned version and its guard.
 
