@@ -120,9 +120,14 @@ def moto(tmp_path_factory):
 @pytest.fixture
 def s3_env(moto, txflow_env, monkeypatch):
     """AWS_* for this process (s3fs in the test) and for `txflow` subprocesses."""
+    import s3fs
+
     _, env = moto
     for key, value in env.items():
         monkeypatch.setenv(key, value)
+    # fsspec caches filesystems by their arguments, not by the environment they read: an S3 filesystem made
+    # for another module's server (stopped since) would be handed out again in this process.
+    s3fs.S3FileSystem.clear_instance_cache()
     return txflow_env | env
 
 
