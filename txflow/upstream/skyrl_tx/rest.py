@@ -148,20 +148,26 @@ async def refuse_ttl(run_id: str, kind: str, name: str):
     raise HTTPException(status_code=400, detail=TTL_REFUSED)
 
 
-async def save_weights(request: dict, req: Request):
-    """Upstream's save_weights, refusing in one line what it would drop: a TTL and `overwrite`."""
+def _validated(model, request: dict):
+    """`request` as upstream's request `model`; a 422 as FastAPI answers one when it does not fit."""
     from fastapi.exceptions import RequestValidationError
     from pydantic import ValidationError
+
+    try:
+        return model.model_validate(request)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+async def save_weights(request: dict, req: Request):
+    """Upstream's save_weights, refusing in one line what it would drop: a TTL and `overwrite`."""
     from tx.tinker import api
 
     if request.get("ttl_seconds") is not None:
         raise HTTPException(status_code=400, detail=TTL_REFUSED)
     if request.get("overwrite"):
         raise HTTPException(status_code=400, detail=OVERWRITE_REFUSED)
-    try:
-        parsed = api.SaveWeightsRequest.model_validate(request)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+    parsed = _validated(api.SaveWeightsRequest, request)
     async with _db(req) as session:
         await _refuse_reused_name(session, parsed.model_id, parsed.path, "state")
         return await api.save_weights(parsed, session)
@@ -182,16 +188,11 @@ async def _refuse_reused_name(session, model_id: str, name: str, kind: str) -> N
 
 async def save_weights_for_sampler(request: dict, req: Request):
     """Upstream's save_weights_for_sampler, refusing a TTL in one line instead of dropping it."""
-    from fastapi.exceptions import RequestValidationError
-    from pydantic import ValidationError
     from tx.tinker import api
 
     if request.get("ttl_seconds") is not None:
         raise HTTPException(status_code=400, detail=TTL_REFUSED)
-    try:
-        parsed = api.SaveWeightsForSamplerRequest.model_validate(request)
-    except ValidationError as exc:
-        raise RequestValidationError(exc.errors()) from None
+    parsed = _validated(api.SaveWeightsForSamplerRequest, request)
     async with _db(req) as session:
         if parsed.path:
             await _refuse_reused_name(session, parsed.model_id, parsed.path, "sampler")
