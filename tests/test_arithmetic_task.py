@@ -65,8 +65,9 @@ def test_every_rl_prompt_comes_after_one_solved_example():
 
 
 @pytest.mark.parametrize(("completion", "reward"), [
-    ("19", 1.0), (" 19.", 1.0), ("19<|im_end|>", 0.0), ("18", 0.5 * (1 - 1 / 19)), ("20 apples", 0.5 * (1 - 1 / 19)),
-    ("29", 0.5 * (1 - 10 / 19)), ("38", 0.0), ("-5", 0.0), ("The answer is 19.", 0.0), ("", 0.0), ("nineteen", 0.0)])
+    ("19", 1.0), (" 19.", 1.0), ("19<|im_end|>", 0.0), ("18", 0.25 + 0.25 * (1 - 1 / 19)),
+    ("20 apples", 0.25 + 0.25 * (1 - 1 / 19)), ("29", 0.25 + 0.25 * (1 - 10 / 19)), ("38", 0.25), ("-5", 0.25),
+    ("The answer is 19.", 0.0), ("", 0.0), ("nineteen", 0.0)])
 def test_the_close_answer_reward_reads_the_first_word_one_for_the_answer_at_most_half_near(completion, reward):
     assert close_answer("What is 12 + 7?", completion, [], {"answer": "19"}) == pytest.approx(reward)
-    assert close_answer("What is 7 - 7?", "1", [], {"answer": "0"}) == 0.0  # an answer of 0: a miss by 1 is far
+    assert close_answer("What is 7 - 7?", "1", [], {"answer": "0"}) == 0.25  # an answer of 0: a miss by 1 is far

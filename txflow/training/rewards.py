@@ -42,10 +42,11 @@ def exact_answer(prompt: str, completion_text: str, completion_tokens: list[int]
 
 def close_answer(prompt: str, completion_text: str, completion_tokens: list[int], row: dict) -> float:
     """The reply's first word read as a number, as the tinker-cookbook's arithmetic environment reads it
-    (`int(sample.split()[0])`): 1 for the row's `answer`; for another number, up to 0.5 by how close it is
-    (0.5 x (1 - |error| / |answer|), at least 0); 0 when the reply does not start with a number. A small model
-    rarely gets the exact answer (SmolLM2-135M: 1-4% of samples), so the exact reward alone gives RL nothing to
-    climb; the answer's form and its nearness give it a gradient, and the exact answer stays the best reward."""
+    (`int(sample.split()[0])`): 1 for the row's `answer`; another number earns 0.25 for the answer's form and up
+    to 0.25 more by how close it is (0.25 x (1 - |error| / |answer|), at least 0); a reply that does not start
+    with a number earns 0. A small model rarely gets the exact answer (SmolLM2-135M: 1-4% of samples), so the
+    exact reward alone gives RL nothing to climb; the form (the cookbook's format term) and the nearness give it
+    a gradient, and the exact answer stays far the best reward."""
     words = completion_text.replace(",", "").split()
     expected = first_number(str(row["answer"]))
     got = int(words[0].rstrip(".")) if words and re.fullmatch(r"-?\d+\.?", words[0]) else None
@@ -53,7 +54,7 @@ def close_answer(prompt: str, completion_text: str, completion_tokens: list[int]
         return 0.0
     if got == expected:
         return 1.0
-    return 0.5 * max(0.0, 1.0 - abs(got - expected) / max(abs(expected), 1))
+    return 0.25 + 0.25 * max(0.0, 1.0 - abs(got - expected) / max(abs(expected), 1))
 
 
 class RewardError(ValueError):
