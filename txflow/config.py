@@ -55,8 +55,8 @@ MODE_DEFAULTS = {
     "custom": {"batch_size": 4, "learning_rate": 2e-2, "temperature": 1.0},
 }
 # Where a real model's run differs (its learning rate: `default_learning_rate`): it trains on the bundled
-# arithmetic task (txflow.training.datasets), whose RL reward is the exact answer, and samples at
-# temperature 1 (its own distribution, as the tinker-cookbook's RL recipes sample).
+# arithmetic task (txflow.training.datasets), whose RL reward pays the answer and its form (close_answer), and
+# samples at temperature 1 (its own distribution, as the tinker-cookbook's RL recipes sample).
 REAL_MODEL_DEFAULTS = {"rl": {"temperature": 1.0, "reward": "txflow.training.rewards:close_answer"}}
 # The tinker-cookbook's LoRA learning-rate rule (`get_lr` in tinker_cookbook/hyperparam_utils.py, before the
 # cookbook replaced it by a table of swept values for Tinker's own models): 5e-5 x 10 (LoRA) x
