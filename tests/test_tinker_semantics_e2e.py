@@ -31,6 +31,8 @@ PROMPT = types.ModelInput.from_ints([5, 17, 42])
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("semantics")
+    # 48 adapters: the module's own clients and about 9 per SDK of the compatibility probes (their sessions keep
+    # theirs until the engine's session timeout).
     cfg = RunConfig(base_model="tiny", processes=1, lora_adapters=48, run_id="semantics", state_dir=str(tmp / "state"),
                     checkpoints=str(tmp / "ckpt")).resolved()
     handle = provision_coordinator.fn(cfg, LocalLauncher())
