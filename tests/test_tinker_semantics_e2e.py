@@ -1,7 +1,9 @@
 """Tinker calls that do what Tinker documents (issue 32), driven by the tinker 0.13.1 SDK of this
 environment against one real 1-process cluster on the tiny model: load_state against
 load_state_with_optimizer (adapter point 16), the sampler path and its use (17), weights_info and the
-client recreated from it (14), and the sampling parameters the SDK's types allow."""
+client recreated from it (14), and the sampling parameters the SDK's types allow; the REST surface (20); and, on
+the same cluster, every public method and CLI command of SDKs 0.13.1, 0.25.0 and 0.38.0, each probed by
+tests/clients/compat_probe.py in its own environment, written into docs/tinker-compatibility.md."""
 
 from __future__ import annotations
 
