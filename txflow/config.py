@@ -57,7 +57,7 @@ MODE_DEFAULTS = {
 # Where a real model's run differs (its learning rate: `default_learning_rate`): it trains on the bundled
 # arithmetic task (txflow.training.datasets), whose RL reward is the exact answer, and samples at
 # temperature 1 (its own distribution, as the tinker-cookbook's RL recipes sample).
-REAL_MODEL_DEFAULTS = {"rl": {"temperature": 1.0, "reward": "txflow.training.rewards:exact_answer"}}
+REAL_MODEL_DEFAULTS = {"rl": {"temperature": 1.0, "reward": "txflow.training.rewards:close_answer"}}
 # The tinker-cookbook's LoRA learning-rate rule (`get_lr` in tinker_cookbook/hyperparam_utils.py, before the
 # cookbook replaced it by a table of swept values for Tinker's own models): 5e-5 x 10 (LoRA) x
 # (2000 / hidden size)^P, with P by model family. The tiny model's rates (2e-2) diverge on a real model:
@@ -227,7 +227,7 @@ class RunConfig(BaseModel, extra="forbid"):
     reward: str | None = Field(
         default=None,
         description="rl: reward `module:function(prompt, completion_text, completion_tokens, row) -> float`. "
-        "Default: the bundled task's (`txflow.training.rewards:exact_answer` for a real model, `low_token_ids` "
+        "Default: the bundled task's (`txflow.training.rewards:close_answer` for a real model, `low_token_ids` "
         "for the tiny one).",
     )
     max_tokens: int = Field(default=8, ge=1, description="rl: tokens sampled per completion.")
