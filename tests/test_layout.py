@@ -34,3 +34,10 @@ def test_what_is_not_a_checkpoint_path_is_refused():
     with pytest.raises(ValueError, match="not a tinker checkpoint path"):
         layout.parse_tinker_path("tinker://model_ab12/weights/a/b")
     assert layout.tinker_path_for("model_ab12/notes.txt") is None
+
+
+def test_ephemeral_samplers_and_external_weights_exports_are_not_committed_named_samplers_are():
+    assert layout.is_ephemeral_sampler("model_ab12/sampler_weights/ss1_seq4.tar.gz")
+    assert layout.is_ephemeral_sampler("model_ab12/sampler_weights/external_weights-download.tar.gz")
+    assert not layout.is_ephemeral_sampler("model_ab12/sampler_weights/final.tar.gz")
+    assert not layout.is_ephemeral_sampler("model_ab12/external_weights-download.tar.gz")  # a state

@@ -70,3 +70,29 @@ def test_another_api_process_signs_with_another_secret(served):
     client, _, clock = served
     query, _ = auth.DownloadSigner(ttl_s=60, clock=clock).sign(DOWNLOAD)
     assert client.get(f"{DOWNLOAD}?{query}").status_code == 403
+
+
+EXPORT_FILE = "/api/v1/training_runs/model_ab12/checkpoints/external_weights/download/files/adapter_config.json"
+
+
+def test_a_signed_export_file_opens_that_file_alone(served):
+    """An external-weights export's files (SDK 0.38's `tinker checkpoint download`) are signed one by one."""
+    client, signer, _ = served
+    client.app.add_api_route("/api/v1/training_runs/{run}/checkpoints/external_weights/{name}/files/{file}",
+                             lambda run, name, file: file)
+    query, _ = signer.sign(EXPORT_FILE)
+    assert client.get(f"{EXPORT_FILE}?{query}").json() == "adapter_config.json"
+    other = EXPORT_FILE.replace("adapter_config.json", "adapter_model.safetensors")
+    assert client.get(f"{other}?{query}").status_code == 403
+    assert client.get(EXPORT_FILE).status_code == 401
+
+
+def test_a_sampler_save_made_for_an_export_reads_as_save_weights_externals_result():
+    from txflow.upstream.skyrl_tx import rest
+
+    saved = {"path": "tinker://model_ab12/sampler_weights/external_weights-download",
+             "type": "save_weights_for_sampler"}
+    assert rest.external_result(saved) == {"path": "tinker://model_ab12/external_weights/download",
+                                           "type": "save_weights_external"}
+    plain = {"path": "tinker://model_ab12/sampler_weights/final", "type": "save_weights_for_sampler"}
+    assert rest.external_result(plain) is plain

@@ -160,7 +160,8 @@ def adapter_modules(sampler_url: str) -> set[str]:
     return {key.split(".lora_")[0].rsplit(".", 1)[1] for key in safetensors.numpy.load(weights)}
 
 
-def run_cookbook(tmp_path, txflow_env, reaper, run_id: str, module: str, *options: str) -> tuple[dict, str, Path]:
+def run_cookbook(tmp_path, txflow_env, reaper, run_id: str, module: str, *options: str, base_model: str = "tiny",
+                 renderer: str = "role_colon") -> tuple[dict, str, Path]:
     """`txflow run custom` with a cookbook recipe (its module, `key=value` options) in the cookbook's environment:
     the report, the client's log and its log_path. Offline: Hugging Face reads only the local model; the
     cookbook's price lookup (https) goes to a closed port on loopback and fails as it does without a network.
@@ -170,12 +171,12 @@ def run_cookbook(tmp_path, txflow_env, reaper, run_id: str, module: str, *option
            "no_proxy": "127.0.0.1,localhost", SKIP_ENV: unneeded_shims(module)}
     state = reaper.watch(tmp_path / "state")
     log_path = tmp_path / f"{run_id}-log"
-    result = run_txflow(["run", "custom", "--base-model", "tiny", "--run-id", run_id, "--state-dir", str(state),
+    result = run_txflow(["run", "custom", "--base-model", base_model, "--run-id", run_id, "--state-dir", str(state),
                          "--checkpoints", str(tmp_path / "ckpt"), "--client", module, "--client-python", str(python),
                          *ONE_PROCESS,
                          "--client-arg=base_url={base_url}", "--client-arg=model_name={base_model}",
-                         "--client-arg=renderer_name=role_colon", f"--client-arg=log_path={log_path}",
-                         *[f"--client-arg={option}" for option in options], "--json"], env, tmp_path)
+                         f"--client-arg=renderer_name={renderer}", f"--client-arg=log_path={log_path}",
+                         *[f"--client-arg={option}" for option in options], "--json"], env, tmp_path, timeout=1500)
     log = "\n".join(client_lines(state)) if (state / "logs" / "client.log").exists() else ""
     assert result.returncode == 0, result.stderr[-3000:] + "\n--- client.log ---\n" + log[-3000:]
     assert "tinker 0.38.0)" in result.stderr

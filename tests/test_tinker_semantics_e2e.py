@@ -1,7 +1,9 @@
 """Tinker calls that do what Tinker documents (issue 32), driven by the tinker 0.13.1 SDK of this
 environment against one real 1-process cluster on the tiny model: load_state against
 load_state_with_optimizer (adapter point 16), the sampler path and its use (17), weights_info and the
-client recreated from it (14), and the sampling parameters the SDK's types allow."""
+client recreated from it (14), and the sampling parameters the SDK's types allow; the REST surface (20); and, on
+the same cluster, every public method and CLI command of SDKs 0.13.1, 0.25.0 and 0.38.0, each probed by
+tests/clients/compat_probe.py in its own environment, written into docs/tinker-compatibility.md."""
 
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ PROMPT = types.ModelInput.from_ints([5, 17, 42])
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("semantics")
-    cfg = RunConfig(base_model="tiny", processes=1, lora_adapters=16, run_id="semantics", state_dir=str(tmp / "state"),
+    # 48 adapters: the module's own clients and about 9 per SDK of the compatibility probes (their sessions keep
+    # theirs until the engine's session timeout).
+    cfg = RunConfig(base_model="tiny", processes=1, lora_adapters=48, run_id="semantics", state_dir=str(tmp / "state"),
                     checkpoints=str(tmp / "ckpt")).resolved()
     handle = provision_coordinator.fn(cfg, LocalLauncher())
     try:
@@ -343,3 +347,146 @@ def test_delete_publish_expiry_and_overwrite_are_refused_in_one_line_naming_the_
                         headers={"X-API-Key": handle.cluster.api_key.get_secret_value()},
                         json={"model_id": client.model_id, "path": "rest-state", "overwrite": True})
     assert answer.status_code == 400 and "save under a new name" in answer.json()["detail"]
+
+
+# --- every public method and CLI command of three SDKs: the compatibility table (issue 32, items 7 and 9) ------
+
+COMPAT_DOC = Path(__file__).parents[1] / "docs" / "tinker-compatibility.md"
+WRITE_TABLE = "TXFLOW_WRITE_COMPAT_TABLE"
+REGENERATE = f"{WRITE_TABLE}=1 pytest tests/test_tinker_semantics_e2e.py -k compatibility"
+PROBE = Path(__file__).parent / "clients" / "compat_probe.py"
+# What a refusal must never be: an answer the user cannot act on.
+BARE = {"Not Found", "Method Not Allowed", "Internal Server Error", "Resource not found"}
+
+
+@pytest.fixture(scope="module")
+def compatibility(cluster):
+    """One JSON line per public method and CLI command of each SDK, from tests/clients/compat_probe.py run in each
+    SDK's environment; the three run at once against the module's cluster."""
+    import json
+    import os
+    import subprocess
+
+    from tests.sdk_envs import SDK_VERSIONS, sdk_env
+
+    _, handle, _ = cluster
+    env = {**os.environ, "TINKER_API_KEY": handle.cluster.api_key.get_secret_value(), "TINKER_TELEMETRY": "0"}
+    env.pop("PYTHONPATH", None)  # the SDK environment's packages only
+    pythons = {version: sdk_env(version) / "bin" / "python" for version in SDK_VERSIONS}
+    probes = {version: subprocess.Popen([str(python), str(PROBE), "--base-url", handle.cluster.base_url,
+                                         "--model-name", handle.cluster.base_model_path],
+                                        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for version, python in pythons.items()}
+    rows = {}
+    try:
+        for version, process in probes.items():
+            out, err = process.communicate(timeout=600)
+            assert process.returncode == 0, f"the {version} probe failed:\n{err[-3000:]}"
+            rows[version] = [json.loads(line) for line in out.splitlines()]
+    finally:
+        for process in probes.values():
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    return rows
+
+
+def test_compatibility_every_method_and_command_of_each_sdk_works_or_is_refused_in_one_line(compatibility):
+    from tests.sdk_envs import SDK_VERSIONS
+
+    assert list(compatibility) == list(SDK_VERSIONS)
+    for version, rows in compatibility.items():
+        assert {row["sdk"] for row in rows} == {version}
+        # A method or command this probe does not know (a newer SDK's) fails here until it has a probe.
+        unprobed = [f"{r['class']}.{r['name']}" for r in rows if r["result"] == "unprobed"]
+        assert not unprobed, f"tinker {version}: no probe in tests/clients/compat_probe.py for {unprobed}"
+        broken = [f"{r['class']}.{r['name']}: {r['detail']}" for r in rows if r["result"] == "broken"]
+        assert not broken, f"tinker {version}:\n" + "\n".join(broken)
+        for row in rows:
+            assert row["result"] in {"works", "refused", "not applicable"}, row
+            assert row["detail"] and "\n" not in row["detail"], row
+            if row["result"] == "refused":
+                assert row["detail"].split(": ")[-1] not in BARE, row
+    # What the probe found is what the SDKs have: a few methods and commands known to be there.
+    names = {version: {(r["class"], r["name"]) for r in rows} for version, rows in compatibility.items()}
+    assert ("RestClient", "list_user_checkpoints_async") in names["0.13.1"]
+    assert ("ServiceClient", "create_custom_loss") in names["0.38.0"]
+    assert ("tinker", "checkpoint download") in names["0.13.1"] and ("tinker", "auth whoami") in names["0.38.0"]
+
+
+def test_compatibility_the_tinker_cli_of_sdk_0_38_against_the_cluster(compatibility):
+    """Item 7, as compat_probe.py measured it with 0.38's CLI: each command's outcome (the probe checks each one:
+    the run and its checkpoints listed, the checkpoint still listed after a refused delete, downloaded files)."""
+    by_command = {r["name"]: r for r in compatibility["0.38.0"] if r["kind"] == "command"}
+    assert {"run list", "run info", "checkpoint list", "checkpoint info", "checkpoint download",
+            "checkpoint delete", "version", "model list", "auth status"} <= set(by_command)
+    for works in ("run list", "run info", "checkpoint list", "checkpoint info", "version", "model list",
+                  "auth status", "checkpoint download"):
+        assert by_command[works]["result"] == "works", by_command[works]
+    # 0.38 downloads a training checkpoint through external weights (a new client from the state, an export,
+    # its signed files, the export deleted): the adapter's files.
+    assert by_command["checkpoint download"]["detail"] == "the state checkpoint's PEFT adapter files"
+    assert by_command["checkpoint delete"]["result"] == "refused"
+    assert "txflow prune ROOT" in by_command["checkpoint delete"]["detail"]
+    for refused, names in {"checkpoint publish": "--promote-as NAME", "checkpoint set-ttl": "--older-than DAYS",
+                           "billing usage": "billing is not served", "session export-trace": "logs/"}.items():
+        assert by_command[refused]["result"] == "refused" and names in by_command[refused]["detail"], refused
+    # 0.13's CLI downloads a sampler checkpoint's archive.
+    download = next(r for r in compatibility["0.13.1"] if r["name"] == "checkpoint download")
+    assert (download["result"], download["detail"]) == ("works", "the sampler checkpoint's PEFT adapter files")
+
+
+def render_compatibility(compatibility) -> str:
+    """The table as docs/tinker-compatibility.md holds it."""
+    versions = list(compatibility)
+    short = {"works": "works", "refused": "refused", "not applicable": "n/a", "broken": "BROKEN",
+             "unprobed": "UNPROBED"}
+    lines = ["# Tinker SDK compatibility of a txflow cluster", "",
+             "<!-- Written by tests/test_tinker_semantics_e2e.py; do not edit. Regenerate with:", f"     {REGENERATE}",
+             "-->", "",
+             "Every public method of `ServiceClient`, `TrainingClient`, `SamplingClient` and `RestClient`, and every",
+             "command of the `tinker` CLI, of each SDK, called by `tests/clients/compat_probe.py` against one",
+             "txflow cluster (SkyRL-tx 0.3.0 with txflow's adapter, the tiny model). The methods and commands are",
+             "found by introspection, so one a newer SDK adds fails the test until it has a probe. Each result is",
+             "checked for its meaning: *works* says what was checked; *refused* is the message the user reads",
+             "(`<run>`, `<path>` stand for ids); *n/a* is a client-side method or one about Tinker's hosted",
+             "service, not called; `-` is a method that SDK does not have. An `_async` method is called too,",
+             "through the same probe as its twin.", "",
+             "| SDK | works | refused | n/a | total |", "| --- | --- | --- | --- | --- |"]
+    for version in versions:
+        counts = [sum(r["result"] == result for r in compatibility[version]) for result in list(short)[:3]]
+        lines.append(f"| `tinker=={version}` | {' | '.join(map(str, counts))} | {len(compatibility[version])} |")
+    sections = [("ServiceClient", "method"), ("TrainingClient", "method"), ("SamplingClient", "method"),
+                ("RestClient", "method"), ("tinker", "command")]
+    for owner, kind in sections:
+        lines += ["", f"## {'The `tinker` CLI' if kind == 'command' else '`' + owner + '`'}", "",
+                  f"| {kind} | {' | '.join(versions)} | checked, or the message |",
+                  "| --- | " + " | ".join("---" for _ in versions) + " | --- |"]
+        rows = {v: {r["name"]: r for r in compatibility[v] if r["class"] == owner} for v in versions}
+        for name in sorted(set().union(*rows.values())):
+            cells = [short[rows[v][name]["result"]] if name in rows[v] else "-" for v in versions]
+            details: dict[str, list[str]] = {}
+            for v in versions:
+                if name in rows[v]:
+                    details.setdefault(rows[v][name]["detail"].replace("|", "\\|"), []).append(v)
+            if len(details) == 1:
+                detail = next(iter(details))
+            else:
+                detail = "; ".join(f"{', '.join(vs)}: {d}" for d, vs in details.items())
+            lines.append(f"| `{name}` | {' | '.join(cells)} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def test_compatibility_the_committed_table_is_the_measured_one(compatibility):
+    import difflib
+    import os
+
+    measured = render_compatibility(compatibility)
+    if os.environ.get(WRITE_TABLE) == "1":
+        COMPAT_DOC.parent.mkdir(exist_ok=True)
+        COMPAT_DOC.write_text(measured)
+    committed = COMPAT_DOC.read_text() if COMPAT_DOC.exists() else ""
+    diff = "".join(difflib.unified_diff(committed.splitlines(True), measured.splitlines(True),
+                                        "docs/tinker-compatibility.md (committed)", "measured"))
+    assert committed == measured, (f"docs/tinker-compatibility.md is not what the tests measured; if the change "
+                                   f"is intended, regenerate it with `{REGENERATE}` and commit it:\n{diff}")

@@ -174,8 +174,12 @@ workaround can go:
     `last_checkpoint` and get_info's `lora_rank` were 404 or empty: served from
     the database. Delete, publish, TTLs and `overwrite` are refused in one line
     naming the txflow command that does the job (txflow's durable copy and its
-    prune rules decide what goes). Can go when upstream serves these routes and
-    signs its download URLs.
+    prune rules decide what goes). SDK 0.38's external weights (how its `tinker
+    checkpoint download` fetches a state) are served as sampler saves with
+    files signed one by one; the hosted service's routes (billing, audit,
+    projects, traces, `copy_weights`, server-side custom losses) are refused in
+    one line instead of a bare 404. Can go when upstream serves these routes
+    and signs its download URLs.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the

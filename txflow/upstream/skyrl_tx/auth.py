@@ -33,9 +33,10 @@ REFUSED = json.dumps({"detail": "missing or wrong API key: send the run's key in
 
 EXPIRED = json.dumps({"detail": "this checkpoint download URL is expired or was altered: ask for a new one "
                                 "(get_checkpoint_archive_url)"}).encode()
-# The only path a signature opens: one checkpoint's archive bytes (point 20).
-DOWNLOAD_PATH = re.compile(r"/api/v1/training_runs/[A-Za-z0-9_:-]+/checkpoints/(weights|sampler_weights)/"
-                           r"[A-Za-z0-9_-]+/download")
+# The only paths a signature opens: one checkpoint's archive bytes, one file of an external-weights export
+# (point 20).
+DOWNLOAD_PATH = re.compile(r"/api/v1/training_runs/[A-Za-z0-9_:-]+/checkpoints/((weights|sampler_weights)/"
+                           r"[A-Za-z0-9_-]+/download|external_weights/[A-Za-z0-9_-]+/files/[A-Za-z0-9_.-]+)")
 
 
 class DownloadSigner:

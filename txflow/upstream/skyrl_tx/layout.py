@@ -51,9 +51,15 @@ def tinker_path_for(relative_path: str) -> str | None:
     return None
 
 
+EXTERNAL_PREFIX = "external_weights-"
+"""The sampler name under which an external-weights export (`save_weights_external`, point 20) is saved."""
+
+
 def is_ephemeral_sampler(relative_path: str) -> bool:
-    """Sampler weights written by `save_weights_and_get_sampling_client` (named `ss<N>_seq<M>`)."""
-    return re.fullmatch(r"[^/]+/sampler_weights/ss\d+_seq\d+\.tar\.gz(\.probe)?", relative_path.strip("/")) is not None
+    """Sampler weights written by `save_weights_and_get_sampling_client` (named `ss<N>_seq<M>`), or an
+    external-weights export (a copy, deleted by its client or when its TTL ends): not committed."""
+    return re.fullmatch(rf"[^/]+/sampler_weights/(ss\d+_seq\d+|{EXTERNAL_PREFIX}[^/]+)\.tar\.gz(\.probe)?",
+                        relative_path.strip("/")) is not None
 
 
 def register_checkpoint(database_url: str, model_id: str, checkpoint_id: str, kind: str) -> None:

@@ -15,6 +15,11 @@ names the txflow command doing its job:
   goes (`txflow prune`, crash-safe, marker first) and what is published (promotion); a deletion or an
   expiry that touched only the engine's copy would say "deleted" of a checkpoint that lives on;
 - a reused checkpoint name: 400 in one line (upstream's answer was a 500 on SQLite, retried by the SDKs).
+- external weights (0.38: `save_weights_external`, `get_external_weights_urls`, what its `tinker checkpoint
+  download` uses): a sampler save under `EXTERNAL` + the name, its files signed one by one; a TTL and a delete
+  apply to exports only;
+- what the SDKs call on Tinker's hosted service (billing, audit log, projects, session traces and search,
+  copy_weights, server-side custom losses, the CLI's login key check): refused in one line (`NOT_SERVED`).
 
 Can go when upstream serves the REST surface and signs its download URLs.
 """
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import io
 import tarfile
+import time
 from datetime import UTC, datetime
 
 from fastapi import HTTPException, Request, Response
@@ -39,6 +45,24 @@ PUBLISH_REFUSED = ("publishing is not served by a txflow cluster: a run publishe
                    "... --promote-as NAME` (see `txflow promoted ROOT NAME`)")
 TTL_REFUSED = ("checkpoint expiry is not served by a txflow cluster: remove old checkpoints with `txflow prune ROOT "
                "--older-than DAYS`")
+# What SDKs from 0.25 call for Tinker's hosted service (accounts, billing, projects, traces) or for storage a txflow
+# cluster does not have: one line each instead of a bare 404 "Not Found" (issue 32, item 7: the CLI prints it).
+NO_ACCOUNTS = "a txflow cluster has no accounts: clients authenticate with the run's API key (TINKER_API_KEY)"
+NOT_SERVED = {
+    "billing": "billing is not served by a txflow cluster (self-hosted: no usage is charged)",
+    "audit": "audit logs are not served by a txflow cluster (it has no accounts); a run's record is its report "
+             "(`txflow run ... --json`)",
+    "project": "projects are not served by a txflow cluster (it has no accounts)",
+    "trace": "session traces are not served by a txflow cluster: a run's logs are under its state directory, logs/",
+    "search": "session search is not served by a txflow cluster: list_sessions and get_session are",
+    "copy": "copying checkpoints is not served by a txflow cluster: a run commits each checkpoint it saves to its "
+            "durable storage (`--checkpoints`)",
+    "custom_loss": "server-side custom losses are not served by a txflow cluster: use forward_backward_custom (the "
+                   "loss runs in the client)",
+    "encrypted": "age-encrypted external weights are not served by a txflow cluster: export without "
+                 "age_encryption_recipients",
+    "accounts": NO_ACCOUNTS,
+}
 OVERWRITE_REFUSED = ("save_state(overwrite=True) is not served by a txflow cluster (a committed checkpoint is never "
                      "replaced): save under a new name")
 
@@ -51,12 +75,25 @@ def install(app, signer) -> None:
         ("GET", RUNS + "/{run_id}/checkpoints/{kind}/{name}/archive", archive_url),
         ("GET", RUNS + "/{unique_id}/checkpoints/{checkpoint_id}/archive", archive_url_of_sampler),
         ("GET", RUNS + "/{run_id}/checkpoints/{kind}/{name}/download", download),
-        ("DELETE", RUNS + "/{run_id}/checkpoints/{kind}/{name}", refuse_delete),
+        ("DELETE", RUNS + "/{run_id}/checkpoints/{kind}/{name}", delete_checkpoint),
         ("DELETE", RUNS + "/{run_id}/checkpoints/{name}", refuse_delete),
         ("POST", RUNS + "/{run_id}/checkpoints/{kind}/{name}/publish", refuse_publish),
         ("DELETE", RUNS + "/{run_id}/checkpoints/{kind}/{name}/publish", refuse_publish),
-        ("PUT", RUNS + "/{run_id}/checkpoints/{kind}/{name}/ttl", refuse_ttl),
+        ("PUT", RUNS + "/{run_id}/checkpoints/{kind}/{name}/ttl", set_ttl),
         ("GET", "/api/v1/checkpoints", list_user_checkpoints),
+        ("GET", "/api/v1/billing/usage/events", _refuse("billing")),
+        ("GET", "/api/v1/billing/usage/checkpoints/current", _refuse("billing")),
+        ("GET", "/api/v1/audit", _refuse("audit")),
+        ("PUT", "/api/v1/sessions/{session_id}/project", _refuse("project")),
+        ("GET", "/api/v1/sessions/{session_id}/trace_export", _refuse("trace")),
+        ("POST", "/api/v1/sessions/search", _refuse("search")),
+        ("POST", "/api/v1/copy_weights", _refuse("copy")),
+        ("POST", "/api/v1/create_custom_loss", _refuse("custom_loss")),
+        ("POST", "/api/v1/save_weights_external", save_weights_external),
+        ("GET", RUNS + "/{run_id}/checkpoints/external_weights/{name}/external_weights_urls", external_weights_urls),
+        ("GET", RUNS + "/{run_id}/checkpoints/external_weights/{name}/files/{file}", external_weights_file),
+        ("GET", "/api/v1/auth/apikey/me", _refuse("accounts")),
+        ("DELETE", "/api/v1/auth/apikey/me", _refuse("accounts")),
         ("GET", "/api/v1/sessions", list_sessions),
         ("GET", "/api/v1/sessions/{session_id}", get_session),
         ("GET", RUNS, list_training_runs),
@@ -136,6 +173,15 @@ def _tar(directory) -> bytes:
 # --- refused: delete, publish, TTL ----------------------------------------------------------------------
 
 
+def _refuse(what: str):
+    """An endpoint answering 400 with `NOT_SERVED[what]`, whatever the path's parameters."""
+    async def refuse(req: Request):
+        raise HTTPException(status_code=400, detail=NOT_SERVED[what])
+
+    refuse.__name__ = f"refuse_{what}"
+    return refuse
+
+
 async def refuse_delete(run_id: str, name: str, kind: str | None = None):
     raise HTTPException(status_code=400, detail=DELETE_REFUSED)
 
@@ -144,8 +190,132 @@ async def refuse_publish(run_id: str, kind: str, name: str):
     raise HTTPException(status_code=400, detail=PUBLISH_REFUSED)
 
 
-async def refuse_ttl(run_id: str, kind: str, name: str):
-    raise HTTPException(status_code=400, detail=TTL_REFUSED)
+async def set_ttl(run_id: str, kind: str, name: str, request: dict, req: Request):
+    """A TTL applies to an external-weights export (which this process deletes when it expires), not to a
+    checkpoint: txflow's prune rules decide when those go."""
+    if kind != "external_weights":
+        raise HTTPException(status_code=400, detail=TTL_REFUSED)
+    await _completed(req, run_id, "sampler", EXTERNAL + name)
+    ttl = request.get("ttl_seconds")
+    if ttl is not None and (not isinstance(ttl, int) or ttl <= 0):
+        raise HTTPException(status_code=400, detail="ttl_seconds: a positive number of seconds, or null for none")
+    _expiry(req)[(run_id, name)] = None if ttl is None else time.time() + ttl
+    await _delete_expired_exports(req)
+    return None
+
+
+async def delete_checkpoint(run_id: str, kind: str, name: str, req: Request):
+    """An external-weights export is deleted; a checkpoint is refused (`DELETE_REFUSED`)."""
+    if kind != "external_weights":
+        raise HTTPException(status_code=400, detail=DELETE_REFUSED)
+    await _completed(req, run_id, "sampler", EXTERNAL + name)
+    await _delete_export(req, run_id, name)
+    return None
+
+
+# --- external weights: an export of the adapter in PEFT format, and its signed files -----------------------
+#
+# `tinker checkpoint download` of SDK 0.38 downloads a training checkpoint this way: it loads the state into a new
+# training client, saves it as external weights with a TTL, asks for one signed URL per file, renews the TTL, and
+# deletes the export. Here an export is a sampler save under `EXTERNAL` + its name (SkyRL-tx writes adapters in
+# PEFT format for its sampler), served as `tinker://<run>/external_weights/<name>`. txflow does not commit exports
+# to durable storage (`layout.is_ephemeral_sampler`): they are copies, and go when deleted or when their TTL ends.
+
+EXTERNAL = layout.EXTERNAL_PREFIX
+
+
+def _expiry(req: Request) -> dict:
+    if not hasattr(req.app.state, "external_expiry"):
+        req.app.state.external_expiry = {}
+    return req.app.state.external_expiry
+
+
+async def _delete_export(req: Request, run_id: str, name: str) -> None:
+    import asyncio
+
+    from tx.tinker import types
+    from tx.tinker.db_models import CheckpointDB
+
+    async with _db(req) as session:
+        row = await session.get(CheckpointDB, (run_id, EXTERNAL + name, types.CheckpointType.SAMPLER))
+        if row is not None:
+            await session.delete(row)
+            await session.commit()
+    where = req.app.state.engine_config.checkpoints_base / layout.relative_checkpoint_path(
+        layout.tinker_path(run_id, "sampler", EXTERNAL + name))
+    await asyncio.to_thread(where.unlink, missing_ok=True)
+    _expiry(req).pop((run_id, name), None)
+
+
+async def _delete_expired_exports(req: Request) -> None:
+    now = time.time()
+    for (run_id, name), expires in list(_expiry(req).items()):
+        if expires is not None and expires < now:
+            await _delete_export(req, run_id, name)
+
+
+async def save_weights_external(request: dict, req: Request):
+    """A sampler save under the export's name; its future's result is rewritten to an external-weights path
+    (`external_result`)."""
+    from tx.tinker import api
+
+    if request.get("age_encryption_recipients"):
+        raise HTTPException(status_code=400, detail=NOT_SERVED["encrypted"])
+    name = request.get("path")
+    if not isinstance(name, str) or not name:
+        raise HTTPException(status_code=400, detail="save_weights_external needs a path (the export's name)")
+    parsed = _validated(api.SaveWeightsForSamplerRequest, {"model_id": request.get("model_id"),
+                                                            "path": EXTERNAL + name})
+    await _delete_expired_exports(req)
+    async with _db(req) as session:
+        await _refuse_reused_name(session, parsed.model_id, parsed.path, "sampler")
+        answer = await api.save_weights_for_sampler(parsed, session)
+    ttl = request.get("ttl_seconds")
+    _expiry(req)[(parsed.model_id, name)] = None if ttl is None else time.time() + ttl
+    return answer
+
+
+def external_result(result):
+    """A finished sampler save under an export's name, as the SDK reads `save_weights_external`'s result."""
+    if isinstance(result, dict) and result.get("type") == "save_weights_for_sampler":
+        try:
+            model_id, _, name = layout.parse_tinker_path(result.get("path") or "")
+        except ValueError:
+            return result
+        if name.startswith(EXTERNAL):
+            return {"path": f"tinker://{model_id}/external_weights/{name.removeprefix(EXTERNAL)}",
+                    "type": "save_weights_external"}
+    return result
+
+
+def _members(tarball) -> dict[str, bytes]:
+    with tarfile.open(tarball) as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers() if m.isfile()}
+
+
+async def external_weights_urls(run_id: str, name: str, req: Request):
+    """One URL per file of the export, each signed for that file alone; they expire with the signer's TTL."""
+    import asyncio
+
+    await _delete_expired_exports(req)
+    tarball = await _completed(req, run_id, "sampler", EXTERNAL + name)
+    files = await asyncio.to_thread(_members, tarball)
+    urls, expires = {}, 0
+    for file in sorted(files):
+        path = f"{RUNS}/{run_id}/checkpoints/external_weights/{name}/files/{file}"
+        query, expires = req.app.state.download_signer.sign(path)
+        urls[file] = f"{str(req.base_url).rstrip('/')}{path}?{query}"
+    return {"urls": urls, "expires": datetime.fromtimestamp(expires or time.time(), UTC).isoformat()}
+
+
+async def external_weights_file(run_id: str, name: str, file: str, req: Request):
+    import asyncio
+
+    tarball = await _completed(req, run_id, "sampler", EXTERNAL + name)
+    files = await asyncio.to_thread(_members, tarball)
+    if file not in files:
+        raise HTTPException(status_code=404, detail=f"tinker://{run_id}/external_weights/{name} has no file {file!r}")
+    return Response(files[file], media_type="application/octet-stream")
 
 
 def _validated(model, request: dict):
@@ -279,12 +449,14 @@ async def get_training_run(model_id: str, req: Request):
 
 
 async def list_training_runs(req: Request, limit: int = 20, offset: int = 0):
+    """Newest first: `tinker run list` shows the first page (20) by default."""
     from sqlmodel import func, select
     from tx.tinker.db_models import ModelDB
 
     async with _db(req) as session:
         total = (await session.exec(select(func.count()).select_from(ModelDB))).one()
-        models = (await session.exec(select(ModelDB).order_by(ModelDB.created_at).offset(offset).limit(limit))).all()
+        models = (await session.exec(select(ModelDB).order_by(ModelDB.created_at.desc()).offset(offset)
+                                  .limit(limit))).all()
         runs = [await _training_run(session, model) for model in models]
     return {"training_runs": runs, "cursor": {"offset": offset, "limit": limit, "total_count": total}}
 

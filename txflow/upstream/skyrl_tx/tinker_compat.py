@@ -72,6 +72,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
+from txflow.upstream.skyrl_tx import rest
 from txflow.upstream.skyrl_tx.protobuf import (
     encode_forward_backward_output,
     encode_sample_output,
@@ -169,7 +170,8 @@ async def retrieve_future(request: dict, req: Request):
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
     future = await wait_for_future(retrieve.request_id, req)
-    result, request_type = future.result_data, future.request_type
+    # A sampler save made for save_weights_external reads as that call's result (adapter point 20).
+    result, request_type = rest.external_result(future.result_data), future.request_type
     if PROTO not in req.headers.get("accept", ""):
         return result
     if request_type in (types.RequestType.FORWARD, types.RequestType.FORWARD_BACKWARD):
