@@ -2,9 +2,8 @@
 unchanged on SmolLM2-135M-Instruct, with the cookbook renderer that writes SmolLM2's ChatML chat template. They do
 not train yet: see TIED_HEAD_REFUSED.
 
-Opt-in (`TXFLOW_COOKBOOK_REAL_MODEL=1`): each run starts a real-model cluster (one process of 6-8 GiB), a few
-minutes each here; it joins the default suite when the lead decides its time is worth it (see the report of
-issue 32). The recipes' tiny-model runs are in tests/test_sdk_matrix_e2e.py."""
+Each refused run starts a real-model cluster (one process) and ends at the recipe's first call: 35-45 s here. The
+recipes' tiny-model runs, which train, are in tests/test_sdk_matrix_e2e.py."""
 
 from __future__ import annotations
 
@@ -18,9 +17,7 @@ from tests.sdk_envs import sdk_env
 from tests.test_sdk_matrix_e2e import COOKBOOK_ENV, COOKBOOK_STEPS, run_cookbook
 from txflow.config import SMOLLM2_MODEL
 
-pytestmark = [pytest.mark.e2e, pytest.mark.heavy(0),
-              pytest.mark.skipif(os.environ.get("TXFLOW_COOKBOOK_REAL_MODEL") != "1",
-                                 reason="opt-in: TXFLOW_COOKBOOK_REAL_MODEL=1 (two real-model clusters)")]
+pytestmark = [pytest.mark.e2e, pytest.mark.heavy(1)]
 
 # SmolLM2's template is ChatML (`<|im_start|>role\\ncontent<|im_end|>\\n`) with a default system prompt when a
 # conversation has none; the cookbook's `qwen3_instruct` renderer writes the same ChatML, without a default
