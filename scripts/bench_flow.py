@@ -146,7 +146,8 @@ def by_hand(steps: int, env: dict, work: Path) -> dict:
 
 def flow(steps: int, env: dict, work: Path, run_id: str) -> dict:
     # Without the export: the by-hand side does not export either (scripts/bench_export.py measures it).
-    cmd = [sys.executable, "-m", "txflow.cli", "run", "sft", "--steps", str(steps), "--save-every", "0", "--no-export",
+    cmd = [sys.executable, "-m", "txflow.cli", "run", "sft", "--base-model", "tiny", "--steps", str(steps),
+           "--save-every", "0", "--no-export",
            "--processes", str(JOB["processes"]), "--batch-size", str(JOB["batch_size"]),
            "--learning-rate", str(JOB["learning_rate"]), "--lora-rank", str(JOB["lora_rank"]),
            "--run-id", run_id, "--state-dir", str(work / run_id), "--checkpoints", str(work / "ckpt"), "--json"]
