@@ -22,7 +22,7 @@ RL = {"mode": "rl"}
 NIGHTLY_SFT = {"mode": "sft", "steps": 6, "save_every": 3}
 NIGHTLY_RL = {"mode": "rl", "steps": 16, "save_every": 0, "loss": "ppo", "substeps": 4, "temperature": 0.25}
 
-# cluster/warm: a shared cluster of the tiny model that runs attach to (`cluster: warm`), held until the flow
+# cluster/warm: a shared cluster of the default base model that runs attach to (`cluster: warm`), held until the flow
 # run is cancelled; slots for a sweep of 4 and a few runs more.
 CLUSTER = {"lora_adapters": 32}
 
