@@ -415,7 +415,7 @@ def release(handle: ClusterHandle, db_url: str | None = None) -> list[ProcessRec
         except Exception as exc:  # no database (a cluster never up): nothing of the run's is loaded
             log.warning(f"cluster {name}: could not list the run's models ({exc})")
             models, every = [], []
-        for model_id in models[:0]:  # BREAK
+        for model_id in models:
             try:
                 httpx.post(f"{handle.cluster.base_url}/api/v1/unload_model",
                            json={"model_id": model_id, "type": "unload_model"}, headers={"X-API-Key": key},
