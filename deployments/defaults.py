@@ -25,8 +25,13 @@ NIGHTLY_SFT = {"mode": "sft", "base_model": SMOLLM2_MODEL, "steps": 6, "save_eve
 NIGHTLY_RL = {"mode": "rl", "base_model": SMOLLM2_MODEL, "steps": 8, "save_every": 0, "batch_size": 4,
               "group_size": 4, "max_tokens": 4}
 
+# cluster/warm: a shared cluster of the default base model that runs attach to (`cluster: warm`), held until the flow
+# run is cancelled; slots for a sweep of 4 and a few runs more.
+CLUSTER = {"lora_adapters": 32}
+
 # What `{{ defaults.<key> }}` in prefect.yaml stands for.
-CONFIGS: dict[str, dict] = {"sft": SFT, "rl": RL, "nightly_sft": NIGHTLY_SFT, "nightly_rl": NIGHTLY_RL}
+CONFIGS: dict[str, dict] = {"sft": SFT, "rl": RL, "nightly_sft": NIGHTLY_SFT, "nightly_rl": NIGHTLY_RL,
+                            "cluster": CLUSTER}
 
 
 def deployment_parameters() -> dict[str, dict]:

@@ -36,7 +36,7 @@ from tasks.train import train
 from txflow.checkpoints import lease, storage
 from txflow.checkpoints.export import failure as export_failure
 from txflow.checkpoints.promotion import Promotion
-from txflow.cluster import embedded_prefect
+from txflow.cluster import embedded_prefect, named
 from txflow.cluster.handle import ClusterHandle
 from txflow.cluster.launchers import get_launcher, stop_cluster
 from txflow.cluster.monitor import Failure, NoProgress
@@ -81,6 +81,9 @@ def _stop_cluster_hook(flow, flow_run, state) -> None:
         cfg = config
     cfg = _with_run_id(cfg, flow_run).resolved()
     records = stop_cluster(cfg.state_dir)
+    if cfg.cluster:
+        # Attached to a shared cluster: its key goes; its adapters are freed when its sessions stop beating.
+        named.revoke(cfg.cluster, cfg.run_id)
     flow_run_logger(flow_run, flow).info(
         f"{state.name} hook: stopped the cluster in {cfg.state_dir}: "
         + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_text}" for r in records) or "nothing recorded"))
@@ -95,7 +98,7 @@ def cluster_slots(cfg: RunConfig):
     command that creates it and no guard; a limit named on purpose, missing (misspelled, say), stops the
     run before anything starts, since it would otherwise silently guard nothing."""
     name = cfg.concurrency_limit
-    if not name or embedded_prefect.is_embedded():
+    if not name or embedded_prefect.is_embedded() or cfg.cluster:  # a shared cluster's holder holds its slots
         yield
         return
     if not _limit_exists(name):
@@ -175,6 +178,8 @@ def _run(cfg: RunConfig, data, done: Progress, began: float) -> RunReport:
     """The steps after pre-flight, the report, and the run's verdict."""
     log = get_logger()
     launcher = get_launcher(cfg)
+    if cfg.cluster:
+        cfg = named.attached_config(cfg)  # checkpoints it imports are registered in the cluster's database
     error = None
     with cluster_slots(cfg):
         for attempt in range(cfg.train_retries + 1):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow.cluster import startup
+from txflow.cluster import named, startup
 from txflow.cluster.handle import ClusterHandle
 from txflow.cluster.launcher import Launcher, PlacementFailed
 from txflow.cluster.monitor import retry_unless
@@ -15,8 +15,11 @@ from txflow.config import RunConfig
 
 # Retries are safe here: a failed attempt stops what it started, and the next one starts afresh (a
 # port taken meanwhile, say). A cluster that cannot be placed is not retried: it would not fit now either.
-@task(name="provision-coordinator", retries=1, retry_delay_seconds=2, retry_condition_fn=retry_unless(PlacementFailed),
-      cache_policy=NO_CACHE)
+@task(name="provision-coordinator", retries=1, retry_delay_seconds=2,
+      retry_condition_fn=retry_unless(PlacementFailed, named.AttachFailed), cache_policy=NO_CACHE)
 def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
-    """Start the API server, then rank 0, without waiting for either (launch-workers proves them ready)."""
+    """Start the API server, then rank 0, without waiting for either (launch-workers proves them ready); with
+    `cluster` set, attach to that shared cluster instead."""
+    if cfg.cluster:
+        return named.attach(cfg)
     return startup.provision(cfg, launcher)

@@ -39,15 +39,18 @@ def test_every_deployment_parameter_is_a_valid_run_config():
 
     spec = _prefect_yaml()
     params = _resolved_parameters(spec)
-    assert set(params) == {"sft", "rl", "nightly"}
+    assert set(params) == {"sft", "rl", "nightly", "warm"}
     for name, deployment_params in params.items():
         raw = next(d["parameters"] for d in spec["deployments"] if d["name"] == name)
         assert set(deployment_params) == set(raw), f"{name}: a template did not resolve: {raw}"
         for key, value in deployment_params.items():
+            if (name, key) == ("warm", "name"):
+                continue
             assert isinstance(value, dict), f"{name}.{key} is {value!r}"
             RunConfig.model_validate(value)
     assert RunConfig.model_validate(params["sft"]["config"]).mode == "sft"
     assert RunConfig.model_validate(params["rl"]["config"]).mode == "rl"
+    assert RunConfig.model_validate(params["warm"]["config"]).lora_adapters == 32
     nightly = {k: RunConfig.model_validate(v) for k, v in params["nightly"].items()}
     assert (nightly["sft"].mode, nightly["rl"].mode) == ("sft", "rl")
     assert params["nightly"] == {"sft": defaults.NIGHTLY_SFT, "rl": defaults.NIGHTLY_RL}
@@ -61,6 +64,7 @@ def test_prefect_yaml_is_portable():
     assert spec["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": "{{ $PWD }}"}}]
     entrypoints = {d["name"]: d["entrypoint"] for d in spec["deployments"]}
     assert entrypoints == {"sft": "flows/train.py:train_flow", "rl": "flows/train.py:train_flow",
-                           "nightly": "deployments/nightly.py:nightly_validation"}
+                           "nightly": "deployments/nightly.py:nightly_validation",
+                           "warm": "flows/cluster.py:cluster_flow"}
     assert all((REPO / e.split(":")[0]).is_file() for e in entrypoints.values())
     assert {d["work_pool"]["name"] for d in spec["deployments"]} == {"txflow"}

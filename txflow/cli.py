@@ -54,10 +54,11 @@ def flag_of(name: str) -> str:
     return FLAG_NAMES.get(name) or "--" + name.replace("_", "-")
 
 
-def _run_options(model: type[BaseModel], parser, prefix: str = "") -> None:
-    """One flag per field of `model` (recursively for nested models); dest is the dotted field path."""
+def _run_options(model: type[BaseModel], parser, prefix: str = "", only: tuple[str, ...] | None = None) -> None:
+    """One flag per field of `model` (recursively for nested models), of the top-level fields `only` when
+    given; dest is the dotted field path."""
     for name, info in model.model_fields.items():
-        if name in POSITIONAL and not prefix:
+        if name in POSITIONAL and not prefix or (only is not None and not prefix and name not in only):
             continue
         dest = prefix + name
         annotation = info.annotation
@@ -129,6 +130,19 @@ def _parser() -> argparse.ArgumentParser:
                        help="prune failed and unfinished runs too (their newest state stays)")
     prune.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     prune.add_argument("--json", action="store_true")
+    cluster = sub.add_parser("cluster", help="a long-lived cluster that runs attach to (--cluster NAME)")
+    actions = cluster.add_subparsers(dest="action", required=True, parser_class=_Parser)
+    up = actions.add_parser("up", help="start the cluster and hold it until `txflow cluster down NAME` (or Ctrl-C)",
+                            argument_default=argparse.SUPPRESS)
+    up.add_argument("name")
+    from txflow.cluster.named import CLUSTER_FIELDS
+
+    _run_options(RunConfig, up, only=CLUSTER_FIELDS)
+    for action, text in (("status", "what the cluster serves, whether it is healthy, free adapter slots, attached "
+                                    "runs"), ("down", "stop the cluster")):
+        sub_action = actions.add_parser(action, help=text)
+        sub_action.add_argument("name")
+        sub_action.add_argument("--json", action="store_true", default=False)
     promoted = sub.add_parser("promoted", help="what is promoted under a name, with its figures and history")
     promoted.add_argument("root", help="the checkpoints root the runs promoted into")
     promoted.add_argument("name")
@@ -237,7 +251,7 @@ def config_values(args: argparse.Namespace) -> dict:
     """The RunConfig fields given on the command line, nested where the model nests them."""
     values: dict = {}
     for dest, value in vars(args).items():
-        if dest in ("command", "json"):
+        if dest in ("command", "json", "action", "name"):
             continue
         if dest == "storage_options":
             value = _storage_options(value)
@@ -313,6 +327,53 @@ def run(args) -> int:
         print(f"txflow: run {report.run_id} {report.status}{why}; report at {report.checkpoint_root}/report.json",
               file=sys.stderr)
     return code
+
+
+def cluster_cmd(args) -> int:
+    """`txflow cluster up|status|down NAME`: 0 when done (status: when healthy), 1 when not, 2 on bad input."""
+    from txflow.cluster import named
+
+    os.umask(umask.PRIVATE)
+    try:
+        if args.action == "status":
+            found = named.status(args.name)
+            if args.json:
+                print(json.dumps(found, indent=2))
+            else:
+                print(f"cluster {args.name}: {'healthy' if found['healthy'] else 'NOT healthy'} ({found['state']}), "
+                      f"{found['base_model']} on {found['base_url']}, LoRA rank <= {found['max_lora_rank']}, "
+                      f"{found['free_slots']} of {found['lora_adapters'] - 1} adapter slots free, attached: "
+                      f"{', '.join(found['attached_runs']) or 'none'}")
+            return 0 if found["healthy"] else 1
+        if args.action == "down":
+            records = named.down(args.name)
+            print(f"txflow: cluster {args.name} down: "
+                  + (", ".join(f"{r.role} pid {r.pid} exit {r.exit_text}" for r in records) or "nothing ran"),
+                  file=sys.stderr)
+            return 0
+        values = {k: v for k, v in config_values(args).items() if k not in ("name", "action")}
+        config = RunConfig.model_validate(values)
+    except (named.AttachFailed, ValueError) as exc:
+        if isinstance(exc, ValidationError):
+            exc = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
+        return 2
+    from txflow.config import RUN_ID_PATTERN
+
+    if not re.fullmatch(RUN_ID_PATTERN, args.name):
+        print(f"txflow: cluster name {args.name!r} must be 1-64 letters, digits, '-' or '_'", file=sys.stderr)
+        return 2
+    try:
+        handle = named.up(config, args.name)
+    except named.AttachFailed as exc:
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
+        return 2
+    print(f"txflow: cluster {args.name} up on {handle.cluster.base_url}; attach runs with --cluster {args.name}",
+          file=sys.stderr, flush=True)
+    records = named.hold(handle, args.name)
+    print(f"txflow: cluster {args.name} stopped: " + ", ".join(f"{r.role} pid {r.pid} exit {r.exit_text}"
+                                                              for r in records), file=sys.stderr)
+    return 0 if not handle.monitor.failures else 1
 
 
 def discover_cmd(args) -> int:
@@ -400,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
     # they contend for its SQLite file under load: "database is locked").
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     return {"run": run, "export": export_cmd, "discover": discover_cmd, "prune": prune_cmd,
-            "promoted": promoted_cmd}[args.command](args)
+            "promoted": promoted_cmd, "cluster": cluster_cmd}[args.command](args)
 
 
 def entry() -> None:

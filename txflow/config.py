@@ -150,6 +150,11 @@ class RunConfig(BaseModel, extra="forbid"):
         default="local",
         description="Where ranks run: `local` subprocesses of this machine, or `ray` actors on an existing Ray "
         "cluster (one rank per node by default; rank 0 and the API on this machine's node).")
+    cluster: str | None = Field(
+        default=None,
+        description="Attach to the long-lived cluster of this name (`txflow cluster up NAME`) instead of starting "
+        "one: the run gets a key of its own there, trains its adapter beside other runs' and, at its end, "
+        "releases its adapters and leaves the cluster up. Its base model must be the cluster's.")
     ray_address: str | None = Field(
         default=None,
         description="ray: address of an existing Ray cluster (host:port). Default: the RAY_ADDRESS environment "
@@ -348,6 +353,12 @@ class RunConfig(BaseModel, extra="forbid"):
             raise ValueError("custom mode needs --client PATH_OR_MODULE: the Tinker client program to run")
         if self.mode != "custom" and self.client_python:
             raise ValueError("client_python only applies to custom mode (the interpreter of --client)")
+        if self.cluster and self.mode == "custom":
+            raise ValueError("custom mode cannot attach to a shared cluster (--cluster): its client's checkpoints "
+                             "could not be told apart from other runs' there; run it on a cluster of its own")
+        if self.cluster is not None and not re.fullmatch(RUN_ID_PATTERN, self.cluster):
+            raise ValueError(f"cluster {self.cluster!r} must be 1-64 letters, digits, '-' or '_' (a directory "
+                             f"name)")
         if self.export_merged and not self.export:
             raise ValueError("export_merged needs export: the merged model is exported with the adapter")
         return self

@@ -15,7 +15,7 @@ from pydantic import SecretStr
 
 from txflow.checkpoints import lease, storage
 from txflow.checkpoints.markers import signing_key
-from txflow.cluster import embedded_prefect
+from txflow.cluster import embedded_prefect, named
 from txflow.config import NAMED_MODELS, TINY_MODEL, RunConfig, default_learning_rate, environ_without_secrets
 from txflow.log import get_logger, redact, register_run_secrets, scrub
 from txflow.reporting.report import Outcome
@@ -282,6 +282,11 @@ def _prepare(cfg: RunConfig):
         check_ray(cfg)
     check_database(cfg)
     model_path = check_base_model(cfg)
+    if cfg.cluster:
+        try:
+            named.check(cfg)
+        except named.AttachFailed as exc:
+            raise PreflightError(str(exc)) from None
     check_learning_rate(cfg)
     tokenizer = load_tokenizer(model_path)
     max_len = context_length(model_path)

@@ -196,11 +196,12 @@ def latest_state(root: str, storage_options: dict | None = None) -> Artifact | N
     return max(states, key=lambda a: step_of(a.path), default=None)
 
 
-def remove_ephemeral_samplers(checkpoints_base: str) -> list[str]:
-    """Delete the transient sampler weights SkyRL-tx wrote for sampling clients; returns what went."""
+def remove_ephemeral_samplers(checkpoints_base: str, model_id: str | None = None) -> list[str]:
+    """Delete the transient sampler weights SkyRL-tx wrote for sampling clients (of `model_id` only, when
+    given: on a shared cluster the others are other runs'); returns what went."""
     base = Path(checkpoints_base)
     removed = []
-    for path in base.glob("*/sampler_weights/*"):
+    for path in base.glob(f"{model_id or '*'}/sampler_weights/*"):
         relative = path.relative_to(base).as_posix()
         if layout.is_ephemeral_sampler(relative):
             path.unlink(missing_ok=True)

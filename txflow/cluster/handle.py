@@ -7,6 +7,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -37,7 +38,12 @@ class ClusterHandle:
     # thread until closed; nothing else closes it, so a long-lived process (a Prefect worker, the
     # test suite) would heartbeat a dead cluster forever.
     clients: list = field(default_factory=list)
+    sessions: list[str] = field(default_factory=list)  # of every client ever opened: what a release frees
     waiters: ThreadPoolExecutor | None = None  # for futures without a done callback (see `wait`)
+    # The name of the shared cluster this run attached to (`txflow.cluster.named`), and what its teardown
+    # does instead of stopping processes: release the run's part of it, leaving the cluster up.
+    shared: str | None = None
+    release: Callable[[ClusterHandle], list[ProcessRecord]] | None = None
 
     @classmethod
     def watch(cls, cluster: Cluster, launcher: Launcher) -> ClusterHandle:
@@ -51,6 +57,7 @@ class ClusterHandle:
         client = tinker.ServiceClient(base_url=self.cluster.base_url,
                                       api_key=self.cluster.api_key.get_secret_value())
         self.clients.append(client)
+        self.sessions.append(client.holder.get_session_id())
         return client
 
     def wait(self, future, what: str, timeout_s: float):
@@ -145,7 +152,10 @@ class ClusterHandle:
 
     def stop(self, grace_s: float = 5.0) -> list[ProcessRecord]:
         """Teardown: clients first (their heartbeats would only fail once the API is gone), then
-        the monitor (a stopped process is no failure), then every process."""
+        the monitor (a stopped process is no failure), then every process. A run attached to a shared
+        cluster releases its part of it instead (`txflow.cluster.named.release`)."""
+        if self.release is not None:
+            return self.release(self)
         self.close_clients()
         self.monitor.stop()
         if self.waiters is not None:

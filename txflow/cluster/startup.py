@@ -60,10 +60,11 @@ def wait_for_api(handle: ClusterHandle, timeout_s: float) -> None:
                      f"Last lines of {api.log}:\n{handle.launcher.tail(api)}")
 
 
-def provision(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
+def provision(cfg: RunConfig, launcher: Launcher, api_env: dict[str, str] | None = None) -> ClusterHandle:
     """Start the API server, then rank 0, without waiting for either (`launch_workers` proves them ready);
     each is in cluster.json as soon as it exists, and a monitor watches them from the start. A failure
-    stops what this call started, so that a retry starts from nothing."""
+    stops what this call started, so that a retry starts from nothing. `api_env`: more environment for the
+    API (a shared cluster's run-keys file)."""
     log = get_logger()
     state_dir = Path(cfg.state_dir)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -93,7 +94,7 @@ def provision(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
         # the API alone gets the run's key, which it checks on every request (adapter point 15).
         database = {DATABASE_URL_ENV: db_url}
         api = launcher.start(cluster, "api", None, launch.api_command(engine_argv, cluster.host, cluster.api_port),
-                             env, {"http": cluster.api_port}, "api",
+                             env | (api_env or {}), {"http": cluster.api_port}, "api",
                              secret_env=database | launch.api_key_env(cluster.api_key.get_secret_value()))
         log.info(f"Tinker API server pid {api.pid} on {cluster.base_url}, log {api.log}")
         ports = {"coordinator": cluster.coordinator_port} if cluster.coordinator_port else {}

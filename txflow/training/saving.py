@@ -60,7 +60,7 @@ def save_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, trained: Train
     name = checkpoint_name(step)
     sampler_path = handle.wait(client.save_weights_for_sampler(name), "save_weights_for_sampler", timeout).path
     # The sampling clients of training wrote transient sampler weights next to the real ones.
-    storage.remove_ephemeral_samplers(handle.cluster.checkpoints_base)
+    storage.remove_ephemeral_samplers(handle.cluster.checkpoints_base, client.model_id if handle.shared else None)
     sampler = Checkpoint(kind="sampler", tinker_path=sampler_path,
                          url=storage.commit(cfg, handle.cluster.checkpoints_base, sampler_path))
     checkpoints = [trained.final_state, sampler]

@@ -57,7 +57,8 @@ def serve_api(argv: list[str]) -> None:
     lora_config.install_api(api.app)  # (14.)
     signer = auth.DownloadSigner()
     rest.install(api.app, signer)  # (20.)
-    auth.install(api.app, key, signer)  # (15.) last added, so it runs first
+    # (15.) last added, so it runs first; a shared cluster also lets in its attached runs' keys, each scoped
+    auth.install(api.app, key, signer, os.environ.get(auth.RUN_KEYS_ENV) or None)
     api.app.state.engine_config = engine_config
     config = uvicorn.Config(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
     # The socket the launcher bound for this API and kept bound until now (txflow.processes.ports.listener):

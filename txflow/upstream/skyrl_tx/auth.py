@@ -13,6 +13,14 @@ cluster.json. The one other exception is a signed checkpoint download (point 20,
 `get_checkpoint_archive_url` hands out, as Tinker's signed URLs, for tools that send no key (`tinker
 checkpoint download`, the cookbook's urllib); it opens that one checkpoint's download until it expires,
 and a tampered or expired one gets 403. Can go when upstream checks keys and signs its download URLs.
+
+A shared cluster (`txflow cluster up`, issue 34) also lets in the keys of the runs attached to it, each
+valid only for what that run created: the file named by `RUN_KEYS_ENV` maps the SHA-256 of each key to its
+run (written by `txflow.cluster.named` when a run attaches, and emptied of it when the run releases; read
+again whenever it changes). A session belongs to the key that created it, a model or sampling session to
+its session, a future to the key whose request created it, a checkpoint to its model; a run's key gets 403
+on anything else, on the listings (they span runs) and on any route this check does not know. The
+cluster's own key (`API_KEY_ENV`) stays unscoped. Upstream has no owners at all: can go when it scopes keys.
 """
 
 from __future__ import annotations
@@ -20,12 +28,15 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import re
 import secrets
 import time
+from pathlib import Path
 from urllib.parse import parse_qs
 
 API_KEY_ENV = "TXFLOW_API_KEY"
+RUN_KEYS_ENV = "TXFLOW_RUN_KEYS_FILE"
 OPEN_PATHS = frozenset({"/api/v1/healthz"})
 REFUSED = json.dumps({"detail": "missing or wrong API key: send the run's key in the X-API-Key header "
                                 "(TINKER_API_KEY for the Tinker SDK)"}).encode()
@@ -72,14 +83,128 @@ def presented_key(headers: dict[bytes, bytes]) -> bytes | None:
     return token.strip() if scheme.lower() == b"bearer" and token.strip() else None
 
 
+def key_digest(key: str | bytes) -> str:
+    """What the run-keys file records of a key: its SHA-256, never the key."""
+    return hashlib.sha256(key.encode() if isinstance(key, str) else key).hexdigest()
+
+
+class RunKeys:
+    """The run-keys file (`{sha256 of key: run id}`), read again whenever its modification time or size
+    changes; a missing or unreadable file lets no run key in."""
+
+    def __init__(self, path: str | Path):
+        self.path, self._seen, self._owners = Path(path), None, {}
+
+    def owner(self, key: bytes) -> str | None:
+        try:
+            st = os.stat(self.path)
+            seen = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if seen != self._seen:
+                self._owners, self._seen = json.loads(self.path.read_text() or "{}"), seen
+        except (OSError, ValueError):
+            self._owners, self._seen = {}, None
+        return self._owners.get(key_digest(key))
+
+
+# What a run's key may call without naming anything it owns: nothing there touches another run's work.
+UNSCOPED = frozenset({"/api/v1/create_session", "/api/v1/get_server_capabilities", "/api/v1/telemetry",
+                      "/api/v1/client/config"})
+# Routes that name what they act on in their path: (pattern, kind of the id).
+PATH_IDS = [(re.compile(r"/api/v1/(?:training_runs|models)/([^/]+)(?:/.*)?"), "model"),
+            (re.compile(r"/api/v1/sessions/([^/]+)(?:/finish)?"), "session"),
+            (re.compile(r"/api/v1/samplers/([^/]+)"), "sampler")]
+LISTINGS = frozenset({"/api/v1/training_runs", "/api/v1/sessions", "/api/v1/checkpoints"})
+BODY_IDS = {"session_id": "session", "model_id": "model", "sampling_session_id": "sampler",
+            "request_id": "future"}
+
+
+def _forbidden(what: str) -> bytes:
+    return json.dumps({"detail": f"this run's API key does not own {what}: a key of a shared cluster serves "
+                                 f"only its own run's sessions, models, checkpoints and futures"}).encode()
+
+
+def named_ids(path: str, body: dict | None) -> list[tuple[str, str]] | None:
+    """(kind, id) of everything a request names, from its path and JSON body; None for a route a run's key
+    may not call at all (a listing, or a route this check does not know)."""
+    from txflow.upstream.skyrl_tx import layout
+
+    if path in LISTINGS:
+        return None
+    ids = []
+    for pattern, kind in PATH_IDS:
+        match = pattern.fullmatch(path)
+        if match:
+            ids.append((kind, match.group(1)))
+            break
+    else:
+        if path not in UNSCOPED and not (path.startswith("/api/v1/") and body is not None):
+            return None
+
+    def walk(value, key=None):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, k)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v, key)
+        elif isinstance(value, str | int) and key in BODY_IDS and value != "":
+            ids.append((BODY_IDS[key], str(value)))
+        elif isinstance(value, str) and value.startswith("tinker://"):
+            try:
+                ids.append(("model", layout.parse_tinker_path(value)[0]))
+            except ValueError:
+                ids.append(("model", value.removeprefix("tinker://").split("/")[0]))
+
+    walk(body or {})
+    return ids
+
+
+class Owners:
+    """Who owns what on a shared cluster, in the API process: sessions and futures as they are created (a
+    response naming them), models and sampling sessions through their session in the engine's database."""
+
+    def __init__(self):
+        self.sessions: dict[str, str] = {}
+        self.futures: dict[str, str] = {}
+
+    async def owner(self, app, kind: str, ident: str) -> str | None:
+        if kind == "session":
+            return self.sessions.get(ident)
+        if kind == "future":
+            return self.futures.get(ident)
+        from sqlalchemy import text
+
+        table, column = ("models", "model_id") if kind == "model" else ("sampling_sessions", "sampling_session_id")
+        async with app.state.db_engine.connect() as conn:
+            row = (await conn.execute(text(f"SELECT session_id FROM {table} WHERE {column} = :id"),
+                                      {"id": ident})).first()
+        if row is None and kind == "model" and ":train:" in ident:
+            return self.sessions.get(ident.split(":train:")[0])  # 0.38 names models after their session
+        return self.sessions.get(row[0]) if row is not None else None
+
+    def note(self, owner: str, answer: dict) -> None:
+        """Record what a response to `owner`'s request created."""
+        if "session_id" in answer and isinstance(answer["session_id"], str):
+            self.sessions.setdefault(answer["session_id"], owner)
+        for key in ("request_id", "future_id"):
+            if isinstance(answer.get(key), str | int):
+                self.futures.setdefault(str(answer[key]), owner)
+
+    def forget(self, owner: str) -> None:
+        self.sessions = {k: v for k, v in self.sessions.items() if v != owner}
+        self.futures = {k: v for k, v in self.futures.items() if v != owner}
+
+
 class KeyCheck:
     """ASGI middleware: every HTTP request but the health check must present `key`, or be a download that
-    carries a signature (judged by `signer` alone: valid passes, anything else gets 403)."""
+    carries a signature (judged by `signer` alone: valid passes, anything else gets 403), or present a run's
+    key from `run_keys` and name only what that run owns."""
 
-    def __init__(self, app, key: str, signer: DownloadSigner | None = None):
+    def __init__(self, app, key: str, signer: DownloadSigner | None = None, run_keys: RunKeys | None = None):
         if not key:
             raise ValueError("the Tinker API needs a key to check (txflow gives it one per run)")
-        self.app, self._key, self._signer = app, key.encode(), signer
+        self.app, self._key, self._signer, self._run_keys = app, key.encode(), signer, run_keys
+        self.owners = Owners()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
@@ -92,7 +217,68 @@ class KeyCheck:
         given = presented_key({k.lower(): v for k, v in scope.get("headers") or []})
         if given is not None and hmac.compare_digest(given, self._key):
             return await self.app(scope, receive, send)
+        owner = self._run_keys.owner(given) if given is not None and self._run_keys is not None else None
+        if owner is not None:
+            return await self._scoped(owner, scope, receive, send)
         await _refuse(send, 401, REFUSED)
+
+    async def _scoped(self, owner: str, scope, receive, send):
+        """A run's key: the request goes through only when everything it names is the run's."""
+        from txflow.upstream.skyrl_tx.protobuf import parse_forward_backward
+
+        chunks, more = [], True
+        while more:
+            message = await receive()
+            chunks.append(message.get("body", b""))
+            more = message.get("more_body", False)
+        raw = b"".join(chunks)
+        headers = {k.lower(): v for k, v in scope.get("headers") or []}
+        body = None
+        if raw:
+            try:
+                if b"protobuf" in headers.get(b"content-type", b""):
+                    body = parse_forward_backward(raw)[0] if scope["path"] == "/api/v1/forward_backward" else None
+                else:
+                    body = json.loads(raw)
+            except Exception:  # unreadable: upstream answers it (a 4xx), owning nothing
+                body = {}
+        elif scope["method"] == "POST":
+            body = {}
+        ids = named_ids(scope["path"], body if isinstance(body, dict) else None)
+        if ids is None:
+            return await _refuse(send, 403, _forbidden(f"{scope['path']} (it spans runs or is not scoped)"))
+        app = scope.get("app") or self.app
+        for kind, ident in ids:
+            if await self.owners.owner(app, kind, ident) != owner:
+                return await _refuse(send, 403, _forbidden(f"{kind} {ident}"))
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": raw, "more_body": False}
+            return await receive()
+
+        answer: list[bytes] = []
+        is_json = False
+
+        async def noting(message):
+            nonlocal is_json
+            if message["type"] == "http.response.start":
+                is_json = any(k.lower() == b"content-type" and b"json" in v for k, v in message.get("headers", []))
+            elif message["type"] == "http.response.body" and is_json:
+                answer.append(message.get("body", b""))
+                if not message.get("more_body", False):
+                    try:
+                        parsed = json.loads(b"".join(answer))
+                    except ValueError:
+                        parsed = None
+                    if isinstance(parsed, dict):
+                        self.owners.note(owner, parsed)
+            await send(message)
+
+        await self.app(scope, replay, noting)
 
 
 async def _refuse(send, status: int, body: bytes) -> None:
@@ -101,7 +287,7 @@ async def _refuse(send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def install(app, key: str, signer: DownloadSigner | None = None) -> None:
+def install(app, key: str, signer: DownloadSigner | None = None, run_keys_file: str | None = None) -> None:
     """Check `key` in front of every route of `app` (added last, so it runs first); `signer` opens signed
-    checkpoint downloads."""
-    app.add_middleware(KeyCheck, key=key, signer=signer)
+    checkpoint downloads; `run_keys_file` names the keys of the runs attached to a shared cluster."""
+    app.add_middleware(KeyCheck, key=key, signer=signer, run_keys=RunKeys(run_keys_file) if run_keys_file else None)

@@ -11,7 +11,7 @@ from typing import Any
 from txflow.config import RunConfig
 from txflow.upstream import wake
 from txflow.upstream.skyrl_tx import TINKER_DEFAULT_RANK
-from txflow.upstream.skyrl_tx.auth import API_KEY_ENV
+from txflow.upstream.skyrl_tx.auth import API_KEY_ENV, RUN_KEYS_ENV
 
 ENTRY = "txflow.upstream.skyrl_tx"
 
@@ -64,6 +64,11 @@ def wake_env() -> dict[str, str]:
 def api_key_env(key: str) -> dict[str, str]:
     """Environment for the API: the key it lets in (15.); never its command line."""
     return {API_KEY_ENV: key}
+
+
+def run_keys_env(path: str) -> dict[str, str]:
+    """Environment for the API of a shared cluster: the file of its attached runs' keys (15.)."""
+    return {RUN_KEYS_ENV: path}
 
 
 def coordinator_env(coordinator_address: str | None) -> dict[str, str]:

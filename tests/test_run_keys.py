@@ -1,0 +1,122 @@
+"""Keys of runs attached to a shared cluster (adapter point 15, issue 34): each opens only its own run's
+sessions, models, sampling sessions, futures and checkpoints. On a bare FastAPI app with upstream's route
+shapes and a real SQLite database in the tables' shape (the e2e test, test_shared_cluster_e2e, does it on
+a real cluster)."""
+
+from __future__ import annotations
+
+import json
+from contextlib import asynccontextmanager
+from itertools import count
+
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.testclient import TestClient
+from sqlalchemy import text
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from txflow.upstream.skyrl_tx import auth
+
+CLUSTER_KEY, KEY_A, KEY_B = "tml-cluster", "tml-run-a", "tml-run-b"
+
+
+@pytest.fixture()
+def served(tmp_path):
+    keys = tmp_path / "run-keys.json"
+    keys.write_text(json.dumps({auth.key_digest(KEY_A): "run-a", auth.key_digest(KEY_B): "run-b"}))
+    ids = count(1)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        app.state.db_engine = create_async_engine(f"sqlite+aiosqlite:///{tmp_path / 'tinker.db'}")
+        async with app.state.db_engine.begin() as conn:
+            await conn.execute(text("CREATE TABLE models (model_id TEXT PRIMARY KEY, session_id TEXT)"))
+            await conn.execute(text("CREATE TABLE sampling_sessions (sampling_session_id TEXT PRIMARY KEY, "
+                                    "session_id TEXT)"))
+        yield
+        await app.state.db_engine.dispose()
+
+    app = FastAPI(lifespan=lifespan)
+
+    @app.post("/api/v1/create_session")
+    async def create_session():
+        return {"session_id": f"session_{next(ids)}"}
+
+    @app.post("/api/v1/create_model")
+    async def create_model(body: dict, req: Request):
+        model_id = f"model_{next(ids)}"
+        async with req.app.state.db_engine.begin() as conn:
+            await conn.execute(text("INSERT INTO models VALUES (:m, :s)"), {"m": model_id, "s": body["session_id"]})
+        return {"model_id": model_id, "request_id": str(next(ids))}
+
+    @app.post("/api/v1/forward_backward")
+    async def forward_backward(body: dict):
+        return {"request_id": str(next(ids))}
+
+    @app.post("/api/v1/retrieve_future")
+    async def retrieve_future(body: dict):
+        return {"loss": 1.0}
+
+    @app.post("/api/v1/load_weights")
+    async def load_weights(body: dict):
+        return {"request_id": str(next(ids))}
+
+    app.add_api_route("/api/v1/training_runs/{model_id}/checkpoints", lambda model_id: [])
+    app.add_api_route("/api/v1/training_runs", lambda: ["every run"])
+    app.add_api_route("/api/v1/healthz", lambda: "ok")
+    auth.install(app, CLUSTER_KEY, auth.DownloadSigner(), str(keys))
+    with TestClient(app) as client:
+        yield client, keys
+
+
+def as_run(client, key):
+    def post(path, body=None):
+        return client.post(path, json=body or {}, headers={"X-API-Key": key})
+    return post
+
+
+def model_of(client, key) -> tuple[str, str]:
+    post = as_run(client, key)
+    session = post("/api/v1/create_session").json()["session_id"]
+    return session, post("/api/v1/create_model", {"session_id": session}).json()["model_id"]
+
+
+def test_a_runs_key_serves_its_own_model_and_gets_403_on_another_runs(served):
+    client, _ = served
+    a, b = as_run(client, KEY_A), as_run(client, KEY_B)
+    session_a, model_a = model_of(client, KEY_A)
+    session_b, model_b = model_of(client, KEY_B)
+    future = a("/api/v1/forward_backward", {"model_id": model_a})
+    assert future.status_code == 200
+    assert a("/api/v1/retrieve_future", {"request_id": future.json()["request_id"]}).status_code == 200
+    # Run B on run A's work: its model, its session, its future, its checkpoints, its state as a load source.
+    assert b("/api/v1/forward_backward", {"model_id": model_a}).status_code == 403
+    assert b("/api/v1/create_model", {"session_id": session_a}).status_code == 403
+    assert b("/api/v1/retrieve_future", {"request_id": future.json()["request_id"]}).status_code == 403
+    refused = client.get(f"/api/v1/training_runs/{model_a}/checkpoints", headers={"X-API-Key": KEY_B})
+    assert refused.status_code == 403 and model_a in refused.json()["detail"]
+    assert client.get(f"/api/v1/training_runs/{model_b}/checkpoints", headers={"X-API-Key": KEY_B}).status_code == 200
+    assert b("/api/v1/load_weights", {"model_id": model_b,
+                                      "path": f"tinker://{model_a}/weights/step-000004"}).status_code == 403
+    assert b("/api/v1/load_weights", {"model_id": model_b,
+                                      "path": f"tinker://{model_b}/weights/step-000004"}).status_code == 200
+    # Listings span runs; an id nobody created is nobody's.
+    assert client.get("/api/v1/training_runs", headers={"X-API-Key": KEY_A}).status_code == 403
+    assert a("/api/v1/forward_backward", {"model_id": "model_nobody"}).status_code == 403
+
+
+def test_the_clusters_own_key_is_unscoped_and_a_revoked_key_is_refused(served):
+    client, keys = served
+    _, model_a = model_of(client, KEY_A)
+    admin = as_run(client, CLUSTER_KEY)
+    assert admin("/api/v1/forward_backward", {"model_id": model_a}).status_code == 200
+    assert client.get("/api/v1/training_runs", headers={"X-API-Key": CLUSTER_KEY}).status_code == 200
+    assert as_run(client, "tml-unknown")("/api/v1/create_session").status_code == 401
+    keys.write_text(json.dumps({auth.key_digest(KEY_B): "run-b"}))  # run A released
+    assert as_run(client, KEY_A)("/api/v1/forward_backward", {"model_id": model_a}).status_code == 401
+    assert client.get("/api/v1/healthz").status_code == 200
+
+
+def test_the_run_keys_file_holds_digests_not_keys(served):
+    _, keys = served
+    assert KEY_A not in keys.read_text() and auth.key_digest(KEY_A) in keys.read_text()

@@ -1,0 +1,443 @@
+"""A long-lived cluster with a name, and the runs that attach to it (issue 34).
+
+`up` starts a cluster as a run's would start (`txflow.cluster.startup`), in `<clusters dir>/<name>/`, and the
+process that started it holds it (its processes die with it, `txflow.processes.lifeline`) until `down`
+signals that holder. `serves.json` beside `cluster.json` says what it serves and where: base model, LoRA
+rank, adapter slots, its API and its holder. The API also lets in the keys in `run-keys.json`, each scoped
+to the run that attached with it (adapter point 15).
+
+A run with `cluster` set attaches instead of provisioning: it registers a key of its own, checks that the
+cluster is up, serves its base model and rank, and has a free adapter slot (waiting for one up to
+`startup_timeout_s`), and watches the cluster's processes as its own. Its teardown (`release`) unloads its
+models, removes its staging and revokes its key; the cluster stays up.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import secrets
+import signal
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+from pydantic import BaseModel, SecretStr
+
+from txflow.cluster.handle import ClusterHandle
+from txflow.cluster.launcher import LostProcess
+from txflow.cluster.records import Cluster, ProcessRecord
+from txflow.config import RunConfig
+from txflow.log import get_logger, register_secret
+from txflow.processes import procfs
+from txflow.upstream.skyrl_tx.auth import key_digest
+
+CLUSTERS_DIR_ENV = "TXFLOW_CLUSTERS_DIR"
+SERVES = "serves.json"
+RUN_KEYS = "run-keys.json"
+# The RunConfig fields that shape a cluster (`txflow cluster up` takes these); the rest belong to runs.
+CLUSTER_FIELDS = ("base_model", "processes", "devices_per_process", "launcher", "ray_address", "ray_cpus_per_rank",
+                  "ray_gpus_per_rank", "ray_placement", "host", "mesh", "database_url", "max_lora_rank",
+                  "lora_adapters", "startup_timeout_s", "concurrency_limit")
+
+
+class AttachFailed(RuntimeError):
+    """A run cannot use the named cluster; the message says why in one line. Retrying does not help."""
+
+
+class Serves(BaseModel):
+    """What a named cluster serves, and where: `serves.json`."""
+
+    name: str
+    launcher: str
+    base_model: str
+    base_model_path: str
+    max_lora_rank: int
+    lora_adapters: int
+    processes: int
+    base_url: str
+    sqlite: bool  # its database is the default SQLite file in its directory
+    holder_pid: int
+    holder_start_time: int | None
+    state: str = "starting"  # starting, up, down
+    ready_at: float | None = None
+
+
+def clusters_dir() -> Path:
+    return Path(os.environ.get(CLUSTERS_DIR_ENV) or Path(".txflow") / "clusters").absolute()
+
+
+def cluster_dir(name: str) -> Path:
+    return clusters_dir() / name
+
+
+def cluster_config(cfg: RunConfig, name: str) -> RunConfig:
+    """The resolved config a named cluster starts from: its name as the run id, its directory as state."""
+    return cfg.model_copy(update={"run_id": name, "state_dir": str(cluster_dir(name)), "cluster": None}).resolved()
+
+
+def _write_private(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def load_serves(name: str) -> Serves | None:
+    path = cluster_dir(name) / SERVES
+    try:
+        return Serves.model_validate_json(path.read_text())
+    except FileNotFoundError:
+        return None
+
+
+def _save_serves(serves: Serves) -> None:
+    _write_private(cluster_dir(serves.name) / SERVES, serves.model_dump_json(indent=2))
+
+
+def holder_alive(serves: Serves) -> bool:
+    return procfs.is_alive(serves.holder_pid, serves.holder_start_time)
+
+
+# --- the cluster's side ---------------------------------------------------------------------------------
+
+
+def up(cfg: RunConfig, name: str) -> ClusterHandle:
+    """Start the named cluster and prove it ready; this process holds it (see `hold`)."""
+    from txflow.cluster import startup
+    from txflow.cluster.launchers import get_launcher
+    from txflow.upstream.skyrl_tx import launch
+    from txflow.upstream.tiny_model import resolve_base_model
+
+    existing = load_serves(name)
+    if existing is not None and existing.state != "down" and holder_alive(existing):
+        raise AttachFailed(f"cluster {name} is up already (held by pid {existing.holder_pid}); "
+                           f"`txflow cluster down {name}` stops it")
+    ccfg = cluster_config(cfg, name)
+    directory = cluster_dir(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = directory / RUN_KEYS
+    _write_private(keys, "{}")  # a restarted cluster forgets the runs of the last one: they attach again
+    if ccfg.database_url is None:
+        # The last cluster's rows would say its models still hold slots: the engine starts from no model.
+        for suffix in ("", "-wal", "-shm"):
+            (directory / f"tinker.db{suffix}").unlink(missing_ok=True)
+    serves = Serves(name=name, launcher=ccfg.launcher, base_model=ccfg.base_model,
+                    base_model_path=resolve_base_model(ccfg.base_model),
+                    max_lora_rank=launch.backend_config(ccfg, None)["max_lora_rank"], lora_adapters=ccfg.lora_adapters,
+                    processes=ccfg.processes, base_url="", sqlite=ccfg.database_url is None, holder_pid=os.getpid(),
+                    holder_start_time=procfs.start_time(os.getpid()))
+    _save_serves(serves)
+    handle = startup.provision(ccfg, get_launcher(ccfg), api_env=launch.run_keys_env(str(keys)))
+    try:
+        startup.launch_workers(ccfg, handle)
+    except BaseException:
+        handle.stop()
+        serves.state = "down"
+        _save_serves(serves)
+        raise
+    serves.base_url, serves.state, serves.ready_at = handle.cluster.base_url, "up", time.time()
+    _save_serves(serves)
+    get_logger().info(f"cluster {name} up on {serves.base_url}: {serves.base_model}, LoRA rank <= "
+                      f"{serves.max_lora_rank}, {serves.lora_adapters - 1} adapter slots")
+    return handle
+
+
+def hold(handle: ClusterHandle, name: str, stop_when=lambda: False) -> list[ProcessRecord]:
+    """Keep the cluster until SIGTERM or SIGINT (`down`), `stop_when()`, or a process of it dies; then stop
+    it. Returns its records with their exit codes."""
+    stopping = []
+    previous = {}
+    if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+        previous = {s: signal.signal(s, lambda *_: stopping.append(True)) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while not stopping and not stop_when() and not handle.monitor.failed.is_set():
+            handle.monitor.failed.wait(0.2)
+        if handle.monitor.failures:
+            get_logger().error(f"cluster {name}: {handle.monitor.failures[0].message.splitlines()[0]}; stopping it")
+    finally:
+        records = stop(handle, name)
+        for s, h in previous.items():
+            signal.signal(s, h)
+    return records
+
+
+def stop(handle: ClusterHandle, name: str) -> list[ProcessRecord]:
+    """Stop the named cluster this process holds, and record it down."""
+    records = handle.stop()
+    serves = load_serves(name)
+    if serves is not None:
+        serves.state = "down"
+        _save_serves(serves)
+    return records
+
+
+def down(name: str, timeout_s: float = 30.0) -> list[ProcessRecord]:
+    """Stop the named cluster: its holder stops it; a holder that is gone or does not stop in time, from
+    cluster.json."""
+    from txflow.cluster.launchers import stop_cluster
+
+    serves = load_serves(name)
+    if serves is None:
+        raise AttachFailed(f"no cluster named {name} under {clusters_dir()}")
+    if holder_alive(serves):
+        os.kill(serves.holder_pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        while holder_alive(serves) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    records = stop_cluster(cluster_dir(name))
+    serves = load_serves(name)
+    if serves is not None and serves.state != "down":
+        serves.state = "down"
+        _save_serves(serves)
+    return records
+
+
+def database_url(serves: Serves, cfg: RunConfig | None = None) -> str:
+    if serves.sqlite:
+        return f"sqlite:///{cluster_dir(serves.name) / 'tinker.db'}"
+    if cfg is not None and cfg.database_url is not None:
+        return cfg.database_url.get_secret_value()
+    raise AttachFailed(f"cluster {serves.name} keeps its state in a database it was given: give the run the same "
+                       f"one (TXFLOW_DATABASE_URL)")
+
+
+def loaded_models(db_url: str, session_ids: list[str] | None = None, unloading: bool | None = True) -> list[str]:
+    """The models the engine holds (not unloaded; being unloaded too unless `unloading` is False), of
+    `session_ids` only when given; with `unloading` None, every model of `session_ids`, unloaded or not."""
+    from sqlalchemy import create_engine, text
+
+    engine = create_engine(db_url)
+    try:
+        with engine.connect() as conn:
+            rows = conn.execute(text("SELECT model_id, session_id, status FROM models")).all()
+    finally:
+        engine.dispose()
+
+    def wanted(session: str, status: str) -> bool:
+        if session_ids is not None and session not in session_ids:
+            return False
+        return unloading is None or (status != "unloaded" and (unloading or status != "unloading"))
+
+    return [m for m, s, status in rows if wanted(s, status)]
+
+
+def free_slots(serves: Serves, db_url: str) -> int:
+    """Adapter slots no model holds (slot 0 is the base model's)."""
+    try:
+        used = len(loaded_models(db_url))
+    except Exception:  # no tables yet: nothing is loaded
+        used = 0
+    return serves.lora_adapters - 1 - used
+
+
+def _processes_alive(name: str) -> bool:
+    try:
+        cluster = Cluster.load(cluster_dir(name))
+    except FileNotFoundError:
+        return False
+    return bool(cluster.processes) and all(procfs.is_alive(p.pid, p.start_time) for p in cluster.processes
+                                           if p.host == cluster.host and p.actor is None)
+
+
+def healthy(serves: Serves) -> bool:
+    if serves.state != "up" or not holder_alive(serves) or not _processes_alive(serves.name):
+        return False
+    try:
+        return httpx.get(f"{serves.base_url}/api/v1/healthz", timeout=2.0).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
+def status(name: str) -> dict:
+    """What `txflow cluster status` shows: what the cluster serves, whether it is healthy, free slots and the
+    runs attached."""
+    serves = load_serves(name)
+    if serves is None:
+        raise AttachFailed(f"no cluster named {name} under {clusters_dir()}")
+    ok = healthy(serves)
+    out = serves.model_dump(exclude={"sqlite"})
+    out["healthy"] = ok
+    out["free_slots"] = free_slots(serves, database_url(serves)) if ok and serves.sqlite else None
+    out["attached_runs"] = sorted(set(_read_keys(cluster_dir(name)).values())) if ok else []
+    return out
+
+
+# --- the run's side ------------------------------------------------------------------------------------
+
+
+@contextmanager
+def _locked_keys(directory: Path):
+    """The run-keys file, read and rewritten under an exclusive lock (runs attach and release at once)."""
+    with open(directory / (RUN_KEYS + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        keys = _read_keys(directory)
+        yield keys
+        _write_private(directory / RUN_KEYS, json.dumps(keys))
+
+
+def _read_keys(directory: Path) -> dict[str, str]:
+    try:
+        return json.loads((directory / RUN_KEYS).read_text() or "{}")
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def revoke(name: str, run_id: str) -> None:
+    """Take every key of `run_id` out of the cluster's run keys (a cancellation hook, which has no key)."""
+    directory = cluster_dir(name)
+    if not directory.exists():
+        return
+    with _locked_keys(directory) as keys:
+        for digest in [d for d, owner in keys.items() if owner == run_id]:
+            del keys[digest]
+
+
+def attached_config(cfg: RunConfig) -> RunConfig:
+    """The run's config with the cluster's database (checkpoints are registered there), when it has none."""
+    serves = load_serves(cfg.cluster)
+    if serves is None or cfg.database_url is not None:
+        return cfg
+    return cfg.model_copy(update={"database_url": SecretStr(database_url(serves, cfg))})
+
+
+def check(cfg: RunConfig) -> Serves:
+    """Pre-flight: the named cluster exists and serves this run's base model and LoRA rank (one line if not)."""
+    from txflow.upstream.tiny_model import resolve_base_model
+
+    name = cfg.cluster
+    serves = load_serves(name)
+    if serves is None:
+        raise AttachFailed(f"--cluster {name}: no such cluster under {clusters_dir()}; start one with "
+                           f"`txflow cluster up {name} --base-model {cfg.base_model}`")
+    if serves.base_model != cfg.base_model and serves.base_model_path != resolve_base_model(cfg.base_model):
+        raise AttachFailed(f"--cluster {name} serves {serves.base_model}, not --base-model {cfg.base_model}")
+    if cfg.lora_rank > serves.max_lora_rank:
+        raise AttachFailed(f"--cluster {name} takes LoRA ranks up to {serves.max_lora_rank}, not --lora-rank "
+                           f"{cfg.lora_rank}")
+    return serves
+
+
+class _Watch:
+    """What an attached run's monitor asks about the cluster's processes: alive (on this machine, by /proc)
+    or gone; the holder that keeps the cluster counts as one of them."""
+
+    name = "attached"
+
+    def __init__(self, serves: Serves, launcher):
+        self.serves, self.launcher = serves, launcher
+
+    def exit_code(self, record: ProcessRecord) -> int | None:
+        if not holder_alive(self.serves):
+            raise LostProcess(f"the holder of cluster {self.serves.name} (pid {self.serves.holder_pid}) is gone")
+        return self.launcher.exit_code(record)
+
+    def tail(self, record, lines=30):
+        return self.launcher.tail(record, lines)
+
+    def stop(self, cluster, grace_s=5.0):  # an attached run never stops the cluster
+        return cluster.processes
+
+
+def attach(cfg: RunConfig) -> ClusterHandle:
+    """provision-coordinator of an attached run: a key of its own on the cluster, and a handle whose monitor
+    watches the cluster's processes (their death is this run's cluster fault, named)."""
+    from txflow.cluster.launchers import get_launcher
+
+    serves = check(cfg)
+    deadline = time.monotonic() + cfg.startup_timeout_s
+    while not healthy(serves):  # a cluster being (re)started: wait for it, bounded
+        if time.monotonic() > deadline:
+            raise AttachFailed(f"--cluster {cfg.cluster} is not up (state {serves.state}) within "
+                               f"{cfg.startup_timeout_s:.0f} s; start it with `txflow cluster up {cfg.cluster}`")
+        time.sleep(0.2)
+        serves = load_serves(cfg.cluster) or serves
+    (Path(cfg.state_dir) / "logs").mkdir(parents=True, exist_ok=True)  # the run's own state: metrics, logs
+    cluster = Cluster.load(cluster_dir(cfg.cluster))
+    # Always a fresh key: one given to the run (TINKER_API_KEY) may be another run's too.
+    key = "tml-" + secrets.token_hex(16)
+    register_secret(key)
+    cluster.api_key = SecretStr(key)
+    with _locked_keys(cluster_dir(cfg.cluster)) as keys:
+        keys[key_digest(key)] = cfg.run_id
+    handle = ClusterHandle.watch(cluster, _Watch(serves, get_launcher(cluster=cluster)))
+    handle.shared, handle.release = cfg.cluster, release
+    get_logger().info(f"run {cfg.run_id} attached to cluster {cfg.cluster} on {cluster.base_url} "
+                      f"({serves.base_model})")
+    return handle
+
+
+def verify(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
+    """launch-workers of an attached run: the cluster answers and has an adapter slot free (waiting for one up
+    to `startup_timeout_s`)."""
+    serves = load_serves(cfg.cluster)
+    db_url = database_url(serves, cfg)
+    deadline = time.monotonic() + cfg.startup_timeout_s
+    waited = False
+    while True:
+        handle.monitor.raise_if_failed()
+        if free_slots(serves, db_url) >= 1:
+            break
+        if time.monotonic() > deadline:
+            raise AttachFailed(f"--cluster {cfg.cluster}: no free adapter slot within {cfg.startup_timeout_s:.0f} s "
+                               f"(all {serves.lora_adapters - 1} held); retry later or start it with more "
+                               f"--lora-adapters")
+        if not waited:
+            get_logger().info(f"cluster {cfg.cluster}: every adapter slot is held; waiting for one")
+            waited = True
+        time.sleep(0.5)
+    response = httpx.get(f"{handle.cluster.base_url}/api/v1/healthz", timeout=5.0)
+    if response.status_code != 200:
+        raise AttachFailed(f"--cluster {cfg.cluster}: its API answers {response.status_code} on /healthz")
+    return handle
+
+
+def release(handle: ClusterHandle, db_url: str | None = None) -> list[ProcessRecord]:
+    """Teardown of an attached run: unload its models, drop their staging, revoke its key; the cluster stays."""
+    log = get_logger()
+    name = handle.shared
+    sessions = list(handle.sessions)
+    handle.close_clients()
+    handle.monitor.stop()
+    if handle.waiters is not None:
+        handle.waiters.shutdown(wait=False, cancel_futures=True)
+    serves = load_serves(name)
+    unloaded = []
+    if serves is not None and sessions:
+        key = handle.cluster.api_key.get_secret_value()
+        try:
+            models = loaded_models(db_url or database_url(serves), sessions, unloading=False)
+            every = loaded_models(db_url or database_url(serves), sessions, unloading=None)
+        except Exception as exc:  # no database (a cluster never up): nothing of the run's is loaded
+            log.warning(f"cluster {name}: could not list the run's models ({exc})")
+            models, every = [], []
+        for model_id in models:
+            try:
+                httpx.post(f"{handle.cluster.base_url}/api/v1/unload_model",
+                           json={"model_id": model_id, "type": "unload_model"}, headers={"X-API-Key": key},
+                           timeout=10).raise_for_status()
+                unloaded.append(model_id)
+            except Exception as exc:  # a dead cluster frees nothing more; its adapters went with it
+                log.warning(f"cluster {name}: could not unload {model_id} ({exc})")
+    else:
+        every = []
+    staging = Path(handle.cluster.checkpoints_base)
+    for model_id in every:  # committed already, or imported from the durable copy: staging only
+        _remove_tree(staging / model_id)
+    owner = next((o for d, o in _read_keys(cluster_dir(name)).items()
+                  if d == key_digest(handle.cluster.api_key.get_secret_value())), None)
+    if owner is not None:
+        revoke(name, owner)
+    log.info(f"released from cluster {name}: {len(unloaded)} model(s) unloaded, the run's key revoked; "
+             f"the cluster stays up")
+    return []
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
