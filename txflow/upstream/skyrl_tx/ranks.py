@@ -1,6 +1,6 @@
 """What every rank process gets before upstream's entry point runs: txflow's checkpoint I/O (point 6),
-the default SIGTERM action after `jax.distributed.initialize` (point 7), Tinker's losses (point 13) and
-the compilation cache written by every rank (point 15)."""
+the default SIGTERM action after `jax.distributed.initialize` (point 7), Tinker's losses (point 13),
+the compilation cache written by every rank (point 15) and loss chunks sized to the batch (point 21)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,26 @@ def compilation_cache_written_by_every_rank() -> None:
     compiler._cache_write = write_on_every_rank
 
 
+def balanced_chunk(tokens: int, chunk_size: int) -> int:
+    """The chunk size that covers `tokens` in as many chunks as `chunk_size` needs, as evenly as possible:
+    the memory bound stays (never above `chunk_size`) and the padding is below one token per chunk (21.)."""
+    chunks = -(-tokens // chunk_size)
+    return -(-tokens // chunks)
+
+
+def loss_chunks_fit_the_batch() -> None:
+    """Upstream's chunked logprobs pad a batch's tokens to a multiple of `loss_chunk_size` (21.)."""
+    from tx.utils.logits_processor import LogitsProcessorMixin
+
+    upstream = LogitsProcessorMixin._compute_chunked_logprobs
+
+    def _compute_chunked_logprobs(self, hidden_states, target_ids, chunk_size, adapter_indices):
+        tokens = hidden_states.shape[0] * hidden_states.shape[1]  # static at trace time
+        return upstream(self, hidden_states, target_ids, balanced_chunk(tokens, chunk_size), adapter_indices)
+
+    LogitsProcessorMixin._compute_chunked_logprobs = _compute_chunked_logprobs
+
+
 def run(module: str, argv: list[str], patch=None) -> None:
     """Import upstream's entry point `module`, install what every rank gets and then `patch(entry)`,
     and run it with `argv`."""
@@ -61,6 +81,7 @@ def run(module: str, argv: list[str], patch=None) -> None:
     default_sigterm_after_distributed_init()
     compilation_cache_written_by_every_rank()
     losses.install_backend()
+    loss_chunks_fit_the_batch()
     if patch is not None:
         patch(entry)
     sys.argv = [module, *argv]

@@ -1,0 +1,49 @@
+"""Adapter point 21: the chunked logprobs of a batch cover its tokens, not a multiple of `loss_chunk_size`."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from tx.utils.logits_processor import LogitsProcessorMixin
+
+from txflow.upstream.skyrl_tx import ranks
+
+
+@pytest.mark.parametrize(("tokens", "chunk", "expected"), [(192, 1024, 192), (1024, 1024, 1024), (1025, 1024, 513),
+                                                            (1100, 1024, 550), (4096, 1024, 1024), (1, 1024, 1)])
+def test_chunks_are_as_few_as_the_bound_needs_and_as_even_as_can_be(tokens, chunk, expected):
+    assert ranks.balanced_chunk(tokens, chunk) == expected
+    chunks = -(-tokens // expected)
+    assert chunks == -(-tokens // chunk) and chunks * expected - tokens < chunks  # below a token per chunk
+
+
+class Head(LogitsProcessorMixin):
+    """A vocabulary of 50 over a hidden size of 8; records the token count of every chunk it projects."""
+
+    def __init__(self):
+        self.weight = jax.random.normal(jax.random.key(0), (8, 50))
+        self.seen = []
+
+    def get_model_config(self):
+        return type("Config", (), {"loss_chunk_size": 1024, "gradient_checkpointing": False})()
+
+    def get_lm_head(self):
+        def head(hidden, adapter_indices=None):
+            self.seen.append(hidden.shape[0])
+            return hidden @ self.weight
+        return head
+
+
+def test_a_small_batch_projects_its_own_tokens_and_gets_the_same_logprobs(monkeypatch):
+    monkeypatch.setattr(LogitsProcessorMixin, "_compute_chunked_logprobs",
+                        LogitsProcessorMixin._compute_chunked_logprobs)  # restored after the test
+    hidden = jax.random.normal(jax.random.key(1), (4, 48, 8))
+    targets = jnp.asarray(np.random.default_rng(0).integers(0, 50, (4, 48)))
+    head = Head()
+    exact = LogitsProcessorMixin.logits_to_logprobs(hidden @ head.weight, targets)
+    ranks.loss_chunks_fit_the_batch()
+    chunked = head.compute_logprobs(hidden, targets, jnp.zeros(4, jnp.int32))
+    assert head.seen == [192]  # upstream projected 1024 rows, 832 of them padding
+    np.testing.assert_allclose(chunked, exact, rtol=1e-5, atol=1e-5)
