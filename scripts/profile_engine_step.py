@@ -21,6 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def memory_mib() -> dict:
+    """This process's resident set now and at its peak (MiB)."""
+    status = Path("/proc/self/status").read_text().splitlines()
+    return {key: int(next(line.split()[1] for line in status if line.startswith(key + ":"))) // 1024
+            for key in ("VmRSS", "VmHWM")}
+
+
 def parse_variant(text: str) -> dict:
     variant = {"adapters": 8, "chunk": 1024, "dtype": "model", "pad": "bucket"}
     for item in filter(None, text.split(",")):
@@ -68,6 +75,7 @@ def main() -> int:
         began = time.monotonic()
         impl = backend_module.JaxBackendImpl(model_dir, config)
         load_s = time.monotonic() - began
+        memory = {"loaded": memory_mib()}
         impl.create_model("m", types.LoraConfig(rank=args.lora_rank, alpha=32.0, seed=0))
         adam = types.OptimStepInput(adam_params=types.AdamParams(learning_rate=1e-4, beta1=0.9, beta2=0.95,
                                                                   eps=1e-12, weight_decay=0.0))
@@ -90,6 +98,8 @@ def main() -> int:
             impl.optim_step("m", adam)
             jax.block_until_ready(impl.lora_params)
             t2 = time.monotonic()
+            if step == 0:
+                memory["first_step"] = memory_mib()
             fb_s.append(t1 - t0)
             opt_s.append(t2 - t1)
             loss = out["r"].metrics["loss:sum"]
@@ -97,7 +107,8 @@ def main() -> int:
         print(json.dumps({"variant": variant, "load_s": round(load_s, 1), "lengths": lengths,
                           "fwd_bwd_s": [round(s, 3) for s in fb_s], "optim_s": [round(s, 3) for s in opt_s],
                           "fwd_bwd_median": round(statistics.median(fb_s[steady]), 3),
-                          "optim_median": round(statistics.median(opt_s[steady]), 3), "last_loss": loss}),
+                          "optim_median": round(statistics.median(opt_s[steady]), 3), "last_loss": loss,
+                          "memory_mib": {**memory, "end": memory_mib()}}),
               flush=True)
         del impl
     del upstream_models

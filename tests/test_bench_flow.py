@@ -25,13 +25,14 @@ def bench():
 def side(wall: float, steps: int, step_s: float, rss: dict, cpu: dict | None = None, nudge: float = 0.0) -> dict:
     return {"wall": wall, "outside": 1.0, "cluster_up": 20.0, "train": steps * step_s, "save_restore": 10.0,
             "teardown": 0.2, "steps": steps, "step_seconds": [7.0] + [step_s] * (steps - 1), "rss": rss,
-            "cpu": cpu or {}, "restore_passed": True, "losses": [3.0 - 0.1 * i + nudge for i in range(steps)]}
+            "cpu": cpu or {}, "restore_passed": True, "sample_batches": {},
+            "losses": [3.0 - 0.1 * i + nudge for i in range(steps)]}
 
 
 def run_main(bench, monkeypatch, tmp_path, hand, flow):
     monkeypatch.setattr(bench, "by_hand", lambda steps, env, work: hand(steps))
     monkeypatch.setattr(bench, "flow", lambda steps, env, work, run_id: flow(steps))
-    monkeypatch.setattr(bench, "build_tiny_model", lambda: tmp_path)
+    monkeypatch.setattr(bench, "resolve_base_model", lambda name: str(tmp_path))
     monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: None)
     monkeypatch.setattr(sys, "argv", ["bench_flow.py", "--steps", "20", "--long-steps", "0", "--cache", "off",
                                       "--repeat", "1"])
