@@ -6,7 +6,8 @@ configuration. Not part of txflow; `scripts/bench_engine_step.py` measures the s
         [--variant adapters=8,chunk=1024] [--variant adapters=2,chunk=0,dtype=float32] ...
 
 A variant sets `adapters` (max_lora_adapters), `chunk` (loss_chunk_size), `dtype` (the model's compute
-dtype) and `pad` (`bucket`: upstream's sequence-length buckets; `exact`: the batch's own length).
+dtype), `lora` (`upstream`: ragged_dot over every slot; `txflow`: adapter point 22) and `pad`
+(`bucket`: upstream's sequence-length buckets; `exact`: the batch's own length).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ def memory_mib() -> dict:
 
 
 def parse_variant(text: str) -> dict:
-    variant = {"adapters": 8, "chunk": 1024, "dtype": "model", "pad": "bucket"}
+    variant = {"adapters": 8, "chunk": 1024, "dtype": "model", "pad": "bucket", "lora": "upstream"}
     for item in filter(None, text.split(",")):
         key, value = item.split("=")
         variant[key] = int(value) if key in ("adapters", "chunk") else value
@@ -65,10 +66,16 @@ def main() -> int:
     losses.install_backend()
     upstream_dtype = backend_module.get_dtype
     upstream_round = backend_module.round_up_seq_len
+    from tx.layers.lora import LoRALinear
+
+    from txflow.upstream.skyrl_tx import ranks
+
+    upstream_lora = LoRALinear.apply_lora
     for text in args.variant or [""]:
         variant = parse_variant(text)
         backend_module.get_dtype = (upstream_dtype if variant["dtype"] == "model"
                                     else lambda _d, name=variant["dtype"]: getattr(jnp, name))
+        LoRALinear.apply_lora = upstream_lora if variant["lora"] == "upstream" else ranks.lora_per_example
         backend_module.round_up_seq_len = upstream_round if variant["pad"] == "bucket" else (lambda n: n)
         config = backend_module.JaxBackendConfig(max_lora_adapters=variant["adapters"], max_lora_rank=32,
                                                  loss_chunk_size=variant["chunk"])
