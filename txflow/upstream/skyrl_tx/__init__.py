@@ -5,7 +5,7 @@ API server: points 1, 2, 10, 11, 14 and its ends of 12, 13 and 16, with
 `tinker_compat` for 10 and `protobuf` for its wire format, `result_wait` for
 11 and `lora_config` for 14), `engine` (rank 0: 8, 9, 17, 19 and its ends of 12
 and 16), `worker` (ranks > 0: 8), `ranks` (what every rank gets: 6, 13 and 16
-installed, 7, 15, 21), `checkpoint_io` (6, 16), `losses` (13, both ends), `rest`
+installed, 7, 15, 21, 22), `checkpoint_io` (6, 16), `losses` (13, both ends), `rest`
 (20; with `auth`'s signed downloads), `layout` (5, 17) and `launch` (3, 4 and
 the command line of each process);
 `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This
@@ -192,6 +192,15 @@ workaround can go:
     memory bound stays and the padding is below one token per chunk. Can go
     when upstream sizes its chunks to the batch (or stops padding to a whole
     chunk).
+22. LoRA compute per slot (`ranks`): a LoRA linear layer sorts the batch's
+    tokens by adapter and runs `jax.lax.ragged_dot` against every one of the
+    `max_lora_adapters` slots; XLA on CPU computes it densely for all of them,
+    so with txflow's 8 slots every step did the LoRA work 8 times (measured on
+    SmolLM2-135M, in-process, 4 sequences: forward+backward 4.8 s with 8 slots,
+    2.7 s with 2). Every rank's LoRA linear layers gather each example's own A
+    and B and multiply (`ranks.lora_per_example`; same outputs and gradients,
+    tests/test_step_patches.py). Embeddings and experts keep upstream's path.
+    Can go when upstream's LoRA costs what the batch's adapters need.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the
