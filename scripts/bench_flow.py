@@ -333,7 +333,9 @@ def main() -> int:
                 assert hands[-1]["steps"] == flows[-1]["steps"] == steps, (hands[-1]["steps"], flows[-1]["steps"])
                 assert flows[-1]["restore_passed"]
                 gaps.append(loss_gap(hands[-1], flows[-1]))
-                if JOB["mode"] == "sft":  # rl: the sides sample alike only as far as their numerics agree
+                # rl: the sides sample alike only as far as their numerics agree; bfloat16: reported, as
+                # the sides' rounding differs (points 21, 22) and Adam's early steps can amplify it.
+                if JOB["mode"] == "sft" and model_kind() == "tiny":
                     assert gaps[-1] <= tolerance, f"not the same job: per-step losses differ by up to {gaps[-1]:.3g}"
             hand, txflow = combine(hands), combine(flows)
             results.append((cache, steps, hand, txflow))
