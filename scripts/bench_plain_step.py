@@ -45,7 +45,7 @@ def main() -> int:
     tokenizer = load_tokenizer(args.model_dir)
     rows = [json.loads(line) for line in Path(args.dataset).read_text().splitlines() if line.strip()]
     data = sft.prepare(rows, tokenizer, 1 << 20, args.dataset)
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir)  # its own dtype (bfloat16 for SmolLM2)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype="auto")  # its own (bfloat16 for SmolLM2)
     model = get_peft_model(model, LoraConfig(r=args.lora_rank, lora_alpha=args.lora_rank,
                                              target_modules=TARGET_MODULES, lora_dropout=0.0))
     model.train()
