@@ -66,9 +66,9 @@ def test_sides_with_different_step_counts_are_not_compared(bench, monkeypatch, t
 
 
 def test_sides_whose_losses_differ_did_not_run_the_same_job(bench, monkeypatch, tmp_path, capsys):
-    with pytest.raises(AssertionError, match="not the same job: per-step losses differ by up to 0.01"):
+    with pytest.raises(AssertionError, match="not the same job: per-step losses differ by up to 0.1"):
         run_main(bench, monkeypatch, tmp_path, lambda steps: side(50.0, steps, 0.3, {}),
-                 lambda steps: side(55.0, steps, 0.3, {}, nudge=0.01))
+                 lambda steps: side(55.0, steps, 0.3, {}, nudge=0.1))
     assert "whole-process ratio" not in capsys.readouterr().out
 
 
@@ -77,7 +77,7 @@ def test_sides_that_ran_the_same_job_are_compared_and_say_so(bench, monkeypatch,
                     lambda steps: side(55.0, steps, 0.3, {}, nudge=2e-6)) == 0
     out = capsys.readouterr().out
     assert "steps: by hand 20, flow 20" in out and "whole-process ratio: 1.100" in out
-    assert "same job: every step's loss agrees between the sides within 2.0e-06 (limit 1e-05)" in out
+    assert "same job: every step's loss agrees between the sides within 2.0e-06 (limit 2e-02)" in out
 
 
 def test_repeated_pairs_report_the_median_ratio_and_pool_their_steps(bench):
