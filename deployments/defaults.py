@@ -10,17 +10,20 @@ repeat them: its build step `deployments.defaults.deployment_parameters` (id
 
 from __future__ import annotations
 
+from txflow.config import SMOLLM2_MODEL
+
 # train/sft and train/rl: the full default run of the mode.
 SFT = {"mode": "sft"}
 RL = {"mode": "rl"}
 
-# nightly-validation/nightly: a short run of each mode whose checks tell a working
-# learner from a broken one (scripts/learner_check.py, 10 seeds each way, README).
-# SFT: 6 steps gain >= 0.22 nats of held-out loss over the base model; a save at
-# step 3 exercises the periodic save_state. RL: PPO with 4 substeps (so its clip
-# acts) at temperature 0.25, 16 steps: the eval reward gains >= 0.13 over the base.
-NIGHTLY_SFT = {"mode": "sft", "steps": 6, "save_every": 3}
-NIGHTLY_RL = {"mode": "rl", "steps": 16, "save_every": 0, "loss": "ppo", "substeps": 4, "temperature": 0.25}
+# nightly-validation/nightly: a short run of each mode on the real model, SmolLM2-135M-Instruct, as a user runs it
+# (its learning rate from the cookbook's rule, the bundled arithmetic task), whose checks tell a working learner
+# from a broken one. SFT: 6 steps; a save at step 3 exercises the periodic save_state. RL: 8 steps of 4 prompts x
+# 4 samples, 4 tokens each (an answer is at most 3 digits), importance sampling: the saved sampler's reward
+# against the base model's on the 24 prompts (scripts/learner_check.py, README "Telling a working learner ...").
+NIGHTLY_SFT = {"mode": "sft", "base_model": SMOLLM2_MODEL, "steps": 6, "save_every": 3}
+NIGHTLY_RL = {"mode": "rl", "base_model": SMOLLM2_MODEL, "steps": 8, "save_every": 0, "batch_size": 4,
+              "group_size": 4, "max_tokens": 4}
 
 # What `{{ defaults.<key> }}` in prefect.yaml stands for.
 CONFIGS: dict[str, dict] = {"sft": SFT, "rl": RL, "nightly_sft": NIGHTLY_SFT, "nightly_rl": NIGHTLY_RL}

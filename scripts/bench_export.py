@@ -31,7 +31,7 @@ TARGET = 1.15
 def demo(work: Path, env: dict, name: str, export: bool) -> tuple[float, RunReport]:
     """Wall seconds of one `txflow run sft` and its report."""
     began = time.monotonic()
-    result = subprocess.run([sys.executable, "-m", "txflow.cli", "run", "sft", "--run-id", name,
+    result = subprocess.run([sys.executable, "-m", "txflow.cli", "run", "sft", "--base-model", "tiny", "--run-id", name,
                              "--checkpoints", str(work / "ckpt"), "--state-dir", str(work / "states" / name),
                              "--export" if export else "--no-export", "--json"],
                             env=env, cwd=work, capture_output=True, text=True, timeout=1200)

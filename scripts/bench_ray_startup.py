@@ -33,7 +33,8 @@ from txflow.reporting.report import RunReport  # noqa: E402
 def start_up(cluster, env: dict, work: Path, launcher: str, index: int) -> float:
     run_id = f"{launcher}-{index}"
     log = work / f"{run_id}.log"
-    proc = cluster.spawn([sys.executable, "-m", "txflow.cli", "run", "sft", "--launcher", launcher, "--steps", "1",
+    proc = cluster.spawn([sys.executable, "-m", "txflow.cli", "run", "sft", "--base-model", "tiny", "--launcher",
+                          launcher, "--steps", "1",
                           "--save-every", "0", "--run-id", run_id, "--state-dir", str(work / "states" / run_id),
                           "--checkpoints", str(work / "ckpt"), "--json"], log, env=env)
     if proc.wait(timeout=900) != 0:

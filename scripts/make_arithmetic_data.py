@@ -13,6 +13,7 @@ from pathlib import Path
 
 DATA = Path(__file__).resolve().parents[1] / "txflow" / "data"
 INSTRUCTION = "Reply with the number only."
+FEWSHOT = [{"role": "user", "content": f"What is 4 + 5? {INSTRUCTION}"}, {"role": "assistant", "content": "9"}]
 
 
 def problems(rng: random.Random, count: int) -> list[tuple[str, int]]:
@@ -34,9 +35,12 @@ def problems(rng: random.Random, count: int) -> list[tuple[str, int]]:
 def main() -> None:
     rng = random.Random(20261202)
     items = problems(rng, 400)
-    # SFT: 320 examples (the last tenth held out by txflow); RL: the other 80 problems as prompts.
+    # SFT: 320 examples (the last tenth held out by txflow); RL: 24 of the other problems as prompts (RL's check
+    # samples every prompt, group_size times, with the base model and the trained one), each after one solved
+    # example, as the cookbook's arithmetic environment (`include_fewshot`) shows its format to the policy.
     sft = [{"prompt": f"What is {q}? {INSTRUCTION}", "completion": str(a), "answer": str(a)} for q, a in items[:320]]
-    rl = [{"prompt": f"What is {q}? {INSTRUCTION}", "answer": str(a)} for q, a in items[320:]]
+    rl = [{"prompt": f"What is {q}? {INSTRUCTION}", "answer": str(a), "convo_prefix": FEWSHOT}
+          for q, a in items[320:344]]
     for name, rows in (("arithmetic_sft.jsonl", sft), ("arithmetic_rl.jsonl", rl)):
         (DATA / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
         print(f"wrote {len(rows)} rows to {DATA / name}")

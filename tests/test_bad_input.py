@@ -64,7 +64,8 @@ CASES = {
 def test_bad_input_fails_in_preflight_with_a_clear_message(case, tmp_path, monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     fields, message = CASES[case]
-    cfg = RunConfig(**{"run_id": "bad", "state_dir": str(tmp_path / "state"), "checkpoints": str(tmp_path / "ckpt"),
+    cfg = RunConfig(**{"base_model": "tiny", "run_id": "bad", "state_dir": str(tmp_path / "state"),
+                       "checkpoints": str(tmp_path / "ckpt"),
                        **fields(tmp_path)}).resolved()
     with pytest.raises(PreflightError, match=message):
         preflight.prepare(cfg)
@@ -164,7 +165,8 @@ def test_bad_input_through_txflow_run_exits_2_within_seconds_with_one_line(case,
     env = {k: v for k, v in txflow_env.items() if k != "RAY_ADDRESS"} | {"PREFECT_HOME": str(home)}
     given = options(tmp_path)
     run_id = [] if "--run-id" in given else ["--run-id", "bad"]
-    args = ["run", mode, *run_id, "--state-dir", str(tmp_path / "state"), "--checkpoints", str(tmp_path / "ckpt"),
+    args = ["run", mode, "--base-model", "tiny", *run_id, "--state-dir", str(tmp_path / "state"), "--checkpoints",
+            str(tmp_path / "ckpt"),
             *given]
     if mode == "custom" and "--client" not in args:
         args += ["--client", str(Path(__file__))]

@@ -86,7 +86,7 @@ def test_txflow_run_reusing_a_completed_run_id_exits_2_and_keeps_its_report(tmp_
     report.parent.mkdir(parents=True)
     original = json.dumps({"run_id": "finished", "status": "passed"}, indent=2).encode() + b"\n"
     report.write_bytes(original)
-    result = run_txflow(["run", "sft", "--run-id", "finished", "--state-dir", str(state),
+    result = run_txflow(["run", "sft", "--base-model", "tiny", "--run-id", "finished", "--state-dir", str(state),
                          "--checkpoints", str(tmp_path / "ckpt")],
                         env=txflow_env, cwd=tmp_path, timeout=300)
     assert result.returncode == 2, result.stderr

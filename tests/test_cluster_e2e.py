@@ -35,7 +35,7 @@ def listening_addresses(port: int) -> set[str]:
 
 
 def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, reaper):
-    cfg = RunConfig(processes=2, run_id="lifecycle", state_dir=str(tmp_path / "state"),
+    cfg = RunConfig(base_model="tiny", processes=2, run_id="lifecycle", state_dir=str(tmp_path / "state"),
                     checkpoints=str(tmp_path / "ckpt")).resolved()
     reaper.watch(cfg.state_dir)
     launcher = LocalLauncher()
@@ -98,7 +98,7 @@ class StuckWorkerLauncher(LocalLauncher):
 
 
 def test_readiness_timeout_names_the_missing_rank_with_its_log(tmp_path, reaper):
-    cfg = RunConfig(processes=2, run_id="stuck", state_dir=str(tmp_path / "state"),
+    cfg = RunConfig(base_model="tiny", processes=2, run_id="stuck", state_dir=str(tmp_path / "state"),
                     checkpoints=str(tmp_path / "ckpt"), startup_timeout_s=25).resolved()
     reaper.watch(cfg.state_dir)
     launcher = StuckWorkerLauncher()
@@ -114,7 +114,7 @@ def test_readiness_timeout_names_the_missing_rank_with_its_log(tmp_path, reaper)
 
 
 def _sft_args(tmp_path: Path, run_id: str, *extra: str) -> list[str]:
-    return ["run", "sft", "--run-id", run_id, "--state-dir", str(tmp_path / "state"),
+    return ["run", "sft", "--base-model", "tiny", "--run-id", run_id, "--state-dir", str(tmp_path / "state"),
             "--checkpoints", str(tmp_path / "ckpt"), "--no-export", *extra]  # these prove teardown
 
 

@@ -9,7 +9,7 @@ import pytest
 from pydantic import ValidationError
 
 from txflow import config
-from txflow.config import SMOLLM2_MODEL, RunConfig, default_learning_rate
+from txflow.config import SMOLLM2_MODEL, TINY_MODEL, RunConfig, default_learning_rate
 from txflow.upstream.skyrl_tx.launch import backend_config
 
 
@@ -201,7 +201,7 @@ def test_backend_config_of_one_process_has_no_coordinator():
 
 @pytest.mark.parametrize("mode, batch_size, learning_rate", [("sft", 4, 2e-2), ("rl", 8, 5e-2)])
 def test_resolved_fills_the_defaults_of_the_mode(mode, batch_size, learning_rate):
-    cfg = RunConfig(mode=mode).resolved()
+    cfg = RunConfig(mode=mode, base_model=TINY_MODEL).resolved()
     assert (cfg.batch_size, cfg.learning_rate) == (batch_size, learning_rate)
 
 
@@ -228,6 +228,18 @@ def test_the_learning_rate_of_a_real_model_follows_the_cookbooks_rule(tmp_path, 
         assert rate == pytest.approx(expected, rel=2e-3)
         assert f"hidden size {hidden_size}" in why
         assert RunConfig(mode=mode, base_model=str(tmp_path)).resolved().learning_rate == rate
+
+
+def test_a_run_trains_the_real_model_unless_told_otherwise():
+    """What a user meets first (`txflow run sft`, the deployments, the demo) trains SmolLM2-135M-Instruct on the
+    bundled arithmetic task; the tiny model is for tests where the model does not matter."""
+    from txflow.training.datasets import bundled_dataset
+
+    for mode in ("sft", "rl"):
+        cfg = RunConfig(mode=mode).resolved()
+        assert cfg.base_model == SMOLLM2_MODEL
+        assert bundled_dataset(mode, cfg.base_model).endswith(f"arithmetic_{mode}.jsonl")
+    assert RunConfig(mode="rl").resolved().reward == "txflow.training.rewards:close_answer"
 
 
 def test_the_named_real_model_gets_its_rule_without_being_converted():
@@ -293,10 +305,10 @@ def test_the_api_key_comes_from_tinker_api_key_however_the_run_starts(monkeypatc
 def test_a_real_model_defaults_to_the_arithmetic_task_and_the_tiny_model_keeps_its_toy_one():
     from txflow.training.datasets import bundled_dataset
 
-    tiny = RunConfig(mode="rl").resolved()
+    tiny = RunConfig(mode="rl", base_model=TINY_MODEL).resolved()
     real = RunConfig(mode="rl", base_model=SMOLLM2_MODEL).resolved()
     assert (tiny.reward, tiny.temperature) == ("txflow.training.rewards:low_token_ids", 0.25)
-    assert (real.reward, real.temperature) == ("txflow.training.rewards:exact_answer", 1.0)
+    assert (real.reward, real.temperature) == ("txflow.training.rewards:close_answer", 1.0)
     given = RunConfig(mode="rl", base_model=SMOLLM2_MODEL, reward="my.mod:fn", temperature=0.7).resolved()
     assert (given.reward, given.temperature) == ("my.mod:fn", 0.7)
     assert bundled_dataset("sft").endswith("sft.jsonl") and bundled_dataset("rl").endswith("rl_prompts.jsonl")

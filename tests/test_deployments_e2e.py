@@ -242,7 +242,7 @@ def _wait_training_started(state: Path, flow_run_id: str, server: Server, worker
 
 
 def _config(tmp_path: Path, run_id: str, steps: int) -> dict:
-    return {"mode": "sft", "steps": steps, "save_every": 0, "processes": 2, "run_id": run_id,
+    return {"mode": "sft", "base_model": "tiny", "steps": steps, "save_every": 0, "processes": 2, "run_id": run_id,
             "checkpoints": str(tmp_path / "ckpt"), "state_dir": str(tmp_path / "state")}
 
 
@@ -534,8 +534,10 @@ def test_crashed_deployment_run_stops_its_cluster(server, worker, tmp_path, reap
 def test_nightly_validation_fails_loudly(server, worker, tmp_path, reaper, started_runs):
     """Both runs fail their preflight: the nightly flow run must end Failed, naming both."""
     bad = {"base_model": str(tmp_path / "no-such-model"), "checkpoints": str(tmp_path / "ckpt")}
-    params = {"sft": {"mode": "sft", "steps": 6, **bad, "state_dir": str(reaper.watch(tmp_path / "sft"))},
-              "rl": {"mode": "rl", "steps": 6, **bad, "state_dir": str(reaper.watch(tmp_path / "rl"))}}
+    params = {"sft": {"mode": "sft", "base_model": "tiny", "steps": 6, **bad,
+                      "state_dir": str(reaper.watch(tmp_path / "sft"))},
+              "rl": {"mode": "rl", "base_model": "tiny", "steps": 6, **bad,
+                     "state_dir": str(reaper.watch(tmp_path / "rl"))}}
     flow_run_id = _run_deployment(server, "nightly-validation/nightly", params, started_runs)
     run = _wait_final(server, flow_run_id, worker, deadline_s=300)
     assert run.state.is_failed(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
@@ -562,9 +564,12 @@ def test_the_nightly_compares_tonight_with_the_history_and_fails_on_a_regression
     from txflow.reporting import history
 
     root = str(tmp_path / "history")
-    # One JAX process: the comparison with the history is what is under test, and it halves two runs' CPU.
-    sft = {**NIGHTLY_SFT, "processes": 1, "checkpoints": str(tmp_path / "ckpt"), "state_dir": str(tmp_path / "sft")}
-    rl = {"mode": "rl", "steps": 2, "reward": "nowhere_xyz:fn", "checkpoints": str(tmp_path / "ckpt"),
+    # The tiny model on one JAX process: the comparison with the history is what is under test (the nightly's runs
+    # of the real model are test_real_model_e2e's), and it halves two runs' CPU.
+    sft = {**NIGHTLY_SFT, "base_model": "tiny", "processes": 1, "checkpoints": str(tmp_path / "ckpt"),
+           "state_dir": str(tmp_path / "sft")}
+    rl = {"mode": "rl", "base_model": "tiny", "steps": 2, "reward": "nowhere_xyz:fn",
+          "checkpoints": str(tmp_path / "ckpt"),
           "state_dir": str(tmp_path / "rl")}
 
     def night(params: dict, name: str):

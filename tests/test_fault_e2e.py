@@ -30,7 +30,8 @@ def start_run(tmp_path: Path, env: dict, run_id: str, *extra: str,
     out = open(tmp_path / f"{run_id}.json", "w")
     err = open(tmp_path / f"{run_id}.log", "w")
     # No export: these runs prove recovery, which ends at evaluate-restore (test_sft_e2e proves the export).
-    proc = subprocess.Popen(txflow_cmd("run", "sft", "--run-id", run_id, "--state-dir", str(state),
+    proc = subprocess.Popen(txflow_cmd("run", "sft", "--base-model", "tiny", "--run-id", run_id, "--state-dir",
+                                       str(state),
                                        "--checkpoints", str(tmp_path / "ckpt"), "--json", "--no-export", *extra),
                             env=env, cwd=tmp_path, stdout=out, stderr=err)
     return proc, state, (out, err)

@@ -34,7 +34,7 @@ from txflow.reporting.report import RunReport, markdown
 pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(7)]
 
 ROOT = f"s3://{BUCKET}/life"
-RUN = ["run", "sft", "--processes", "1", "--checkpoints", ROOT, "--json"]
+RUN = ["run", "sft", "--base-model", "tiny", "--processes", "1", "--checkpoints", ROOT, "--json"]
 
 # A reader of the promotion, as serving would be: the pointer, then every file of the promotion it names;
 # one line per read: the promotion's id and the digest of everything read.
@@ -223,7 +223,8 @@ def test_a_prune_killed_mid_deletion_reads_incomplete_and_the_next_one_finishes(
     assert [(d["step"], d["reason"]) for d in finished] == [(2, "a prune stopped half-way")]
     assert sorted(state_steps("life-c")) == [4, 6]
 
-    resumed = run_txflow(["run", "sft", "--run-id", "life-d", "--checkpoints", ROOT, "--resume-from", step2,
+    resumed = run_txflow(["run", "sft", "--base-model", "tiny", "--run-id", "life-d", "--checkpoints", ROOT,
+                          "--resume-from", step2,
                           "--state-dir", str(tmp_path / "d")], s3_env, tmp_path, timeout=120)
     assert resumed.returncode == 2, resumed.stderr
     lines = resumed.stderr.strip().splitlines()

@@ -25,6 +25,7 @@ def cfg_for(tmp_path):
     """A resolved RunConfig whose state and checkpoints live under tmp_path."""
 
     def make(**fields) -> RunConfig:
+        fields.setdefault("base_model", "tiny")
         fields.setdefault("run_id", "preflight")
         fields.setdefault("state_dir", str(tmp_path / "state"))
         fields.setdefault("checkpoints", str(tmp_path / "ckpt"))

@@ -80,7 +80,8 @@ def ray_env(tmp_path_factory, prefect_db):
 
 def txflow(cluster, env, work: Path, run_id: str, states: Path, *options: str) -> tuple[subprocess.Popen, Path]:
     log = work / f"{run_id}.log"
-    proc = cluster.spawn([sys.executable, "-m", "txflow.cli", "run", "sft", "--launcher", "ray", "--run-id", run_id,
+    proc = cluster.spawn([sys.executable, "-m", "txflow.cli", "run", "sft", "--base-model", "tiny", "--launcher",
+                          "ray", "--run-id", run_id,
                           "--state-dir", str(states / run_id), "--json", *options], log, env=env)
     return proc, log
 

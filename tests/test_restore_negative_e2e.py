@@ -48,7 +48,7 @@ WRONG_STATE = textwrap.dedent("""
 
 def test_a_wrong_checkpoint_fails_the_restore_check_and_the_run(tmp_path, txflow_env, reaper):
     state = reaper.watch(tmp_path / "state")
-    config = {"mode": "sft", "processes": 1, "steps": 4, "save_every": 1, "run_id": "wrong",
+    config = {"mode": "sft", "base_model": "tiny", "processes": 1, "steps": 4, "save_every": 1, "run_id": "wrong",
               "state_dir": str(state), "checkpoints": str(tmp_path / "ckpt")}
     result = subprocess.run([sys.executable, "-c", WRONG_STATE, json.dumps(config)], env=txflow_env, cwd=tmp_path,
                             capture_output=True, text=True, timeout=900)

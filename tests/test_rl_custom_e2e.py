@@ -19,7 +19,8 @@ CLIENT = Path(__file__).parent / "clients" / "sft_client.py"
 
 def test_rl_run_improves_reward_and_restores_exactly(tmp_path, txflow_env, reaper):
     state = reaper.watch(tmp_path / "state")
-    result = run_txflow(["run", "rl", "--run-id", "e2e-rl", "--state-dir", str(state), "--processes", "1",
+    result = run_txflow(["run", "rl", "--base-model", "tiny", "--run-id", "e2e-rl", "--state-dir", str(state),
+                         "--processes", "1",
                          "--checkpoints", str(tmp_path / "ckpt"), "--json"], txflow_env, tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)
@@ -45,7 +46,8 @@ def test_ppo_with_substeps_clips_and_so_differs_from_importance_sampling(tmp_pat
     reports = {}
     for loss in ("ppo", "importance_sampling"):
         state = reaper.watch(tmp_path / loss)
-        result = run_txflow(["run", "rl", "--run-id", f"e2e-{loss}", "--state-dir", str(state), "--loss", loss,
+        result = run_txflow(["run", "rl", "--base-model", "tiny", "--run-id", f"e2e-{loss}", "--state-dir", str(state),
+                             "--loss", loss,
                              "--substeps", "4", "--steps", "2", "--processes", "1", "--save-every", "0",
                              "--checkpoints", str(tmp_path / "ckpt"), "--json"], txflow_env, tmp_path, timeout=600)
         # Two steps are too few for the quality bar; the run may fail it, but it trains, saves and restores.
@@ -73,7 +75,8 @@ def test_custom_client_runs_again_after_a_fault_and_every_checkpoint_it_saved_is
 
     state = reaper.watch(tmp_path / "state")
     out, err = open(tmp_path / "out.json", "w"), open(tmp_path / "err.log", "w")
-    proc = subprocess.Popen(txflow_cmd("run", "custom", "--run-id", "e2e-custom", "--state-dir", str(state),
+    proc = subprocess.Popen(txflow_cmd("run", "custom", "--base-model", "tiny", "--run-id", "e2e-custom",
+                                       "--state-dir", str(state),
                                        "--checkpoints", str(tmp_path / "ckpt"), "--client", str(CLIENT),
                                        "--train-retries", "1", "--processes", "1",
                                        "--client-arg=--base-url", "--client-arg={base_url}",
@@ -132,7 +135,8 @@ def test_custom_client_that_fails_fails_the_run_with_its_output(tmp_path, txflow
     state = reaper.watch(tmp_path / "state")
     bad = tmp_path / "bad_client.py"
     bad.write_text("import sys\nprint('about to fail', flush=True)\nsys.exit(3)\n")
-    result = run_txflow(["run", "custom", "--run-id", "bad-custom", "--state-dir", str(state), "--processes", "1",
+    result = run_txflow(["run", "custom", "--base-model", "tiny", "--run-id", "bad-custom", "--state-dir", str(state),
+                         "--processes", "1",
                          "--checkpoints", str(tmp_path / "ckpt"), "--client", str(bad), "--json"],
                         txflow_env, tmp_path)
     assert result.returncode == 1

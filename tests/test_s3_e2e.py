@@ -100,7 +100,8 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
     env = s3_env | {"TINKER_API_KEY": API_KEY_MARKER, "TXFLOW_DATABASE_URL": postgres("tinker_s3"),
                     "TXFLOW_STORAGE_OPTIONS": json.dumps({"key": "txflow-test", "secret": STORAGE_OPTION_MARKER})}
     first, processes = run_watching_processes(
-        ["run", "sft", "--run-id", "s3-first", "--steps", "8", "--save-every", "3", "--checkpoints", root,
+        ["run", "sft", "--base-model", "tiny", "--run-id", "s3-first", "--steps", "8", "--save-every", "3",
+         "--checkpoints", root,
          "--state-dir", str(first_state), "--dataset", f"s3://{BUCKET}/{dataset_key}", "--json"], env, tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     command_lines = {pid: line for pid, (line, _) in processes.items()}
@@ -147,7 +148,8 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
 
     # A second run on a fresh cluster and an empty state directory continues from the step-6 state.
     step6 = next(a["url"] for a in report["artifacts"] if a["path"].endswith("step-000006.tar.gz"))
-    second = run_txflow(["run", "sft", "--run-id", "s3-second", "--steps", "8", "--resume-from", step6,
+    second = run_txflow(["run", "sft", "--base-model", "tiny", "--run-id", "s3-second", "--steps", "8",
+                         "--resume-from", step6,
                          "--checkpoints", root, "--state-dir", str(second_state), "--json"], s3_env, tmp_path)
     assert second.returncode == 0, second.stderr[-4000:]
     resumed = json.loads(second.stdout)
@@ -222,7 +224,8 @@ def test_s3_server_gone_during_commit_fails_with_a_clear_error_and_no_marker(tmp
     server, _ = moto
     proxy = TcpProxy(server.port)
     monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")  # fail fast instead of botocore's retries
-    cfg = RunConfig(run_id="fault", checkpoints=f"s3://{BUCKET}/faults", state_dir=str(tmp_path / "state"),
+    cfg = RunConfig(base_model="tiny", run_id="fault", checkpoints=f"s3://{BUCKET}/faults",
+                    state_dir=str(tmp_path / "state"),
                     storage_options={"endpoint_url": f"http://127.0.0.1:{proxy.port}"}).resolved()
     staging = tmp_path / "staging"
     path = fake_state(staging, "m1", "step-000002")
@@ -278,7 +281,8 @@ def run_root_layout(fs, root: str) -> dict[str, str]:
     from txflow.checkpoints import storage
 
     staging = Path(tempfile.mkdtemp(prefix="txflow-staging-"))
-    cfg = RunConfig(run_id="layout", checkpoints=root.rsplit("/", 1)[0], state_dir=str(staging)).resolved()
+    cfg = RunConfig(base_model="tiny", run_id="layout", checkpoints=root.rsplit("/", 1)[0],
+                    state_dir=str(staging)).resolved()
     urls = {}
     for step in (3, 6):
         name = f"step-{step:06d}"
@@ -340,7 +344,8 @@ def test_a_committed_run_root_is_verified_from_the_listing_alone_and_a_changed_b
     assert found[urls["state-3"]].committed and found[urls["sampler"]].committed
     assert [op for op in sent if op != "ListObjectsV2"] == ["GetObject"]  # that checkpoint's marker
     # A resume from it is refused before anything starts; the run root resolves to the intact step 3.
-    cfg = RunConfig(run_id="again", checkpoints=f"s3://{BUCKET}/other", resume_from=urls["state-6"]).resolved()
+    cfg = RunConfig(base_model="tiny", run_id="again", checkpoints=f"s3://{BUCKET}/other",
+                    resume_from=urls["state-6"]).resolved()
     with pytest.raises(ValueError, match="is incomplete"):
         storage.resolve_resume_from(cfg)
     assert storage.resolve_resume_from(cfg.model_copy(update={"resume_from": root})) == (urls["state-3"], 3)
@@ -418,7 +423,8 @@ def test_a_key_a_bucket_writer_adds_under_a_committed_state_is_never_downloaded(
     key = "signing-key-of-the-e2e-test-7d2f"
     monkeypatch.setenv(SIGNING_KEY_ENV, key)
     s3_env = s3_env | {SIGNING_KEY_ENV: key}
-    run = ["run", "sft", "--processes", "1", "--save-every", "2", "--no-export", "--checkpoints", root, "--json"]
+    run = ["run", "sft", "--base-model", "tiny", "--processes", "1", "--save-every", "2", "--no-export",
+           "--checkpoints", root, "--json"]
     first = run_txflow([*run, "--run-id", "w-first", "--steps", "4", "--state-dir", str(first_state)], s3_env, tmp_path)
     assert first.returncode == 0, first.stderr[-4000:]
     step4 = next(a["url"] for a in json.loads(first.stdout)["artifacts"]
@@ -459,7 +465,8 @@ def test_a_second_run_with_a_live_runs_id_exits_2_before_starting_anything(tmp_p
     the live run, and starts nothing; the first passes."""
     first_state, second_state = reaper.watch(tmp_path / "s1"), reaper.watch(tmp_path / "s2")
     root = f"s3://{BUCKET}/leases"
-    run = ["run", "sft", "--processes", "1", "--steps", "4", "--no-export", "--checkpoints", root, "--run-id", "same"]
+    run = ["run", "sft", "--base-model", "tiny", "--processes", "1", "--steps", "4", "--no-export", "--checkpoints",
+           root, "--run-id", "same"]
     with open(tmp_path / "first.out", "w") as out, open(tmp_path / "first.err", "w") as err:
         first = subprocess.Popen(txflow_cmd(*run, "--state-dir", str(first_state), "--json"), env=s3_env,
                                  cwd=tmp_path, stdout=out, stderr=err)

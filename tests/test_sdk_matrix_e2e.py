@@ -82,7 +82,8 @@ def assert_every_saved_checkpoint_verified(report: dict) -> dict[str, list[dict]
 def test_a_client_of_each_sdk_runs_unchanged_in_its_own_environment(version, tmp_path, txflow_env, reaper):
     python = sdk_env(version) / "bin" / "python"
     state = reaper.watch(tmp_path / "state")
-    result = run_txflow(["run", "custom", "--run-id", "sdk-" + version.replace(".", "-"), "--state-dir", str(state),
+    result = run_txflow(["run", "custom", "--base-model", "tiny", "--run-id", "sdk-" + version.replace(".", "-"),
+                         "--state-dir", str(state),
                          "--checkpoints", str(tmp_path / "ckpt"), "--client", str(CLIENTS / CLIENT_FOR[version]),
                          "--client-python", str(python), *ONE_PROCESS,
                          "--client-arg=--base-url", "--client-arg={base_url}",
@@ -169,7 +170,7 @@ def run_cookbook(tmp_path, txflow_env, reaper, run_id: str, module: str, *option
            "no_proxy": "127.0.0.1,localhost", SKIP_ENV: unneeded_shims(module)}
     state = reaper.watch(tmp_path / "state")
     log_path = tmp_path / f"{run_id}-log"
-    result = run_txflow(["run", "custom", "--run-id", run_id, "--state-dir", str(state),
+    result = run_txflow(["run", "custom", "--base-model", "tiny", "--run-id", run_id, "--state-dir", str(state),
                          "--checkpoints", str(tmp_path / "ckpt"), "--client", module, "--client-python", str(python),
                          *ONE_PROCESS,
                          "--client-arg=base_url={base_url}", "--client-arg=model_name={base_model}",
@@ -334,7 +335,7 @@ def test_each_sdk_needs_exactly_the_shims_the_readme_names(tmp_path, reaper):
     needs = {v: n for v, n in readme_needs_shims().items() if v in SDK_VERSIONS}
     assert set(needs) == set(SDK_VERSIONS), needs
     # Every probe leaves its models behind until its session times out: room for all of them.
-    cfg = RunConfig(processes=1, lora_adapters=64, run_id="shims", state_dir=str(tmp_path / "state"),
+    cfg = RunConfig(base_model="tiny", processes=1, lora_adapters=64, run_id="shims", state_dir=str(tmp_path / "state"),
                     checkpoints=str(tmp_path / "ckpt")).resolved()
     reaper.watch(cfg.state_dir)
     unneeded = {v: unneeded_shims(v) for v in needs}

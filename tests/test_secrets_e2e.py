@@ -28,7 +28,7 @@ def one_line(result: subprocess.CompletedProcess) -> str:
 
 def test_a_wrong_database_password_is_refused_before_anything_starts(tmp_path, txflow_env, postgres):
     url = postgres("tinker_wrong").replace(PASSWORD_MARKER, MARKER)
-    result = run_txflow(["run", "sft", "--run-id", "pw", "--state-dir", str(tmp_path / "state"),
+    result = run_txflow(["run", "sft", "--base-model", "tiny", "--run-id", "pw", "--state-dir", str(tmp_path / "state"),
                          "--checkpoints", str(tmp_path / "ckpt"), "--database-url", url], txflow_env, tmp_path, 120)
     line = one_line(result)
     assert line.startswith("txflow: --database-url postgresql://txflow:***@/tinker_wrong") and "password" in line
@@ -37,7 +37,7 @@ def test_a_wrong_database_password_is_refused_before_anything_starts(tmp_path, t
 
 
 def test_a_store_that_does_not_answer_never_shows_the_storage_option(tmp_path, txflow_env):
-    result = run_txflow(["run", "sft", "--run-id", "so", "--state-dir", str(tmp_path / "state"),
+    result = run_txflow(["run", "sft", "--base-model", "tiny", "--run-id", "so", "--state-dir", str(tmp_path / "state"),
                          "--checkpoints", "s3://bucket/runs", "--storage-option", "key=txflow-test",
                          "--storage-option", f"secret={MARKER}",
                          "--storage-option", f"endpoint_url=http://127.0.0.1:{free_port()}"], txflow_env, tmp_path, 300)
@@ -50,8 +50,8 @@ import sys
 from txflow.cluster import embedded_prefect
 from txflow.config import RunConfig
 
-cfg = RunConfig(mode="sft", run_id="leaky", database_url=sys.argv[1], state_dir=sys.argv[2], checkpoints=sys.argv[3],
-                storage_options={"secret": sys.argv[4]})
+cfg = RunConfig(mode="sft", base_model="tiny", run_id="leaky", database_url=sys.argv[1], state_dir=sys.argv[2],
+                checkpoints=sys.argv[3], storage_options={"secret": sys.argv[4]})
 with embedded_prefect.server(sys.argv[2]) as server:
     from flows.train import train_flow
     server.wait_ready()

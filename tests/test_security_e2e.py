@@ -36,7 +36,7 @@ def probed(tmp_path_factory, prefect_db):
     previous = os.umask(0o022)
     try:
         (work / "control.txt").write_text("x")
-        result = run_txflow(["run", "custom", "--run-id", "probe", "--state-dir", str(state),
+        result = run_txflow(["run", "custom", "--base-model", "tiny", "--run-id", "probe", "--state-dir", str(state),
                              "--checkpoints", str(work / "new-root"), "--client", str(PROBE),
                              "--client-arg={base_model}", f"--client-arg={state}", "--processes", "1", "--json"],
                             env, work)

@@ -108,6 +108,28 @@ def test_a_chat_model_is_asked_rl_prompts_as_the_user_and_answers_as_the_assista
     assert prompt == [t for t, w in zip(tokens, weights) if w == 0.0]
 
 
+def test_an_rl_rows_few_shot_prefix_comes_before_its_prompt(smollm2):
+    from txflow.training import rl
+    from txflow.training.rewards import exact_answer
+
+    prefix = [{"role": "user", "content": "What is 4 + 5?"}, {"role": "assistant", "content": "9"}]
+    data = rl.prepare([{"prompt": "What is 12 + 7?", "answer": "19", "convo_prefix": prefix}], smollm2, 8192, 8,
+                      "test", exact_answer, "txflow.training.rewards:exact_answer")
+    assert decoded(smollm2, data.prompts[0]).endswith(
+        "<|im_start|>user\nWhat is 4 + 5?<|im_end|>\n<|im_start|>assistant\n9<|im_end|>\n"
+        "<|im_start|>user\nWhat is 12 + 7?<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("prefix", [{"role": "user"}, [{"role": "user"}], ["hi"], [{"role": 1, "content": "x"}]])
+def test_a_malformed_few_shot_prefix_names_its_line(smollm2, prefix):
+    from txflow.training import rl
+    from txflow.training.rewards import exact_answer
+
+    rows = [{"prompt": "What is 1 + 1?", "answer": "2"}, {"prompt": "x", "answer": "1", "convo_prefix": prefix}]
+    with pytest.raises(ValueError, match=r"data.jsonl line 2: convo_prefix must be a list of chat messages"):
+        rl.prepare(rows, smollm2, 8192, 8, "data.jsonl", exact_answer, "txflow.training.rewards:exact_answer")
+
+
 def test_the_chat_rendering_is_transformers_own(smollm2):
     from transformers import AutoTokenizer
 

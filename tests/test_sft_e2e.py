@@ -30,7 +30,7 @@ def sft_run(tmp_path_factory, postgres, prefect_db):
                TINKER_TELEMETRY="0")
     state = work / "state"
     try:
-        result = run_txflow(["run", "sft", "--run-id", "e2e-sft", "--state-dir", str(state),
+        result = run_txflow(["run", "sft", "--base-model", "tiny", "--run-id", "e2e-sft", "--state-dir", str(state),
                              "--checkpoints", str(work / "ckpt"), "--database-url", url, "--json"], env, work)
     finally:
         stop_cluster(state, grace_s=1.0)

@@ -31,7 +31,7 @@ PROMPT = types.ModelInput.from_ints([5, 17, 42])
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("semantics")
-    cfg = RunConfig(processes=1, lora_adapters=16, run_id="semantics", state_dir=str(tmp / "state"),
+    cfg = RunConfig(base_model="tiny", processes=1, lora_adapters=16, run_id="semantics", state_dir=str(tmp / "state"),
                     checkpoints=str(tmp / "ckpt")).resolved()
     handle = provision_coordinator.fn(cfg, LocalLauncher())
     try:

