@@ -186,10 +186,11 @@ def flow(steps: int, env: dict, work: Path, run_id: str) -> dict:
 
 
 def sample_batches(state_dir: Path) -> dict[int, int]:
-    """{requests in a sampling pass of the engine: how many passes took that many}, from the engine's log."""
+    """{requests in a sampling pass of the engine: how many passes took that many}, from the engine's log
+    (its lines wrap at 80 columns)."""
     found: dict[int, int] = {}
     for log in state_dir.rglob("*.log"):
-        for match in re.finditer(r"process_batch_requests\(sample, n=(\d+)\)", log.read_text(errors="replace")):
+        for match in re.finditer(r"process_batch_requests\(sample,\s+n=(\d+)\)", log.read_text(errors="replace")):
             found[int(match.group(1))] = found.get(int(match.group(1)), 0) + 1
     return dict(sorted(found.items()))
 
