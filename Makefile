@@ -46,10 +46,14 @@ clean:
 
 # Benchmarks, each against a baseline measured in the same run (ratios):
 # discovery on S3 versus a bare listing (target <= 1.5); `txflow run sft` versus the same job by hand
-# (target <= 1.10, steps within 3%); the demo with its export versus without (target <= 1.15);
-# Ray start-up versus local (target <= 1.2; needs root).
+# on the toy (target <= 1.05) and on SmolLM2-135M, whose engine step is also compared with a plain
+# transformers + peft step (target <= 1.0); `txflow run rl`'s step versus the cookbook's RL loop by
+# hand (target <= 1.05); the demo with its export versus without (target <= 1.15); Ray start-up versus
+# local (target <= 1.2; needs root).
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_discovery.py --objects 10000
 	$(BIN)/python scripts/bench_flow.py
+	$(BIN)/python scripts/bench_flow.py --mode rl --cache off --long-steps 0
+	$(BIN)/python scripts/bench_flow.py --base-model smollm2-135m --plain --steps 10 --cache off --long-steps 0
 	$(BIN)/python scripts/bench_export.py
 	$(BIN)/python scripts/bench_ray_startup.py

@@ -14,8 +14,16 @@ The job is the flow's, batch for batch: the same held-out tenth of the data
 seed. So both sides compute the same losses, which the benchmark checks; a
 different data order alone moved the ranks' peak RSS by ~50 MiB at 100 steps.
 
+`--mode rl`: the cookbook's RL loop by hand on the same cluster: each step saves
+the weights for a sampler, sends every prompt's group of samples before awaiting
+any, scores them, and sends forward_backward (importance sampling, group-relative
+advantages) with optim_step in flight; the prompts, seeds, reward and datums are
+the flow's (`txflow.training.rl`'s data code), so both sides sample the same
+rollouts. A chat model's rows are rendered with its chat template as the flow
+renders them (`txflow.training.sft.encode`).
+
 Prints one JSON object: seconds per phase, per-step seconds and per-step
-losses (the benchmark reads memory and CPU from /proc itself). Used by
+losses (rl: mean rewards) (the benchmark reads memory and CPU from /proc itself). Used by
 `scripts/bench_flow.py`; not part of txflow.
 
     python scripts/bench_by_hand.py --model-dir DIR --dataset FILE [--steps 20] [--processes 2]
@@ -59,6 +67,11 @@ def main() -> int:
     parser.add_argument("--learning-rate", type=float, default=2e-2)
     parser.add_argument("--lora-rank", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mode", choices=("sft", "rl"), default="sft")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--reward", default="txflow.training.rewards:low_token_ids")
     args = parser.parse_args()
 
     began = time.monotonic()
@@ -104,20 +117,40 @@ def main() -> int:
         tokenizer = AutoTokenizer.from_pretrained(args.model_dir)
         rows = [json.loads(line) for line in Path(args.dataset).read_text().splitlines() if line.strip()]
 
+        from txflow.training import rl, sft
+        from txflow.training.rewards import load_reward
+
         def datum(row):
-            prompt = tokenizer.encode(row["prompt"], add_special_tokens=False)
-            completion = tokenizer.encode(row["completion"], add_special_tokens=False) + [tokenizer.eos_token_id]
-            tokens, weights = prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)
+            tokens, weights = sft.encode(row, tokenizer, 1 << 30, args.dataset)
             return types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                                loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights[1:]})
 
-        data = [datum(row) for row in split(rows)[0]]
         service = tinker.ServiceClient(base_url=base_url, api_key="tml-by-hand")
         training = service.create_lora_training_client(base_model=args.model_dir, rank=args.lora_rank,
-                                                       seed=args.seed)
+                                                       seed=args.seed, train_unembed=False)
         phases["cluster_up"] = time.monotonic() - began
         adam = types.AdamParams(learning_rate=args.learning_rate)
-        for step in range(args.steps):
+        if args.mode == "rl":
+            data = rl.prepare(rows, tokenizer, 1 << 30, args.max_tokens, args.dataset, load_reward(args.reward),
+                              args.reward)
+            waits = type("Waits", (), {"wait": staticmethod(lambda future, what, timeout: future.result())})()
+            for step in range(args.steps):
+                started = time.monotonic()
+                policy = training.save_weights_and_get_sampling_client()
+                indices = batch_indices(len(data.prompts), step, args.batch_size, args.seed)
+                groups = rl.sample_groups(policy, data, indices, args.group_size, args.max_tokens, args.temperature,
+                                          args.seed * 100_003 + step, waits, 600)
+                batch = sft.averaged(rl.to_datums(groups, data))
+                fwd_bwd = training.forward_backward(batch, "importance_sampling")
+                optim = training.optim_step(adam)
+                fwd_bwd.result()
+                optim.result()
+                rewards = rl.rewards_of(groups)
+                losses.append(sum(rewards) / len(rewards))
+                step_seconds.append(time.monotonic() - started)
+        else:
+            data = [datum(row) for row in split(rows)[0]]
+        for step in range(args.steps if args.mode == "sft" else 0):
             started = time.monotonic()
             batch = [data[i] for i in batch_indices(len(data), step, args.batch_size, args.seed)]
             fwd_bwd = training.forward_backward(batch, "cross_entropy")
@@ -133,13 +166,15 @@ def main() -> int:
             step_seconds.append(time.monotonic() - started)
         phases["train"] = sum(step_seconds)
         started = time.monotonic()
-        state = training.save_state("final").result().path
-        sampler = training.save_weights_for_sampler("final-sampler").result().path
-        restored = service.create_training_client_from_state(state)
-        restored.forward(data[: args.batch_size], "cross_entropy").result()
-        prompt = types.ModelInput.from_ints(tokenizer.encode(rows[0]["prompt"], add_special_tokens=False))
-        service.create_sampling_client(model_path=sampler).sample(
-            prompt=prompt, num_samples=1, sampling_params=types.SamplingParams(max_tokens=8, temperature=0.0)).result()
+        if args.mode == "sft":  # the benchmark compares RL steps only
+            state = training.save_state("final").result().path
+            sampler = training.save_weights_for_sampler("final-sampler").result().path
+            restored = service.create_training_client_from_state(state)
+            restored.forward(data[: args.batch_size], "cross_entropy").result()
+            prompt = types.ModelInput.from_ints(tokenizer.encode(rows[0]["prompt"], add_special_tokens=False))
+            service.create_sampling_client(model_path=sampler).sample(
+                prompt=prompt, num_samples=1,
+                sampling_params=types.SamplingParams(max_tokens=8, temperature=0.0)).result()
         phases["save_restore"] = time.monotonic() - started
         service.holder.close()
     finally:

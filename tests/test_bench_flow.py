@@ -25,13 +25,14 @@ def bench():
 def side(wall: float, steps: int, step_s: float, rss: dict, cpu: dict | None = None, nudge: float = 0.0) -> dict:
     return {"wall": wall, "outside": 1.0, "cluster_up": 20.0, "train": steps * step_s, "save_restore": 10.0,
             "teardown": 0.2, "steps": steps, "step_seconds": [7.0] + [step_s] * (steps - 1), "rss": rss,
-            "cpu": cpu or {}, "restore_passed": True, "losses": [3.0 - 0.1 * i + nudge for i in range(steps)]}
+            "cpu": cpu or {}, "restore_passed": True, "sample_batches": {},
+            "losses": [3.0 - 0.1 * i + nudge for i in range(steps)]}
 
 
 def run_main(bench, monkeypatch, tmp_path, hand, flow):
     monkeypatch.setattr(bench, "by_hand", lambda steps, env, work: hand(steps))
     monkeypatch.setattr(bench, "flow", lambda steps, env, work, run_id: flow(steps))
-    monkeypatch.setattr(bench, "build_tiny_model", lambda: tmp_path)
+    monkeypatch.setattr(bench, "resolve_base_model", lambda name: str(tmp_path))
     monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: None)
     monkeypatch.setattr(sys, "argv", ["bench_flow.py", "--steps", "20", "--long-steps", "0", "--cache", "off",
                                       "--repeat", "1"])
@@ -49,7 +50,7 @@ def test_the_table_reports_phases_ratio_step_overhead_and_memory(bench):
                   "teardown"):
         assert re.search(rf"\| {re.escape(phase)}[^|]* \| [\d.]+ \| [\d.]+ \|", text), phase
     assert "steps: by hand 20, flow 20" in text
-    assert "whole-process ratio: 1.080 (target <= 1.10)" in text
+    assert "whole-process ratio: 1.080 (target <= 1.05)" in text
     assert "median train step: by hand 0.300 s, flow 0.306 s, overhead +2.0% (target <= 3%)" in text
     assert "- prefect server: by hand 0, flow 200" in text
     assert "- total: by hand 1650, flow 1880, flow adds 230 MiB (target <= 300)" in text
@@ -65,9 +66,9 @@ def test_sides_with_different_step_counts_are_not_compared(bench, monkeypatch, t
 
 
 def test_sides_whose_losses_differ_did_not_run_the_same_job(bench, monkeypatch, tmp_path, capsys):
-    with pytest.raises(AssertionError, match="not the same job: per-step losses differ by up to 0.01"):
+    with pytest.raises(AssertionError, match="not the same job: per-step losses differ by up to 0.1"):
         run_main(bench, monkeypatch, tmp_path, lambda steps: side(50.0, steps, 0.3, {}),
-                 lambda steps: side(55.0, steps, 0.3, {}, nudge=0.01))
+                 lambda steps: side(55.0, steps, 0.3, {}, nudge=0.1))
     assert "whole-process ratio" not in capsys.readouterr().out
 
 
@@ -76,7 +77,7 @@ def test_sides_that_ran_the_same_job_are_compared_and_say_so(bench, monkeypatch,
                     lambda steps: side(55.0, steps, 0.3, {}, nudge=2e-6)) == 0
     out = capsys.readouterr().out
     assert "steps: by hand 20, flow 20" in out and "whole-process ratio: 1.100" in out
-    assert "same job: every step's loss agrees between the sides within 2.0e-06 (limit 1e-05)" in out
+    assert "same job: every step's loss agrees between the sides within 2.0e-06 (limit 2e-02)" in out
 
 
 def test_repeated_pairs_report_the_median_ratio_and_pool_their_steps(bench):
@@ -88,6 +89,6 @@ def test_repeated_pairs_report_the_median_ratio_and_pool_their_steps(bench):
     assert (hand["wall"], hand["rss"], hand["cpu"]) == (51.0, {"api": 210}, {"api": 4.0})
     assert len(hand["steady"]) == 3 * 19 and bench.median_step(hand) == 0.30
     text = bench.table("x", hand, flow, [f["wall"] / h["wall"] for h, f in zip(hands, flows)])
-    assert "whole-process ratio: 1.100 (target <= 1.10)" in text  # the middle of 1.100, 1.050, 1.176
+    assert "whole-process ratio: 1.100 (target <= 1.05)" in text  # the middle of 1.100, 1.050, 1.176
     assert "ratio of each pair (median above): 1.100, 1.050, 1.176" in text
     assert "mean train step: by hand 0.367 s, flow 0.367 s, overhead +0.0%" in text

@@ -178,7 +178,8 @@ def test_the_api_wakes_the_engine_once_a_new_request_is_committed_and_not_before
         api_end, engine_end = pair()
         wakes = wake.AsyncWakes(api_end, asyncio.get_running_loop())
         fake_api = SimpleNamespace(create_future=api.create_future,
-                                   app=SimpleNamespace(state=SimpleNamespace(result_wakes=wakes)))
+                                   app=SimpleNamespace(state=SimpleNamespace(result_wakes=wakes,
+                                                                             burst=txflow_api.Burst(api_end.send))))
         txflow_api._wake_engine_on_new_requests(fake_api)
         try:
             async with AsyncSession(db) as session:  # a commit that stores no request: no wake
@@ -198,6 +199,48 @@ def test_the_api_wakes_the_engine_once_a_new_request_is_committed_and_not_before
             await db.dispose()
 
     asyncio.run(scenario())
+
+
+def test_requests_in_flight_together_wake_the_engine_once_after_the_last_is_stored():
+    """An RL step's samples (a step's forward_backward and optim_step) are handled by the API one after the
+    other: a wake at each commit let the engine start on the first alone. Through the middleware, on real
+    sockets: the wake waits for the last storing request in flight, and a request that fails before it
+    stores anything still releases the wake of the others."""
+    api_end, engine_end = pair()
+    burst = txflow_api.Burst(api_end.send)
+    gates = {path: asyncio.Event() for path in ("/api/v1/asample", "/api/v1/optim_step")}
+
+    async def inner(scope, receive, send):  # a route: stores its request when its gate opens (or fails)
+        await gates[scope["path"]].wait()
+        if scope.get("fails"):
+            raise RuntimeError("refused before storing")
+        burst.stored()
+
+    def scope(path, **extra):
+        return {"type": "http", "method": "POST", "path": path,
+                "app": SimpleNamespace(state=SimpleNamespace(burst=burst)), **extra}
+
+    async def scenario():
+        middleware = txflow_api.BurstCount(inner)
+        first = asyncio.create_task(middleware(scope("/api/v1/asample"), None, None))
+        second = asyncio.create_task(middleware(scope("/api/v1/optim_step", fails=True), None, None))
+        await asyncio.sleep(0.01)
+        gates["/api/v1/asample"].set()
+        await first
+        assert not woken_within(engine_end, 0.05)  # stored, but another storing request is still in flight
+        gates["/api/v1/optim_step"].set()
+        with pytest.raises(RuntimeError):
+            await second
+        assert woken_within(engine_end, 5.0)  # the last one ended (without storing): the wake goes
+        assert engine_end.drain() == 1
+        burst.stored()  # stored outside a counted request: at once
+        assert woken_within(engine_end, 5.0)
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        api_end.close()
+        engine_end.close()
 
 
 def test_a_waiting_result_is_returned_at_the_engines_wake_not_at_the_next_look(tmp_path, monkeypatch, capfd):

@@ -52,7 +52,7 @@ class ClusterHandle:
 
     def service_client(self):
         """A Tinker ServiceClient for this cluster's API (never the hosted default); `close` closes it."""
-        import tinker
+        from txflow.upstream.tinker_sdk import tinker
 
         client = tinker.ServiceClient(base_url=self.cluster.base_url,
                                       api_key=self.cluster.api_key.get_secret_value())

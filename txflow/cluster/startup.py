@@ -121,7 +121,7 @@ GREEDY_TOKENS = 8
 def greedy_params(seed: int = 0):
     """The sampling of every evaluation: greedy, GREEDY_TOKENS tokens, with the prompt's logprobs. One shape,
     so the engine compiles one program for them all, the readiness sample included."""
-    import tinker
+    from txflow.upstream.tinker_sdk import tinker
 
     return tinker.types.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, seed=seed)
 
@@ -143,7 +143,7 @@ def missing_ranks(handle: ClusterHandle) -> list[str]:
 def prove_ready(handle: ClusterHandle, timeout_s: float) -> float:
     """A greedy sample from the base model: every rank takes part in it. It has the shape of the
     greedy samples the restore check takes later, so the program it compiles is compiled once."""
-    import tinker
+    from txflow.upstream.tinker_sdk import tinker
 
     started = time.monotonic()
     client = handle.service_client()

@@ -51,7 +51,7 @@ def sequence_logprobs(sampling_client, sequences: list[list[int]], handle: Clust
 
 
 def _greedy(sampling_client, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float, seed: int):
-    import tinker
+    from txflow.upstream.tinker_sdk import tinker
 
     futures = [sampling_client.sample(prompt=tinker.types.ModelInput.from_ints(p), num_samples=1,
                                       sampling_params=greedy_params(seed), include_prompt_logprobs=True)

@@ -48,7 +48,7 @@ def save_progress(cfg: RunConfig, handle: ClusterHandle, training_client, step: 
 
 def sft_step(cfg: RunConfig, handle: ClusterHandle, data: sft.SFTData):
     """One SFT step: cross-entropy on a batch; returns its metrics."""
-    import tinker
+    from txflow.upstream.tinker_sdk import tinker
 
     adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
 
@@ -67,7 +67,7 @@ def sft_step(cfg: RunConfig, handle: ClusterHandle, data: sft.SFTData):
 
 def rl_step(cfg: RunConfig, handle: ClusterHandle, data: rl.RLData):
     """One RL step: sample groups with the current policy, score, update; returns its metrics."""
-    import tinker
+    from txflow.upstream.tinker_sdk import tinker
 
     adam = tinker.types.AdamParams(learning_rate=cfg.learning_rate)
 

@@ -62,7 +62,7 @@ def prepare(rows: list[dict], tokenizer, max_len: int, max_tokens: int, url: str
 def sample_groups(sampling_client, data: RLData, indices: list[int], group_size: int, max_tokens: int,
                   temperature: float, seed: int, handle, timeout_s: float) -> list[list[Rollout]]:
     """`group_size` completions per prompt, scored; every request is in flight before any is awaited."""
-    import tinker
+    from txflow.upstream.tinker_sdk import tinker
 
     futures = [sampling_client.sample(prompt=tinker.types.ModelInput.from_ints(data.prompts[i]),
                                       num_samples=group_size,
@@ -99,7 +99,7 @@ def request_seed(seed: int, row: int, group_size: int) -> int:
 def to_datums(groups: list[list[Rollout]], data: RLData) -> list:
     """One datum per rollout; advantage = reward minus the mean reward of its group. The weights, 1 / (sampled
     tokens), make each rollout count its mean loss per token (see `sft.averaged`)."""
-    import tinker
+    from txflow.upstream.tinker_sdk import tinker
 
     datums = []
     for group in groups:

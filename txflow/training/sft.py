@@ -70,7 +70,7 @@ def split(items: list) -> tuple[list, list]:
 def to_datum(example: Example):
     """A cross-entropy Datum: predict each next token, weighted. Tinker sums a loss over tokens; weights of
     1 / (completion tokens) make a sequence count its mean loss per token (see `averaged`)."""
-    import tinker
+    from txflow.upstream.tinker_sdk import tinker
 
     tokens, weights = example
     completion = sum(weights[1:]) or 1.0
@@ -86,7 +86,7 @@ def averaged(datums: list) -> list:
     makes the loss the mean over sequences of each sequence's mean: the exact loss SkyRL-tx 0.3.0
     computed itself, so runs train as before (Adam's epsilon makes even a constant factor show) and the
     by-hand benchmark on upstream's engine trains the same job."""
-    import tinker
+    from txflow.upstream.tinker_sdk import tinker
 
     n = len(datums)
     return [tinker.types.Datum(model_input=d.model_input,

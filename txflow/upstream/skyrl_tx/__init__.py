@@ -5,7 +5,7 @@ API server: points 1, 2, 10, 11, 14 and its ends of 12, 13 and 16, with
 `tinker_compat` for 10 and `protobuf` for its wire format, `result_wait` for
 11 and `lora_config` for 14), `engine` (rank 0: 8, 9, 17, 19 and its ends of 12
 and 16), `worker` (ranks > 0: 8), `ranks` (what every rank gets: 6, 13 and 16
-installed, 7, 15), `checkpoint_io` (6, 16), `losses` (13, both ends), `rest`
+installed, 7, 15, 21, 22), `checkpoint_io` (6, 16), `losses` (13, both ends), `rest`
 (20; with `auth`'s signed downloads), `layout` (5, 17) and `launch` (3, 4 and
 the command line of each process);
 `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This
@@ -106,7 +106,12 @@ workaround can go:
     engine after completing futures (`_complete_futures`). The engine's 0.1 s
     sleep ends at a wake (after a 10 ms quiet spell, so that requests sent
     together are still batched together), and `wait_for_result` looks at
-    once. The database stays the only source of truth; without wakes both
+    once. Requests a client sends together reach the API together but are
+    stored one after another (a few database round trips each, often more than
+    those 10 ms apart on a busy machine): 13 of 20 toy RL steps had their
+    samples taken in two passes. So the API's wake waits while another storing
+    request is still being handled, and the last one sends it (`api.Burst`).
+    The database stays the only source of truth; without wakes both
     ends poll as in 11. Can go when upstream's engine is notified of work.
 13. Losses (`losses`): upstream serves cross_entropy, importance_sampling and
     ppo (its clip hard-coded, `loss_fn_config` ignored) as means over each
@@ -180,6 +185,26 @@ workaround can go:
     projects, traces, `copy_weights`, server-side custom losses) are refused in
     one line instead of a bare 404. Can go when upstream serves these routes
     and signs its download URLs.
+
+21. Loss chunks (`ranks`): upstream computes a batch's logprobs in chunks of
+    `loss_chunk_size` tokens (1024 by default) and pads the batch's tokens to a
+    multiple of it, so 4 sequences bucketed to 48 tokens (192 tokens) computed
+    the logits of 1024 rows over the whole vocabulary (49,152 for SmolLM2), and
+    their backward: the largest part of a small step on a real model. Every
+    rank sizes the chunks to the batch (`ranks.balanced_chunk`): as many chunks
+    as the configured size needs, as even as can be, never larger, so the
+    memory bound stays and the padding is below one token per chunk. Can go
+    when upstream sizes its chunks to the batch (or stops padding to a whole
+    chunk).
+22. LoRA compute per slot (`ranks`): a LoRA linear layer sorts the batch's
+    tokens by adapter and runs `jax.lax.ragged_dot` against every one of the
+    `max_lora_adapters` slots; XLA on CPU computes it densely for all of them,
+    so with txflow's 8 slots every step did the LoRA work 8 times (measured on
+    SmolLM2-135M, in-process, 4 sequences: forward+backward 4.8 s with 8 slots,
+    2.7 s with 2). Every rank's LoRA linear layers gather each example's own A
+    and B and multiply (`ranks.lora_per_example`; same outputs and gradients,
+    tests/test_step_patches.py). Embeddings and experts keep upstream's path.
+    Can go when upstream's LoRA costs what the batch's adapters need.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the

@@ -45,6 +45,7 @@ def serve_api(argv: list[str]) -> None:
         app.state.external_inference_client = None
         channel = wake.Channel.from_env("api", "engine")  # (12.)
         app.state.result_wakes = wake.AsyncWakes(channel, asyncio.get_running_loop()) if channel else None
+        app.state.burst = Burst(channel.send) if channel else None
         yield
         if app.state.result_wakes:
             app.state.result_wakes.close()
@@ -52,6 +53,7 @@ def serve_api(argv: list[str]) -> None:
 
     api.app.router.lifespan_context = lifespan
     _wake_engine_on_new_requests(api)
+    api.app.add_middleware(BurstCount)
     tinker_compat.install(api.app)
     losses.install_api(api.app)  # (13.)
     lora_config.install_api(api.app)  # (14.)
@@ -70,18 +72,69 @@ def serve_api(argv: list[str]) -> None:
     uvicorn.Server(config).run(sockets=[sock] if sock is not None else None)
 
 
+# Upstream's routes that store a request for the engine (each calls `create_future`, then commits).
+STORING_ROUTES = frozenset(f"/api/v1/{name}" for name in (
+    "create_model", "unload_model", "forward_backward", "forward", "optim_step", "load_weights", "save_weights",
+    "save_weights_for_sampler", "asample"))
+
+
+class Burst:
+    """Requests a client sends together (an RL step's samples, a step's forward_backward and optim_step) reach
+    the engine in one wake (12.): the wake after a stored request waits while another storing request is
+    still being handled, and the last of them to finish sends it. A client that sends them together has them
+    all in flight here at once, while the API stores them one after another (each a few database round
+    trips): waking at each commit let the engine start on the first ones alone."""
+
+    def __init__(self, send):
+        self._send = send
+        self.open = 0
+        self.pending = False
+
+    def stored(self) -> None:
+        if self.open:
+            self.pending = True
+        else:  # committed outside a counted request (or after its response): wake now
+            self._send()
+
+    def started(self) -> None:
+        self.open += 1
+
+    def finished(self) -> None:
+        self.open -= 1
+        if not self.open and self.pending:
+            self.pending = False
+            self._send()
+
+
+class BurstCount:
+    """ASGI middleware: counts the storing requests in flight for `Burst` (only a path check for others)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        burst = getattr(scope["app"].state, "burst", None) if scope["type"] == "http" else None
+        if burst is None or scope["method"] != "POST" or scope["path"] not in STORING_ROUTES:
+            return await self.app(scope, receive, send)
+        burst.started()
+        try:
+            return await self.app(scope, receive, send)
+        finally:
+            burst.finished()
+
+
 def _wake_engine_on_new_requests(api) -> None:
     """Every request the API stores goes through upstream's `create_future`: once the session that
-    stored one commits, wake the engine (12.)."""
+    stored one commits, wake the engine (12.), once per burst of requests (`Burst`)."""
     from sqlalchemy import event
 
     upstream = api.create_future
 
     async def create_future(session, *args, **kwargs):
         request_id = await upstream(session, *args, **kwargs)
-        wakes = api.app.state.result_wakes
-        if wakes:
-            event.listen(session.sync_session, "after_commit", lambda _session: wakes.channel.send(), once=True)
+        burst = getattr(api.app.state, "burst", None)
+        if burst:
+            event.listen(session.sync_session, "after_commit", lambda _session: burst.stored(), once=True)
         return request_id
 
     api.create_future = create_future

@@ -1,6 +1,7 @@
 """What every rank process gets before upstream's entry point runs: txflow's checkpoint I/O (point 6),
-the default SIGTERM action after `jax.distributed.initialize` (point 7), Tinker's losses (point 13) and
-the compilation cache written by every rank (point 15)."""
+the default SIGTERM action after `jax.distributed.initialize` (point 7), Tinker's losses (point 13),
+the compilation cache written by every rank (point 15), loss chunks sized to the batch (point 21) and each
+example's own adapter in every LoRA linear layer (point 22)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,48 @@ def compilation_cache_written_by_every_rank() -> None:
     compiler._cache_write = write_on_every_rank
 
 
+def balanced_chunk(tokens: int, chunk_size: int) -> int:
+    """The chunk size that covers `tokens` in as many chunks as `chunk_size` needs, as evenly as possible:
+    the memory bound stays (never above `chunk_size`) and the padding is below one token per chunk (21.)."""
+    chunks = -(-tokens // chunk_size)
+    return -(-tokens // chunks)
+
+
+def loss_chunks_fit_the_batch() -> None:
+    """Upstream's chunked logprobs pad a batch's tokens to a multiple of `loss_chunk_size` (21.)."""
+    from tx.utils.logits_processor import LogitsProcessorMixin
+
+    upstream = LogitsProcessorMixin._compute_chunked_logprobs
+
+    def _compute_chunked_logprobs(self, hidden_states, target_ids, chunk_size, adapter_indices):
+        tokens = hidden_states.shape[0] * hidden_states.shape[1]  # static at trace time
+        return upstream(self, hidden_states, target_ids, balanced_chunk(tokens, chunk_size), adapter_indices)
+
+    LogitsProcessorMixin._compute_chunked_logprobs = _compute_chunked_logprobs
+
+
+def lora_per_example(self, x, base_output, adapter_indices):
+    """A LoRA linear layer's output with each example's own adapter (22.): its A and B gathered by the example's
+    adapter index, then two small matmuls. Upstream sorts the tokens by adapter and runs `ragged_dot` against
+    every adapter slot, which XLA on CPU computes densely for all `max_lora_adapters` of them."""
+    import jax.numpy as jnp
+
+    if self.max_lora_adapters == 0 or adapter_indices is None:
+        return base_output
+    batch, seq_len = x.shape[:2]
+    down = jnp.einsum("bti,bir->btr", x.reshape(batch, seq_len, -1), self.lora_A[...][adapter_indices])
+    out = jnp.einsum("btr,bro->bto", down, self.lora_B[...][adapter_indices])
+    out = out * self.lora_scaling[...][adapter_indices, None, None]
+    return base_output + out.reshape(base_output.shape).astype(base_output.dtype)
+
+
+def lora_computes_each_examples_adapter() -> None:
+    """Every LoRA linear layer computes each example's adapter only (22.); embeddings and experts stay upstream's."""
+    from tx.layers.lora import LoRALinear
+
+    LoRALinear.apply_lora = lora_per_example
+
+
 def run(module: str, argv: list[str], patch=None) -> None:
     """Import upstream's entry point `module`, install what every rank gets and then `patch(entry)`,
     and run it with `argv`."""
@@ -61,6 +104,8 @@ def run(module: str, argv: list[str], patch=None) -> None:
     default_sigterm_after_distributed_init()
     compilation_cache_written_by_every_rank()
     losses.install_backend()
+    loss_chunks_fit_the_batch()
+    lora_computes_each_examples_adapter()
     if patch is not None:
         patch(entry)
     sys.argv = [module, *argv]
