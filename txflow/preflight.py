@@ -150,7 +150,7 @@ _CLIENT_ENV_PROBE = """
 import importlib.util, json, sys
 found = {"python": sys.version.split()[0]}
 try:
-    from txflow.upstream.tinker_sdk import tinker
+    import tinker  # the client's own environment: txflow is not installed there
     found["tinker"] = getattr(tinker, "__version__", "unknown")
 except Exception as exc:
     found["error"] = f"{type(exc).__name__}: {exc}"
