@@ -156,14 +156,63 @@ def test_each_runs_key_opens_only_its_own_work_and_release_frees_it(shared):
     assert status(shared)["healthy"] and status(shared)["attached_runs"] == []
 
 
-def test_an_attached_run_trains_on_the_warm_cluster_and_leaves_it_up(shared):
+def start_run(shared, run_id: str, *args: str) -> subprocess.Popen:
+    """`txflow run sft` attached to the shared cluster, in the background; its report on stdout, its log in
+    `<work>/<run_id>.log`, its state in `<work>/<run_id>/`."""
     work = shared["work"]
-    result = run_txflow(["run", "sft", "--base-model", "tiny", "--cluster", NAME, "--steps", "4", "--run-id",
-                         "attached-1", "--checkpoints", str(work / "ckpt"), "--state-dir", str(work / "attached-1"),
-                         "--no-export", "--json"], shared["env"], work)
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(result.stdout)
-    assert report["status"] == "passed" and report["restore"]["passed"]
+    with open(work / f"{run_id}.log", "w") as log:
+        return subprocess.Popen(txflow_cmd("run", "sft", "--base-model", "tiny", "--cluster", NAME, "--run-id", run_id,
+                                           "--checkpoints", str(work / "ckpt"), "--state-dir", str(work / run_id),
+                                           "--no-export", "--json", *args),
+                                env=shared["env"], cwd=work, stdout=subprocess.PIPE, stderr=log, text=True)
+
+
+def steps_done(shared, run_id: str) -> int:
+    metrics = shared["work"] / run_id / "metrics.jsonl"
+    return len(metrics.read_text().splitlines()) if metrics.exists() else 0
+
+
+def stop_if_running(*runs: subprocess.Popen | None) -> None:
+    for run in runs:
+        if run is not None and run.poll() is None:
+            run.kill()
+            run.wait(timeout=30)
+
+
+def test_a_run_cancelled_beside_another_is_released_at_once_and_the_other_trains_on_and_passes(shared):
+    """Two runs attach and train side by side; one is cancelled mid-training as a user cancels (SIGTERM to
+    `txflow run`, which takes Ctrl-C's path): its models are unloaded and its key revoked by its own teardown,
+    within seconds (not when the engine times its sessions out), the cluster stays healthy, and the other run
+    trains on, passes, and leaves the cluster up with every slot free."""
+    from txflow.cluster import named
+
+    work, keys = shared["work"], shared["dir"] / "run-keys.json"
+    db = named.database_url(named.load_serves(NAME))
+    cancelled = start_run(shared, "cancelled", "--steps", "500")
+    survivor = None
+    try:
+        wait_for(lambda: steps_done(shared, "cancelled") >= 2, 300, "the first run training")
+        theirs = set(named.loaded_models(db))  # it is alone on the cluster: every model loaded is its own
+        assert theirs
+        survivor = start_run(shared, "attached-1", "--steps", "40")
+        wait_for(lambda: steps_done(shared, "attached-1") >= 2, 300, "the second run training beside it")
+        at_cancel = steps_done(shared, "attached-1")
+        cancelled.send_signal(signal.SIGTERM)
+        assert cancelled.wait(timeout=90) != 0
+        at_exit = steps_done(shared, "attached-1")
+        # Released by its own teardown: the engine would free its slot only 120-180 s after its last heartbeat.
+        wait_for(lambda: not theirs & set(named.loaded_models(db)), 15, "the cancelled run's models unloaded")
+        assert "cancelled" not in json.loads(keys.read_text()).values()
+        found = status(shared)
+        assert found["healthy"] and found["attached_runs"] == ["attached-1"]
+        out, _ = survivor.communicate(timeout=600)
+    finally:
+        stop_if_running(cancelled, survivor)
+    print(f"the other run had trained {at_cancel} steps at the cancel, {at_exit} when the cancelled run exited")
+    assert at_cancel < 40
+    assert survivor.returncode == 0, (work / "attached-1.log").read_text()[-3000:]
+    report = json.loads(out)
+    assert report["status"] == "passed" and report["restore"]["passed"] and report["failures"] == []
     assert report["cluster"]["ranks"] == []  # teardown stopped nothing
     # Orchestration from a ready cluster to the train step: attach and verify.
     attach_s = report["timings_s"]["provision-coordinator"] + report["timings_s"]["launch-workers"]
@@ -171,7 +220,7 @@ def test_an_attached_run_trains_on_the_warm_cluster_and_leaves_it_up(shared):
     assert not (work / "attached-1" / "cluster.json").exists()
     found = wait_for(lambda: (s := status(shared))["free_slots"] == ADAPTERS - 1 and s, 60, "slots released")
     assert found["healthy"] and found["attached_runs"] == []
-    assert json.loads((shared["dir"] / "run-keys.json").read_text()) == {}
+    assert json.loads(keys.read_text()) == {}
 
 
 def test_a_killed_cluster_is_named_and_the_run_resumes_on_the_restarted_one(shared):
