@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 from prefect import flow
 from prefect.concurrency.sync import concurrency
@@ -178,10 +178,14 @@ def _run(cfg: RunConfig, data, done: Progress, began: float) -> RunReport:
     """The steps after pre-flight, the report, and the run's verdict."""
     log = get_logger()
     launcher = get_launcher(cfg)
+    # What the run is after its shared cluster failed it, with `cluster_fallback` own: a run of its own, with a
+    # database of its own (SQLite in its state directory; a database it was given is the shared cluster's).
+    own = cfg.model_copy(update={"cluster": None, "cluster_fallback": "wait", "database_url": None})
     if cfg.cluster:
         cfg = named.attached_config(cfg)  # checkpoints it imports are registered in the cluster's database
     error = None
-    with cluster_slots(cfg):
+    with ExitStack() as slots:
+        slots.enter_context(cluster_slots(cfg))
         for attempt in range(cfg.train_retries + 1):
             handle = None
             try:
@@ -208,6 +212,13 @@ def _run(cfg: RunConfig, data, done: Progress, began: float) -> RunReport:
             if error is None:
                 break
             _note_resume_point(cfg, done)
+            if cfg.cluster and cfg.cluster_fallback == "own":
+                # The shared cluster failed this run (released above, never touched again): from here on the run
+                # has a cluster of its own, in its own database, and holds slots for it as such a run does.
+                log.warning(f"run {cfg.run_id}: leaving cluster {cfg.cluster} (cluster_fallback own); the retry "
+                            f"starts a cluster of its own")
+                cfg = own
+                slots.enter_context(cluster_slots(cfg))
     if error is None and done.restore and not done.restore.passed:
         error = "checks failed: " + "; ".join(done.restore.failed_checks)
     if error is None and done.restore and done.restore.passed and cfg.export:

@@ -38,6 +38,8 @@ def cli_env(monkeypatch):
         (["--run-id", "../x"], "run_id"),
         (["--lora-rank", "0"], "lora_rank"),
         (["--processes", "two"], "processes"),
+        (["--cluster-fallback", "own"], "cluster_fallback own applies to a run attached to a shared cluster"),
+        (["--cluster", "warm", "--cluster-fallback", "fresh"], "cluster_fallback"),
     ],
 )
 def test_cli_rejects_invalid_options_with_exit_2_before_any_run(capsys, cli_env, tmp_path, options, names):

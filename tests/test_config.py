@@ -285,6 +285,19 @@ def test_client_python_belongs_to_custom_mode():
     assert RunConfig(mode="custom", client="c.py", client_python="/venv/bin/python").client_python == "/venv/bin/python"
 
 
+def test_an_attached_run_waits_for_its_cluster_unless_told_to_fall_back_to_its_own():
+    assert RunConfig(cluster="warm").cluster_fallback == "wait"
+    assert RunConfig(cluster="warm", cluster_fallback="own").cluster_fallback == "own"
+    assert "'wait' or 'own'" in error_text(cluster="warm", cluster_fallback="fresh")
+
+
+def test_falling_back_to_a_cluster_of_its_own_needs_a_shared_cluster_and_a_retry():
+    assert "applies to a run attached to a shared cluster" in error_text(cluster_fallback="own")
+    assert "set train_retries to 1 or more" in error_text(cluster="warm", cluster_fallback="own", train_retries=0)
+    # Waiting is what a run without a shared cluster never does, and the default: no error.
+    assert RunConfig(train_retries=0).cluster_fallback == "wait"
+
+
 @pytest.mark.parametrize("field, value", [("mode", "dpo"), ("loss", "reinforce")])
 def test_unknown_mode_or_loss_is_rejected(field, value):
     assert field in error_text(**{field: value})

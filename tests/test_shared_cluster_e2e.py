@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.helpers import new_prefect_home, run_txflow, txflow_cmd
+from tests.helpers import alive_pids, new_prefect_home, run_txflow, txflow_cmd
 
 pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(5)]
 
@@ -223,31 +223,39 @@ def test_a_run_cancelled_beside_another_is_released_at_once_and_the_other_trains
     assert json.loads(keys.read_text()) == {}
 
 
-def test_a_killed_cluster_is_named_and_the_run_resumes_on_the_restarted_one(shared):
+def test_a_killed_cluster_is_named_and_each_run_retries_where_it_was_told(shared, reaper):
+    """The cluster is killed under two attached runs. Each names it within seconds. The one told to fall back
+    to a cluster of its own (`--cluster-fallback own`) resumes from its last committed state on a fresh cluster
+    of its own while the shared one stays dead, passes, and stops that cluster; the other (the default, `wait`)
+    resumes on the shared cluster once it is started again, and passes."""
     work, env = shared["work"], shared["env"]
-    state = work / "survivor"
-    run = subprocess.Popen(txflow_cmd("run", "sft", "--base-model", "tiny", "--cluster", NAME, "--steps", "40",
-                                      "--save-every", "5", "--run-id", "survivor", "--checkpoints",
-                                      str(work / "ckpt"), "--state-dir", str(state), "--no-export",
-                                      "--startup-timeout", "240", "--json"),
-                           env=env, cwd=work, stdout=subprocess.PIPE, stderr=open(work / "survivor.log", "w"),
-                           text=True)
+    waits = start_run(shared, "survivor", "--steps", "40", "--startup-timeout", "600")
+    own = start_run(shared, "on-its-own", "--steps", "40", "--cluster-fallback", "own", "--processes", "1",
+                    "--startup-timeout", "120")
+    reaper.watch(work / "on-its-own")  # the cluster of its own, should the run leave it behind
     try:
-        metrics = state / "metrics.jsonl"
-        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 7, 300, "step 7")
+        wait_for(lambda: min(steps_done(shared, "survivor"), steps_done(shared, "on-its-own")) >= 7, 300, "step 7")
         holder = shared["holders"][-1]
         holder.send_signal(signal.SIGKILL)  # the cluster's processes die with their holder
         killed_at = time.time()
         holder.wait(timeout=30)
+        own_out, _ = own.communicate(timeout=600)
+        assert not status(shared)["healthy"]  # it passed with the shared cluster dead throughout
         shared["holders"].append(start_cluster(env, work, work / "up-again.log"))
-        out, _ = run.communicate(timeout=600)
+        waits_out, _ = waits.communicate(timeout=600)
     finally:
-        if run.poll() is None:
-            run.kill()
-    assert run.returncode == 0, (work / "survivor.log").read_text()[-3000:]
-    report = json.loads(out)
-    assert report["status"] == "passed"
-    failure = report["failures"][0]
-    assert f"cluster {NAME}" in failure["message"]
-    assert failure["detected_at"] - killed_at < 5
-    assert report["resumed_from_step"] >= 5 and failure["resumed_from_step"] >= 5
+        stop_if_running(waits, own)
+    for run, out, run_id in ((own, own_out, "on-its-own"), (waits, waits_out, "survivor")):
+        assert run.returncode == 0, (work / f"{run_id}.log").read_text()[-3000:]
+        report = json.loads(out)
+        assert report["status"] == "passed"
+        [failure] = report["failures"]
+        assert f"cluster {NAME}" in failure["message"]
+        assert failure["detected_at"] - killed_at < 5
+        assert report["resumed_from_step"] >= 5 and failure["resumed_from_step"] >= 5
+        if run is own:  # its own cluster, stopped by its teardown; the dead shared one released once
+            assert {r["role"] for r in report["cluster"]["ranks"]} >= {"api", "coordinator"}
+            assert alive_pids(work / "on-its-own") == []
+            assert (work / "on-its-own.log").read_text().count("released from cluster") == 1
+        else:
+            assert report["cluster"]["ranks"] == []

@@ -155,6 +155,12 @@ class RunConfig(BaseModel, extra="forbid"):
         description="Attach to the long-lived cluster of this name (`txflow cluster up NAME`) instead of starting "
         "one: the run gets a key of its own there, trains its adapter beside other runs' and, at its end, "
         "releases its adapters and leaves the cluster up. Its base model must be the cluster's.")
+    cluster_fallback: Literal["wait", "own"] = Field(
+        default="wait",
+        description="With `cluster`: where a retry goes after a fault of the shared cluster (it died, say). `wait`: "
+        "attach to it again once it is back up, waiting up to startup_timeout_s; `own`: start a fresh cluster of "
+        "the run's own, as a run without `cluster` would (this config's processes, launcher, ...), resume there "
+        "from the last committed state, and stop it at the end. Each retry counts against train_retries.")
     ray_address: str | None = Field(
         default=None,
         description="ray: address of an existing Ray cluster (host:port). Default: the RAY_ADDRESS environment "
@@ -356,6 +362,11 @@ class RunConfig(BaseModel, extra="forbid"):
         if self.cluster and self.mode == "custom":
             raise ValueError("custom mode cannot attach to a shared cluster (--cluster): its client's checkpoints "
                              "could not be told apart from other runs' there; run it on a cluster of its own")
+        if self.cluster_fallback == "own" and not self.cluster:
+            raise ValueError("cluster_fallback own applies to a run attached to a shared cluster (--cluster NAME); "
+                             "a run without one always retries on a fresh cluster of its own")
+        if self.cluster_fallback == "own" and self.train_retries == 0:
+            raise ValueError("cluster_fallback own takes effect on a retry: set train_retries to 1 or more")
         if self.cluster is not None and not re.fullmatch(RUN_ID_PATTERN, self.cluster):
             raise ValueError(f"cluster {self.cluster!r} must be 1-64 letters, digits, '-' or '_' (a directory "
                              f"name)")
