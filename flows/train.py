@@ -6,7 +6,9 @@ prune-checkpoints (keep_last), the approval (approve) and promote
 
 A cluster fault (a rank that dies, a request without progress for
 `step_timeout_s`) tears the cluster down and continues on a freshly
-provisioned one, up to `train_retries` times. A retry redoes only what the
+provisioned one, up to `train_retries` times (a run attached to a shared
+cluster attaches again once that is back up, or, with `cluster_fallback` own,
+provisions a cluster of its own). A retry redoes only what the
 fault interrupted: training resumes from the last durable step, a fault after
 training resumes at the failed step from the committed final state, and a
 custom client (which only knows how to start) runs again. Every such failure,

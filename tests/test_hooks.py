@@ -76,3 +76,24 @@ def test_the_hook_stops_the_cluster_when_prefect_masked_the_run_secrets(tmp_path
     with temporary_settings(updates={PREFECT_LOGGING_TO_API_ENABLED: False}):
         _stop_cluster_hook(train_flow, flow_run, Crashed())
     assert not any(is_alive(r["pid"], r["start_time"]) for r in records)
+
+
+def test_the_hook_of_a_run_that_fell_back_to_its_own_cluster_stops_it_and_revokes_its_shared_key(
+        tmp_path, caplog, reaper, monkeypatch):
+    # With `cluster_fallback` own the run's parameters still name the shared cluster, while the processes to stop
+    # are those of the cluster of its own, recorded in its state directory.
+    state = reaper.watch(tmp_path / "state")
+    subprocess.run([sys.executable, "-c", FLOW_PROCESS, str(state)], check=True, timeout=60)
+    records = json.loads((state / "cluster.json").read_text())["processes"]
+    monkeypatch.setenv("TXFLOW_CLUSTERS_DIR", str(tmp_path / "clusters"))
+    (tmp_path / "clusters" / "warm").mkdir(parents=True)
+    keys = tmp_path / "clusters" / "warm" / "run-keys.json"
+    keys.write_text(json.dumps({"digest-of-its-key": "hooked", "digest-of-another": "neighbour"}))
+    flow_run = FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="fell-back-run",
+                       parameters={"config": {"mode": "sft", "run_id": "hooked", "state_dir": str(state),
+                                              "cluster": "warm", "cluster_fallback": "own"}})
+    caplog.set_level(logging.INFO)
+    with temporary_settings(updates={PREFECT_LOGGING_TO_API_ENABLED: False}):
+        _stop_cluster_hook(train_flow, flow_run, Cancelling())
+    assert not any(is_alive(r["pid"], r["start_time"]) for r in records)
+    assert json.loads(keys.read_text()) == {"digest-of-another": "neighbour"}

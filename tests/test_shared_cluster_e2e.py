@@ -1,7 +1,7 @@
 """One warm cluster, many runs (issue 34), on one real toy cluster that every test here shares:
 `txflow cluster up/status/down`, runs that attach (`--cluster`) and leave it up, two runs' keys kept
-apart on the real API, a neighbour's bad request and its failed client, and, last, the cluster killed
-under an attached run, which resumes on the restarted one."""
+apart on the real API, a neighbour's bad request, its failed client and its cancellation, and, last, the
+cluster killed under two attached runs: one resumes on a cluster of its own, the other on the restarted one."""
 
 from __future__ import annotations
 
