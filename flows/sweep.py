@@ -33,6 +33,15 @@ from txflow.reporting import sweep as ranking
 SLOTS_PER_MEMBER = 3
 
 
+class SweepFailed(RuntimeError):
+    """No member passed: the sweep has nothing to choose (its flow run fails); the ranking says why each failed."""
+
+    def __init__(self, result: dict):
+        super().__init__(f"sweep {result['sweep_id']}: no member passed ({len(result['members'])} failed); "
+                         f"ranking {result['ranking_file']}")
+        self.result = result
+
+
 def new_sweep_id(mode: str) -> str:
     return f"sweep-{mode}-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
@@ -42,7 +51,8 @@ def sweep_flow(config: RunConfig = RunConfig(), learning_rates: list[float] | No
                lora_ranks: list[int] | None = None, sweep_id: str | None = None,
                promote_best_as: str | None = None) -> dict:
     """Train every point of the grid side by side on one cluster (`config.cluster`, or one started for the
-    sweep), rank them, and promote the best that passed as `promote_best_as` when given."""
+    sweep), rank them, and promote the best that passed as `promote_best_as` when given. The flow run fails
+    only when no member passed (SweepFailed); a member that failed is in the ranking."""
     sweep_id = sweep_id or new_sweep_id(config.mode)
     with private_files():
         members = members_of(config, learning_rates or [], lora_ranks or [], sweep_id)
@@ -128,6 +138,8 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
     _publish(sweep_id, result)
     log.info(f"sweep {sweep_id}: best {result['best']}; failed: {', '.join(result['failed']) or 'none'}; "
              f"ranking {result['ranking_file']}")
+    if result["best"] is None:
+        raise SweepFailed(result)
     return result
 
 

@@ -393,13 +393,16 @@ def sweep_cmd(args) -> int:
 
     print(f"txflow: sweep {sweep_id}, state directory {config.state_dir}", file=sys.stderr)
     with embedded_prefect.server(config.state_dir) as prefect_server:
-        from flows.sweep import sweep_flow
+        from flows.sweep import SweepFailed, sweep_flow
 
         if prefect_server is not None:
             prefect_server.wait_ready()
-        result = sweep_flow(config=config, learning_rates=grid.get("learning_rate"),
-                            lora_ranks=grid.get("lora_rank"), sweep_id=sweep_id,
-                            promote_best_as=extra.get("promote_best_as"))
+        try:
+            result = sweep_flow(config=config, learning_rates=grid.get("learning_rate"),
+                                lora_ranks=grid.get("lora_rank"), sweep_id=sweep_id,
+                                promote_best_as=extra.get("promote_best_as"))
+        except SweepFailed as failed:
+            result = failed.result
     if args.json:
         print(json.dumps(result, indent=2))
     for row in result["members"]:
