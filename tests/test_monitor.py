@@ -308,3 +308,20 @@ def test_an_error_raised_while_a_rank_is_dead_is_that_death(two_ranks):
         assert died.value.failure.rank == 1 and died.value.failure.abandoned_at is not None
     finally:
         handle.monitor.stop()
+
+
+def test_a_session_opened_on_a_cluster_whose_process_died_is_abandoned_as_that_death(tmp_path):
+    # Seen when a shared cluster was killed under a run: with its API gone, the SDK's ServiceClient retried
+    # for ~60 s before it failed, and only then did the run retry.
+    cluster = make_cluster(tmp_path)  # its API port (1) answers nothing
+    cluster.processes = [ProcessRecord(role=role, rank=rank, pid=pid, pgid=pid, host="127.0.0.1", log="")
+                         for role, rank, pid in (("coordinator", 0, 10**7), ("worker", 1, 10**7 + 1))]
+    launcher = DeadRankLauncher()
+    handle = ClusterHandle(cluster=cluster, launcher=launcher,
+                           monitor=RankMonitor(cluster, launcher, interval_s=0.01).start())
+    try:
+        with pytest.raises(RankDied) as died:
+            handle.service_client(timeout_s=600)
+        assert died.value.failure.rank == 1
+    finally:
+        handle.monitor.stop()

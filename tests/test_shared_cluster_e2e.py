@@ -156,15 +156,19 @@ def test_each_runs_key_opens_only_its_own_work_and_release_frees_it(shared):
     assert status(shared)["healthy"] and status(shared)["attached_runs"] == []
 
 
-def start_run(shared, run_id: str, *args: str) -> subprocess.Popen:
+def start_run(shared, run_id: str, *args: str, hold_at: str = "") -> subprocess.Popen:
     """`txflow run sft` attached to the shared cluster, in the background; its report on stdout, its log in
-    `<work>/<run_id>.log`, its state in `<work>/<run_id>/`."""
+    `<work>/<run_id>.log`, its state in `<work>/<run_id>/`; `hold_at`: a hold point (txflow.processes.holds) it
+    stops at, its files in `<work>/<run_id>-holds/`."""
     work = shared["work"]
+    holds = work / f"{run_id}-holds"
+    holds.mkdir(exist_ok=True)
+    env = shared["env"] | {"TXFLOW_HOLD_AT": hold_at, "TXFLOW_HOLD_DIR": str(holds)}
     with open(work / f"{run_id}.log", "w") as log:
         return subprocess.Popen(txflow_cmd("run", "sft", "--base-model", "tiny", "--cluster", NAME, "--run-id", run_id,
                                            "--checkpoints", str(work / "ckpt"), "--state-dir", str(work / run_id),
                                            "--no-export", "--json", *args),
-                                env=shared["env"], cwd=work, stdout=subprocess.PIPE, stderr=log, text=True)
+                                env=env, cwd=work, stdout=subprocess.PIPE, stderr=log, text=True)
 
 
 def steps_done(shared, run_id: str) -> int:
@@ -194,22 +198,23 @@ def test_a_run_cancelled_beside_another_is_released_at_once_and_the_other_trains
         wait_for(lambda: steps_done(shared, "cancelled") >= 2, 300, "the first run training")
         theirs = set(named.loaded_models(db))  # it is alone on the cluster: every model loaded is its own
         assert theirs
-        survivor = start_run(shared, "attached-1", "--steps", "40")
-        wait_for(lambda: steps_done(shared, "attached-1") >= 2, 300, "the second run training beside it")
-        at_cancel = steps_done(shared, "attached-1")
+        # The other run, held after its step 2 until the cancel is over: every step after that is trained beside
+        # the cancelled run's remains, if any.
+        survivor = start_run(shared, "attached-1", "--steps", "8", hold_at="train-step-2")
+        held = work / "attached-1-holds" / "train-step-2.held"
+        wait_for(lambda: held.exists() or survivor.poll() is not None, 300, "the second run training beside it")
+        assert survivor.poll() is None, (work / "attached-1.log").read_text()[-3000:]
         cancelled.send_signal(signal.SIGTERM)
         assert cancelled.wait(timeout=90) != 0
-        at_exit = steps_done(shared, "attached-1")
         # Released by its own teardown: the engine would free its slot only 120-180 s after its last heartbeat.
         wait_for(lambda: not theirs & set(named.loaded_models(db)), 15, "the cancelled run's models unloaded")
         assert "cancelled" not in json.loads(keys.read_text()).values()
         found = status(shared)
         assert found["healthy"] and found["attached_runs"] == ["attached-1"]
+        (work / "attached-1-holds" / "train-step-2.release").touch()
         out, _ = survivor.communicate(timeout=600)
     finally:
         stop_if_running(cancelled, survivor)
-    print(f"the other run had trained {at_cancel} steps at the cancel, {at_exit} when the cancelled run exited")
-    assert at_cancel < 40
     assert survivor.returncode == 0, (work / "attached-1.log").read_text()[-3000:]
     report = json.loads(out)
     assert report["status"] == "passed" and report["restore"]["passed"] and report["failures"] == []
@@ -275,16 +280,26 @@ def test_a_killed_cluster_is_named_and_each_run_retries_where_it_was_told(shared
     of its own while the shared one stays dead, passes, and stops that cluster; the other (the default, `wait`)
     resumes on the shared cluster once it is started again, and passes."""
     work, env = shared["work"], shared["env"]
-    waits = start_run(shared, "survivor", "--steps", "40", "--startup-timeout", "600")
-    own = start_run(shared, "on-its-own", "--steps", "40", "--cluster-fallback", "own", "--processes", "1",
-                    "--startup-timeout", "120")
+    # Both held after step 7 (its state of step 5 committed) while the cluster is killed, then let go.
+    runs = {"survivor": start_run(shared, "survivor", "--steps", "16", "--startup-timeout", "600",
+                                  hold_at="train-step-7"),
+            "on-its-own": start_run(shared, "on-its-own", "--steps", "16", "--cluster-fallback", "own",
+                                    "--processes", "1", "--startup-timeout", "120", hold_at="train-step-7")}
+    waits, own = runs["survivor"], runs["on-its-own"]
     reaper.watch(work / "on-its-own")  # the cluster of its own, should the run leave it behind
     try:
-        wait_for(lambda: min(steps_done(shared, "survivor"), steps_done(shared, "on-its-own")) >= 7, 300, "step 7")
+        for run_id, run in runs.items():
+            held = work / f"{run_id}-holds" / "train-step-7.held"
+            wait_for(lambda held=held, run=run: held.exists() or run.poll() is not None, 300, f"{run_id} at step 7")
+            assert run.poll() is None, (work / f"{run_id}.log").read_text()[-3000:]
         holder = shared["holders"][-1]
         holder.send_signal(signal.SIGKILL)  # the cluster's processes die with their holder
         killed_at = time.time()
+        for run_id in runs:
+            (work / f"{run_id}-holds" / "train-step-7.release").touch()
         holder.wait(timeout=30)
+        # Its retry starts its own cluster at once: it does not sit on what it had in flight on the dead one.
+        wait_for(lambda: (work / "on-its-own" / "cluster.json").exists(), 30, "a cluster of its own started")
         own_out, _ = own.communicate(timeout=600)
         assert not status(shared)["healthy"]  # it passed with the shared cluster dead throughout
         shared["holders"].append(start_cluster(env, work, work / "up-again.log"))
@@ -298,7 +313,7 @@ def test_a_killed_cluster_is_named_and_each_run_retries_where_it_was_told(shared
         [failure] = report["failures"]
         assert f"cluster {NAME}" in failure["message"]
         assert failure["detected_at"] - killed_at < 5
-        assert report["resumed_from_step"] >= 5 and failure["resumed_from_step"] >= 5
+        assert report["resumed_from_step"] == failure["resumed_from_step"] == 5
         if run is own:  # its own cluster, stopped by its teardown; the dead shared one released once
             assert {r["role"] for r in report["cluster"]["ranks"]} >= {"api", "coordinator"}
             assert alive_pids(work / "on-its-own") == []

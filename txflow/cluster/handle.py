@@ -17,6 +17,7 @@ from txflow.cluster.monitor import ClusterFault, NoProgress, RankDied, RankMonit
 from txflow.cluster.records import Cluster, ProcessRecord
 
 WAIT_THREADS = 4
+OPEN_TIMEOUT_S = 120.0  # a session opens in well under a second on a live API
 
 
 def _concurrent_future(future) -> Future | None:
@@ -50,12 +51,15 @@ class ClusterHandle:
         """A handle whose monitor watches every process the cluster has or will get."""
         return cls(cluster=cluster, launcher=launcher, monitor=RankMonitor(cluster, launcher).start())
 
-    def service_client(self):
-        """A Tinker ServiceClient for this cluster's API (never the hosted default); `close` closes it."""
+    def service_client(self, timeout_s: float = OPEN_TIMEOUT_S):
+        """A Tinker ServiceClient for this cluster's API (never the hosted default); `close` closes it. Opening
+        its session is abandoned at a death like any wait on the cluster: against an API that is gone (a
+        shared cluster killed) the SDK retries for about a minute before it gives up."""
         from txflow.upstream.tinker_sdk import tinker
 
-        client = tinker.ServiceClient(base_url=self.cluster.base_url,
-                                      api_key=self.cluster.api_key.get_secret_value())
+        client = self.call(lambda: tinker.ServiceClient(base_url=self.cluster.base_url,
+                                                        api_key=self.cluster.api_key.get_secret_value()),
+                           "opening a Tinker session", timeout_s)
         self.clients.append(client)
         self.sessions.append(client.holder.get_session_id())
         return client

@@ -99,7 +99,8 @@ def live_reference(mode: str, handle: ClusterHandle, training_client, data, time
     prompts = eval_prompts(mode, data)
     live_sampler = clients.sampling_client_of(handle, training_client, timeout_s)
     tokens = greedy_tokens(live_sampler, prompts, handle, timeout_s, seed)
-    base_sampler = handle.service_client().create_sampling_client(base_model=handle.cluster.base_model_path)
+    base_sampler = handle.call(lambda: handle.service_client(timeout_s).create_sampling_client(
+        base_model=handle.cluster.base_model_path), "opening a base-model sampler", timeout_s)
     base_tokens = greedy_tokens(base_sampler, prompts, handle, timeout_s, seed)
     examples = data.eval if mode == "sft" else rollout_examples(prompts, tokens)
     return LiveReference(eval_loss=eval_loss(training_client, examples, handle, timeout_s), greedy_tokens=tokens,
