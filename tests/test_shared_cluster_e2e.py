@@ -317,6 +317,7 @@ def test_a_killed_cluster_is_named_and_each_run_retries_where_it_was_told(shared
         if run is own:  # its own cluster, stopped by its teardown; the dead shared one released once
             assert {r["role"] for r in report["cluster"]["ranks"]} >= {"api", "coordinator"}
             assert alive_pids(work / "on-its-own") == []
+            assert (work / "on-its-own" / "tinker.db").exists()  # its own database, not the shared cluster's
             assert (work / "on-its-own.log").read_text().count("released from cluster") == 1
         else:
             assert report["cluster"]["ranks"] == []
