@@ -279,6 +279,8 @@ def test_a_killed_cluster_is_named_and_each_run_retries_where_it_was_told(shared
     to a cluster of its own (`--cluster-fallback own`) resumes from its last committed state on a fresh cluster
     of its own while the shared one stays dead, passes, and stops that cluster; the other (the default, `wait`)
     resumes on the shared cluster once it is started again, and passes."""
+    from txflow.cluster import named
+
     work, env = shared["work"], shared["env"]
     # Both held after step 7 (its state of step 5 committed) while the cluster is killed, then let go.
     runs = {"survivor": start_run(shared, "survivor", "--steps", "16", "--startup-timeout", "600",
@@ -317,7 +319,9 @@ def test_a_killed_cluster_is_named_and_each_run_retries_where_it_was_told(shared
         if run is own:  # its own cluster, stopped by its teardown; the dead shared one released once
             assert {r["role"] for r in report["cluster"]["ranks"]} >= {"api", "coordinator"}
             assert alive_pids(work / "on-its-own") == []
-            assert (work / "on-its-own" / "tinker.db").exists()  # its own database, not the shared cluster's
+            # Its models live in a database of its own: the shared cluster's is no place for a second engine.
+            model = report["checkpoints"]["state"]["tinker_path"].removeprefix("tinker://").split("/")[0]
+            assert model in named.loaded_models(f"sqlite:///{work / 'on-its-own' / 'tinker.db'}", unloading=None)
             assert (work / "on-its-own.log").read_text().count("released from cluster") == 1
         else:
             assert report["cluster"]["ranks"] == []
