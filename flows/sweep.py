@@ -120,12 +120,18 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
         with lock:
             reports[cfg.run_id] = report
 
+    pool = ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="txflow-sweep")
+    futures = []
     try:
-        with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="txflow-sweep") as pool:
-            # Each member runs as a subflow of the sweep (the copied context carries the parent flow run).
-            for future in [pool.submit(contextvars.copy_context().run, member, m) for m in members]:
-                future.result()
+        # Each member runs as a subflow of the sweep (the copied context carries the parent flow run).
+        futures = [pool.submit(contextvars.copy_context().run, member, m) for m in members]
+        for future in futures:
+            future.result()
+    except BaseException:  # Ctrl-C, SIGTERM (`txflow sweep` turns it into KeyboardInterrupt)
+        _stop_members(name, members, futures, pool)
+        raise
     finally:
+        pool.shutdown(wait=False)
         if handle is not None:
             named.stop(handle, name)
     result = ranking.ranking(members, reports, errors)
@@ -141,6 +147,24 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
     if result["best"] is None:
         raise SweepFailed(result)
     return result
+
+
+def _stop_members(name: str, members: list[RunConfig], futures: list, pool: ThreadPoolExecutor,
+                  timeout_s: float = 60.0) -> None:
+    """The sweep was interrupted: its members, threads of this process, cannot be killed, so their keys are
+    taken from the cluster, again until they end (one attaching late gets its key taken too). Each member's
+    next request gets 403, it fails and tears its part down; members not begun never begin."""
+    log = get_logger()
+    log.warning(f"sweep interrupted: stopping its {len(members)} runs on cluster {name}")
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for member in members:
+            named.revoke(name, member.run_id)
+        if all(f.done() for f in futures):
+            return
+        time.sleep(0.5)
+    log.warning(f"sweep interrupted: some runs still running after {timeout_s:.0f} s; leaving them")
 
 
 def _publish(sweep_id: str, result: dict) -> None:
