@@ -338,8 +338,10 @@ NAMED = "warm-ray"
 
 def named_env(env: dict, states: Path) -> dict:
     """A driver's environment for named clusters: their directories under `states`, so that node 1 sees its own
-    empty disk there (rank 1's log is on it) as it would on another machine."""
-    return env | {"TXFLOW_CLUSTERS_DIR": str(states / "clusters"), "PYTHONUNBUFFERED": "1"}
+    empty disk there (rank 1's log is on it) as it would on another machine. No RAY_ADDRESS: `up` is given
+    --ray-address, and status, down and attached runs find Ray from the cluster's record."""
+    return {k: v for k, v in env.items() if k != "RAY_ADDRESS"} | {"TXFLOW_CLUSTERS_DIR": str(states / "clusters"),
+                                                                   "PYTHONUNBUFFERED": "1"}
 
 
 def named_up(cluster, env: dict, work: Path, states: Path) -> subprocess.Popen:

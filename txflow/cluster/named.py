@@ -263,7 +263,7 @@ def _actors_say_alive(cluster: Cluster) -> bool:
     launcher = get_launcher(cluster=cluster)
     try:
         return all(launcher.exit_code(p) is None for p in cluster.processes)
-    except LostProcess:
+    except (LostProcess, ConnectionError):  # a rank's actor gone, or Ray itself
         return False
 
 
