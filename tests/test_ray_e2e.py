@@ -443,6 +443,7 @@ def test_a_ray_rank_death_under_an_attached_run_is_named_and_status_says_unhealt
         assert run_code == 1 and report["status"] == "failed", text[-4000:]
         failure = report["failures"][0]
         assert (failure["rank"], failure["exit_code"]) == (1, -signal.SIGKILL), failure
+        print(f"rank 1 SIGKILLed: named by the attached run after {failure['detected_at'] - killed_at:.2f} s")
         assert 0 <= failure["detected_at"] - killed_at < 2, failure
         assert f"dead process detected: rank 1 (worker), pid {worker['pid']}, was killed by signal 9" in text
         assert holder.wait(timeout=60) == 1  # it stopped the cluster because of that death
