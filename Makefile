@@ -49,7 +49,9 @@ clean:
 # on the toy (target <= 1.05) and on SmolLM2-135M, whose engine step is also compared with a plain
 # transformers + peft step (target <= 1.0); `txflow run rl`'s step versus the cookbook's RL loop by
 # hand (target <= 1.05); the demo with its export versus without (target <= 1.15); Ray start-up versus
-# local (target <= 1.2; needs root).
+# local (target <= 1.2; needs root); 4 toy SFT runs as a sweep on one
+# shared cluster versus each with its own cluster, one after another (target <= 0.4), and the per-step
+# time of one adapter alone versus four side by side.
 bench: $(STAMP)
 	$(BIN)/python scripts/bench_discovery.py --objects 10000
 	$(BIN)/python scripts/bench_flow.py
@@ -57,3 +59,4 @@ bench: $(STAMP)
 	$(BIN)/python scripts/bench_flow.py --base-model smollm2-135m --plain --steps 10 --cache off --long-steps 0
 	$(BIN)/python scripts/bench_export.py
 	$(BIN)/python scripts/bench_ray_startup.py
+	$(BIN)/python scripts/bench_shared.py

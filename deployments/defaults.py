@@ -29,11 +29,18 @@ NIGHTLY_RL = {"mode": "rl", "base_model": SMOLLM2_MODEL, "steps": 8, "save_every
 # run is cancelled; slots for a sweep of 4 and a few runs more.
 CLUSTER = {"lora_adapters": 32}
 
+# sweep/lr: the default SFT run at three learning rates around the real model's default (1.32e-3, the cookbook's
+# rule), side by side on one cluster started for the sweep; the best that passed is promoted as `sweep-best`.
+SWEEP = {"mode": "sft"}
+SWEEP_GRID = {"learning_rates": [4e-4, 1.32e-3, 4e-3], "promote_best_as": "sweep-best"}
+
 # What `{{ defaults.<key> }}` in prefect.yaml stands for.
 CONFIGS: dict[str, dict] = {"sft": SFT, "rl": RL, "nightly_sft": NIGHTLY_SFT, "nightly_rl": NIGHTLY_RL,
-                            "cluster": CLUSTER}
+                            "cluster": CLUSTER, "sweep": SWEEP}
 
 
-def deployment_parameters() -> dict[str, dict]:
-    """prefect.yaml build step (id `defaults`): `{{ defaults.sft }}` is the dict `SFT`, and so on."""
-    return {key: dict(value) for key, value in CONFIGS.items()}
+def deployment_parameters() -> dict:
+    """prefect.yaml build step (id `defaults`): `{{ defaults.sft }}` is the dict `SFT`, and so on; the sweep's
+    grid is `{{ defaults.sweep_learning_rates }}` and `{{ defaults.sweep_promote_best_as }}`."""
+    return {**{key: dict(value) for key, value in CONFIGS.items()},
+            **{f"sweep_{key}": value for key, value in SWEEP_GRID.items()}}

@@ -39,16 +39,20 @@ def test_every_deployment_parameter_is_a_valid_run_config():
 
     spec = _prefect_yaml()
     params = _resolved_parameters(spec)
-    assert set(params) == {"sft", "rl", "nightly", "warm"}
+    assert set(params) == {"sft", "rl", "nightly", "warm", "lr"}
     for name, deployment_params in params.items():
         raw = next(d["parameters"] for d in spec["deployments"] if d["name"] == name)
         assert set(deployment_params) == set(raw), f"{name}: a template did not resolve: {raw}"
         for key, value in deployment_params.items():
-            if (name, key) == ("warm", "name"):
+            if (name, key) in {("warm", "name"), ("lr", "learning_rates"), ("lr", "promote_best_as")}:
                 continue
             assert isinstance(value, dict), f"{name}.{key} is {value!r}"
             RunConfig.model_validate(value)
     assert RunConfig.model_validate(params["sft"]["config"]).mode == "sft"
+    # The sweep's grid resolves to what the sweep flow takes: a list of floats around the real model's default.
+    sweep = params["lr"]
+    assert sweep["learning_rates"] == [4e-4, 1.32e-3, 4e-3] and sweep["promote_best_as"] == "sweep-best"
+    assert RunConfig.model_validate(sweep["config"]).base_model == "smollm2-135m"
     assert RunConfig.model_validate(params["rl"]["config"]).mode == "rl"
     assert RunConfig.model_validate(params["warm"]["config"]).lora_adapters == 32
     nightly = {k: RunConfig.model_validate(v) for k, v in params["nightly"].items()}
@@ -65,6 +69,6 @@ def test_prefect_yaml_is_portable():
     entrypoints = {d["name"]: d["entrypoint"] for d in spec["deployments"]}
     assert entrypoints == {"sft": "flows/train.py:train_flow", "rl": "flows/train.py:train_flow",
                            "nightly": "deployments/nightly.py:nightly_validation",
-                           "warm": "flows/cluster.py:cluster_flow"}
+                           "warm": "flows/cluster.py:cluster_flow", "lr": "flows/sweep.py:sweep_flow"}
     assert all((REPO / e.split(":")[0]).is_file() for e in entrypoints.values())
     assert {d["work_pool"]["name"] for d in spec["deployments"]} == {"txflow"}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -32,7 +33,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(1)]
 
 REPO = Path(__file__).resolve().parents[1]
 RUN_DEADLINE_S = 600
-DEPLOYMENTS = {"train/sft", "train/rl", "nightly-validation/nightly"}
+DEPLOYMENTS = {"train/sft", "train/rl", "nightly-validation/nightly", "sweep/lr"}
 UUID_RE = re.compile(r"UUID: ([0-9a-f-]{36})")
 
 
@@ -258,7 +259,7 @@ def _flow_run_logs(server: Server, flow_run_id: str) -> list[str]:
 
 
 def test_deployments_on_the_server(server, deployed):
-    from deployments.defaults import CONFIGS
+    from deployments.defaults import CONFIGS, SWEEP_GRID
 
     with api(server) as client:
         deployments = {name: client.read_deployment_by_name(name) for name in DEPLOYMENTS}
@@ -273,6 +274,7 @@ def test_deployments_on_the_server(server, deployed):
     assert deployments["train/rl"].parameters == {"config": CONFIGS["rl"]}
     assert deployments["nightly-validation/nightly"].parameters == {"sft": CONFIGS["nightly_sft"],
                                                                     "rl": CONFIGS["nightly_rl"]}
+    assert deployments["sweep/lr"].parameters == {"config": CONFIGS["sweep"], **SWEEP_GRID}
     # The UI form: RunConfig's fields, typed, with the model's descriptions.
     for name, params, extra in (("train/sft", ["config"], set()),
                                 ("nightly-validation/nightly", ["sft", "rl"], {"modes", "history_root"})):
@@ -545,6 +547,37 @@ def test_nightly_validation_fails_loudly(server, worker, tmp_path, reaper, start
     assert "nightly validation FAILED" in message and "sft run" in message and "rl run" in message, message
     assert "no such directory" in message
 
+
+
+def test_the_sweep_deployment_trains_its_members_as_subflows_and_publishes_the_ranking(server, worker, tmp_path,
+                                                                                         reaper, started_runs):
+    """`sweep/lr` with the tiny model: its own cluster, two members side by side, the ranking artifact on the
+    server, the best promoted, and the cluster stopped when the sweep ends."""
+    sweep_id = f"dsw-{uuid.uuid4().hex[:6]}"
+    clusters = REPO / ".txflow" / "clusters" / sweep_id  # the worker's working directory is the checkout
+    reaper.watch(clusters)
+    config = {"mode": "sft", "base_model": "tiny", "steps": 4, "save_every": 0, "processes": 1, "export": True,
+              "checkpoints": str(tmp_path / "ckpt"), "state_dir": str(tmp_path / "sweep")}
+    try:
+        flow_run_id = _run_deployment(server, "sweep/lr", {"config": config, "learning_rates": [1e-2, 2e-2],
+                                                           "sweep_id": sweep_id}, started_runs)
+        run = _wait_final(server, flow_run_id, worker)
+        assert run.state.is_completed(), f"{run.state.name}: {run.state.message}\n{worker.tail()}"
+        ranking = json.loads((tmp_path / "sweep" / "ranking.json").read_text())
+        members = [f"{sweep_id}-00", f"{sweep_id}-01"]
+        assert sorted(r["run_id"] for r in ranking["members"]) == members and ranking["failed"] == []
+        assert ranking["promoted"]["name"] == "sweep-best" and ranking["promoted"]["run_id"] == ranking["best"]
+        assert f"ranking-{sweep_id}" in _artifacts(server, flow_run_id)
+        with api(server) as client:
+            from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+
+            children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+                parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[uuid.UUID(flow_run_id)])))
+        assert sorted(c.parameters["config"]["run_id"] for c in children) == members
+        assert all(c.state.is_completed() for c in children)
+        assert json.loads((clusters / "serves.json").read_text())["state"] == "down"
+    finally:
+        shutil.rmtree(clusters, ignore_errors=True)
 
 
 def _artifacts(server: Server, flow_run_id: str) -> dict[str, object]:

@@ -174,6 +174,52 @@ def test_an_attached_run_trains_on_the_warm_cluster_and_leaves_it_up(shared):
     assert json.loads((shared["dir"] / "run-keys.json").read_text()) == {}
 
 
+def test_a_sweep_member_over_the_clusters_rank_refuses_the_sweep_before_anything_starts(shared):
+    work = shared["work"]
+    result = run_txflow(["sweep", "sft", "--base-model", "tiny", "--cluster", NAME, "--lora-rank", "8,64",
+                         "--sweep-id", "refused", "--checkpoints", str(work / "ckpt")], shared["env"], work,
+                        timeout=120)
+    assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+        f"txflow: --cluster {NAME} takes LoRA ranks up to 32, not --lora-rank 64"], result.stderr[-3000:]
+    assert not list((work / "ckpt").glob("refused-*")) and not (work / ".txflow" / "sweeps" / "refused").exists()
+
+
+def test_a_sweep_trains_its_members_side_by_side_ranks_them_and_promotes_the_best(shared):
+    """Two members on the shared cluster: one learns, one at a learning rate far too high fails its check,
+    and only itself; the ranking names both, the best is promoted, and every slot and key is freed."""
+    work = shared["work"]
+    result = run_txflow(["sweep", "sft", "--base-model", "tiny", "--cluster", NAME, "--learning-rate", "2e-2,50",
+                         "--steps", "4", "--sweep-id", "sw", "--checkpoints", str(work / "ckpt"), "--state-dir",
+                         str(work / "sweep"), "--promote-best-as", "best", "--json"], shared["env"], work)
+    assert result.returncode == 1, result.stderr[-3000:]  # one member failed
+    ranking = json.loads(result.stdout)
+    assert ranking == json.loads((work / "sweep" / "ranking.json").read_text())
+    rows = {r["run_id"]: r for r in ranking["members"]}
+    assert [r["run_id"] for r in ranking["members"]] == ["sw-00", "sw-01"]
+    good, bad = rows["sw-00"], rows["sw-01"]
+    assert (good["status"], good["rank"], good["learning_rate"]) == ("passed", 1, 2e-2)
+    assert ranking["best"] == "sw-00" and ranking["ranked_by"] == "final_eval_loss" and ranking["failed"] == ["sw-01"]
+    assert (bad["status"], bad["rank"], bad["learning_rate"]) == ("failed", None, 50)
+    assert bad["error"].startswith("checks failed: SFT held-out gain")
+    # Each member is a full run with its own report, checkpoints and proofs; the figures are its report's.
+    reports = {r: json.loads((work / "ckpt" / r / "report.json").read_text()) for r in rows}
+    assert reports["sw-00"]["status"] == "passed" and reports["sw-01"]["status"] == "failed"
+    assert good["figure"] == reports["sw-00"]["restore"]["final_eval_loss"] < reports["sw-00"]["restore"][
+        "base_eval_loss"]
+    assert {reports[r]["learning_rate"] for r in rows} == {2e-2, 50}
+    assert reports["sw-00"]["export"]["passed"] and reports["sw-01"]["export"] is None
+    # The members ran side by side: each started before the other finished.
+    spans = [(r["finished_at"] - r["timings_s"]["total"], r["finished_at"]) for r in reports.values()]
+    assert max(start for start, _ in spans) < min(end for _, end in spans), spans
+    promoted = json.loads(run_txflow(["promoted", str(work / "ckpt"), "best", "--json"], shared["env"], work,
+                                     timeout=60).stdout)["current"]
+    assert promoted["run_id"] == "sw-00" and promoted["sweep"] == {"ranked_by": "final_eval_loss", "members": 2}
+    assert "| 1 | sw-00 | 0.02 | 32 | passed |" in (work / "sweep" / "ranking.md").read_text()
+    found = wait_for(lambda: (s := status(shared))["free_slots"] == ADAPTERS - 1 and s, 60, "slots released")
+    assert found["healthy"] and found["attached_runs"] == []
+    assert json.loads((shared["dir"] / "run-keys.json").read_text()) == {}
+
+
 def test_a_killed_cluster_is_named_and_the_run_resumes_on_the_restarted_one(shared):
     work, env = shared["work"], shared["env"]
     state = work / "survivor"

@@ -130,6 +130,18 @@ def _parser() -> argparse.ArgumentParser:
                        help="prune failed and unfinished runs too (their newest state stays)")
     prune.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     prune.add_argument("--json", action="store_true")
+    sweep = sub.add_parser("sweep", help="train a grid of learning rates and LoRA ranks side by side on one cluster",
+                           argument_default=argparse.SUPPRESS, conflict_handler="resolve")
+    sweep.add_argument("mode", choices=["sft", "rl"])
+    _run_options(RunConfig, sweep)
+    # The grid: the two fields a sweep varies take comma-separated values here (the last flag of a name wins).
+    sweep.add_argument("--learning-rate", dest="learning_rate", metavar="R1,R2,...",
+                       help="learning rates to try, comma-separated")
+    sweep.add_argument("--lora-rank", dest="lora_rank", metavar="K1,K2,...", help="LoRA ranks to try, comma-separated")
+    sweep.add_argument("--sweep-id", dest="sweep_id", help="the sweep's id; members are <sweep-id>-NN")
+    sweep.add_argument("--promote-best-as", dest="promote_best_as", metavar="NAME",
+                       help="promote the exported adapter of the best member that passed under this name")
+    sweep.add_argument("--json", action="store_true", default=False, help="print the ranking as JSON on stdout")
     cluster = sub.add_parser("cluster", help="a long-lived cluster that runs attach to (--cluster NAME)")
     actions = cluster.add_subparsers(dest="action", required=True, parser_class=_Parser)
     up = actions.add_parser("up", help="start the cluster and hold it until `txflow cluster down NAME` (or Ctrl-C)",
@@ -329,6 +341,82 @@ def run(args) -> int:
     return code
 
 
+def sweep_cmd(args) -> int:
+    """`txflow sweep sft|rl --learning-rate A,B --lora-rank K,L ...`: 0 when every member passed, 1 when one
+    failed, 2 on bad input (any member's, before anything starts)."""
+    os.umask(umask.PRIVATE)
+    extra = {k: getattr(args, k) for k in ("sweep_id", "promote_best_as") if hasattr(args, k)}
+    for k in extra:
+        delattr(args, k)
+    grid = {}
+    try:
+        for name, kind in (("learning_rate", float), ("lora_rank", int)):
+            if hasattr(args, name):
+                text = getattr(args, name)
+                delattr(args, name)
+                try:
+                    grid[name] = [kind(v) for v in text.split(",") if v.strip()]
+                except ValueError:
+                    raise ValueError(f"--{name.replace('_', '-')} {text!r}: comma-separated numbers") from None
+        if "promote_best_as" in extra and not re.fullmatch(PROMOTION_NAME_PATTERN, extra["promote_best_as"]):
+            raise ValueError(f"--promote-best-as {extra['promote_best_as']!r} is no promotion name")
+        if "sweep_id" in extra and not re.fullmatch(r"[A-Za-z0-9_-]{1,60}", extra["sweep_id"]):
+            raise ValueError(f"--sweep-id {extra['sweep_id']!r} must be 1-60 letters, digits, '-' or '_'")
+        refused = {"run_id": "a sweep names its runs <sweep-id>-NN: use --sweep-id",
+                   "promote_as": "a sweep promotes its best run: use --promote-best-as",
+                   "approve": "a sweep's runs do not wait for approval"}
+        for field, why in refused.items():
+            if hasattr(args, field):
+                raise ValueError(f"--{field.replace('_', '-')}: {why}")
+        config = RunConfig.model_validate(config_values(args))
+    except ValueError as exc:
+        if isinstance(exc, ValidationError):
+            exc = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+        print(f"txflow: invalid options: {scrub(str(exc))}", file=sys.stderr)
+        return 2
+    from flows.sweep import members_of, new_sweep_id, state_of
+    from txflow.log import register_run_secrets
+
+    register_run_secrets(config)
+    sweep_id = extra.get("sweep_id") or new_sweep_id(config.mode)
+    config = config.model_copy(update={"state_dir": str(state_of(config, sweep_id))})
+    try:
+        members_of(config, grid.get("learning_rate", []), grid.get("lora_rank", []), sweep_id)
+    except ValueError as exc:  # PreflightError included: one member's bad input refuses the sweep
+        if isinstance(exc, ValidationError):
+            exc = "invalid options: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
+                                                  for e in exc.errors())
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    from txflow.cluster import embedded_prefect
+
+    print(f"txflow: sweep {sweep_id}, state directory {config.state_dir}", file=sys.stderr)
+    with embedded_prefect.server(config.state_dir) as prefect_server:
+        from flows.sweep import SweepFailed, sweep_flow
+
+        if prefect_server is not None:
+            prefect_server.wait_ready()
+        try:
+            result = sweep_flow(config=config, learning_rates=grid.get("learning_rate"),
+                                lora_ranks=grid.get("lora_rank"), sweep_id=sweep_id,
+                                promote_best_as=extra.get("promote_best_as"))
+        except SweepFailed as failed:
+            result = failed.result
+    if args.json:
+        print(json.dumps(result, indent=2))
+    for row in result["members"]:
+        figure = f", {result['ranked_by']} {row['figure']:.4g}" if row["figure"] is not None else ""
+        why = f" ({row['error'].splitlines()[0]})" if row["error"] else ""
+        print(f"txflow: #{row['rank'] or '-'} {row['run_id']} lr {row['learning_rate']:g} rank {row['lora_rank']}: "
+              f"{row['status']}{why}{figure}", file=sys.stderr)
+    promoted = result.get("promoted")
+    print(f"txflow: sweep {sweep_id}: best {result['best'] or 'none (no member passed)'}"
+          + (f", promoted as {promoted['name']}" if promoted else "") + f"; ranking at {result['ranking_file']}",
+          file=sys.stderr)
+    return 0 if not result["failed"] else 1
+
+
 def cluster_cmd(args) -> int:
     """`txflow cluster up|status|down NAME`: 0 when done (status: when healthy), 1 when not, 2 on bad input."""
     from txflow.cluster import named
@@ -463,7 +551,7 @@ def main(argv: list[str] | None = None) -> int:
     # they contend for its SQLite file under load: "database is locked").
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     return {"run": run, "export": export_cmd, "discover": discover_cmd, "prune": prune_cmd,
-            "promoted": promoted_cmd, "cluster": cluster_cmd}[args.command](args)
+            "promoted": promoted_cmd, "cluster": cluster_cmd, "sweep": sweep_cmd}[args.command](args)
 
 
 def entry() -> None:

@@ -8,11 +8,14 @@ coalesce), and `close` sends the last one at once.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import sys
 import threading
 
 from tqdm import tqdm
+
+from txflow.log import get_logger
 
 PROGRESS_ENV = "TXFLOW_PROGRESS"
 MIN_INTERVAL_S = 1.0
@@ -39,7 +42,10 @@ class TrainingBar:
                     progress=100.0 * initial / total, key=f"progress-{run_id.lower().replace('_', '-')}",
                     description=f"Training steps of run {run_id}",
                 )
-                self._sender = threading.Thread(target=self._send_latest, name="txflow-progress", daemon=True)
+                # The sender runs in this context: its Prefect settings (the API this run reports to) are
+                # contextvars, which a bare thread would not see (a sweep's members run in threads).
+                self._sender = threading.Thread(target=contextvars.copy_context().run, args=(self._send_latest,),
+                                                name="txflow-progress", daemon=True)
                 self._sender.start()
         except ImportError:
             pass
@@ -64,7 +70,10 @@ class TrainingBar:
                 value, self._latest = self._latest, None
                 closed = self._closed
             if value is not None:
-                update_progress_artifact(self.artifact_id, progress=value)
+                try:
+                    update_progress_artifact(self.artifact_id, progress=value)
+                except Exception as exc:  # the bar in the UI lags; training does not stop for it
+                    get_logger().warning(f"progress artifact not updated: {exc}")
                 # At most one update a second: each costs the Prefect server CPU that the ranks share.
                 with self._wake:
                     self._wake.wait_for(lambda: self._closed, timeout=MIN_INTERVAL_S)
