@@ -10,6 +10,7 @@ for the sweep with a slot for every member and the largest rank of the grid, sto
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import secrets
 import threading
 import time
@@ -105,10 +106,12 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
                              // SLOTS_PER_MEMBER))
     log.info(f"sweep {sweep_id}: {len(members)} runs on cluster {name}, {at_once} at once: "
              + ", ".join(f"{m.run_id} (lr {m.learning_rate:g}, rank {m.lora_rank})" for m in members))
-    reports, errors = {}, {}
+    reports, errors, running = {}, {}, {}
     lock = threading.Lock()
 
     def member(cfg: RunConfig):
+        with lock:
+            running[cfg.run_id] = threading.get_ident()
         try:
             report = train_flow(config=cfg)
         except RunFailed as failed:
@@ -117,15 +120,24 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
             with lock:
                 errors[cfg.run_id] = " ".join(traceback.format_exception_only(exc)[-1].split())
             return
+        finally:
+            with lock:
+                running.pop(cfg.run_id, None)
         with lock:
             reports[cfg.run_id] = report
 
+    pool = ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="txflow-sweep")
+    futures = []
     try:
-        with ThreadPoolExecutor(max_workers=at_once, thread_name_prefix="txflow-sweep") as pool:
-            # Each member runs as a subflow of the sweep (the copied context carries the parent flow run).
-            for future in [pool.submit(contextvars.copy_context().run, member, m) for m in members]:
-                future.result()
+        # Each member runs as a subflow of the sweep (the copied context carries the parent flow run).
+        futures = [pool.submit(contextvars.copy_context().run, member, m) for m in members]
+        for future in futures:
+            future.result()
+    except BaseException:  # Ctrl-C, SIGTERM (`txflow sweep` turns it into KeyboardInterrupt)
+        _stop_members(name, members, futures, pool, running, lock)
+        raise
     finally:
+        pool.shutdown(wait=False)
         if handle is not None:
             named.stop(handle, name)
     result = ranking.ranking(members, reports, errors)
@@ -141,6 +153,28 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
     if result["best"] is None:
         raise SweepFailed(result)
     return result
+
+
+def _stop_members(name: str, members: list[RunConfig], futures: list, pool: ThreadPoolExecutor, running: dict,
+                  lock: threading.Lock, timeout_s: float = 120.0) -> None:
+    """The sweep was interrupted: each member still running, a thread of this process, gets the
+    KeyboardInterrupt a `txflow run` gets from Ctrl-C, so it tears down as that run would (its models
+    unloaded, its key revoked); members not begun never begin. A member not ended in `timeout_s` has its key
+    taken from the cluster: its next request gets 403."""
+    log = get_logger()
+    log.warning(f"sweep interrupted: stopping its {len(members)} runs on cluster {name}")
+    pool.shutdown(wait=False, cancel_futures=True)
+    with lock:
+        threads = dict(running)
+    for ident in threads.values():
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(KeyboardInterrupt))
+    deadline = time.monotonic() + timeout_s
+    while not all(f.done() for f in futures) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    for member in members:
+        named.revoke(name, member.run_id)
+    if not all(f.done() for f in futures):
+        log.warning(f"sweep interrupted: runs still running after {timeout_s:.0f} s lost their keys")
 
 
 def _publish(sweep_id: str, result: dict) -> None:

@@ -1,9 +1,9 @@
 """Benchmark: one warm cluster for many runs (issue 34). A sweep of 4 toy SFT runs side by side on one
 shared cluster (`txflow sweep`, which starts the cluster, the start-up included) against the same 4 runs
 each with its own cluster, one after another (`txflow run`, as before the shared cluster), same machine,
-same warm caches (one unmeasured run and one unmeasured sweep first). Prints both wall times and their ratio (target <= 0.4), and
-the median per-step time of one adapter alone (the own-cluster runs; steps 2.. past the JIT) against four
-side by side (the sweep's members).
+same warm caches (one unmeasured run and one unmeasured sweep first). Prints both wall times and their
+ratio (target <= 0.4), and the median per-step time of one adapter alone (the own-cluster runs; steps 2..
+past the JIT) against four side by side (the sweep's members).
 
     python scripts/bench_shared.py [--steps 10] [--processes 1]
 """

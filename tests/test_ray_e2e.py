@@ -333,6 +333,132 @@ def test_sigkill_of_the_driver_leaves_no_actor_or_rank_within_15_s(ray_env):
     assert_nothing_left(cluster, records)
 
 
+NAMED = "warm-ray"
+
+
+def named_env(env: dict, states: Path) -> dict:
+    """A driver's environment for named clusters: their directories under `states`, so that node 1 sees its own
+    empty disk there (rank 1's log is on it) as it would on another machine. No RAY_ADDRESS: `up` is given
+    --ray-address, and status, down and attached runs find Ray from the cluster's record."""
+    return {k: v for k, v in env.items() if k != "RAY_ADDRESS"} | {"TXFLOW_CLUSTERS_DIR": str(states / "clusters"),
+                                                                   "PYTHONUNBUFFERED": "1"}
+
+
+def named_up(cluster, env: dict, work: Path, states: Path) -> subprocess.Popen:
+    """`txflow cluster up` on Ray in the background (it holds the cluster); returns once it is up."""
+    log = work / f"up-{secrets.token_hex(3)}.log"
+    holder = cluster.spawn([sys.executable, "-m", "txflow.cli", "cluster", "up", NAMED, "--base-model", "tiny",
+                            "--launcher", "ray", "--ray-address", cluster.address, "--processes", "2"], log, env=env)
+    serves = states / "clusters" / NAMED / "serves.json"
+
+    def up() -> bool:
+        found = json.loads(serves.read_text()) if serves.exists() else {}
+        return found.get("holder_pid") == holder.pid and found.get("state") == "up"
+
+    wait_until(up, holder, log, "cluster up", timeout=300)
+    return holder
+
+
+def named_cli(cluster, env: dict, *args: str) -> tuple[int, dict | None, str]:
+    """`txflow cluster ARGS` inside the namespace (status and down join Ray as drivers): exit code, --json, stderr."""
+    result = cluster.run([sys.executable, "-m", "txflow.cli", "cluster", *args], env=env, timeout=180)
+    found = json.loads(result.stdout) if "--json" in args and result.stdout.strip() else None
+    return result.returncode, found, result.stderr
+
+
+def test_a_named_cluster_on_ray_serves_an_attached_run_stays_up_and_down_leaves_nothing(ray_env):
+    """`txflow cluster up NAME --launcher ray`: one rank per node; status says healthy and what it serves; a run
+    attached with --cluster NAME (no launcher of its own) trains, passes and leaves it up; `down` stops the
+    actors, the placement group and every process."""
+    cluster, env, work, states = ray_env
+    env = named_env(env, states)
+    began = time.monotonic()
+    holder = named_up(cluster, env, work, states)
+    up_s = time.monotonic() - began
+    try:
+        code, found, err = named_cli(cluster, env, "status", NAMED, "--json")
+        assert code == 0 and found["healthy"] and found["state"] == "up", (code, found, err[-2000:])
+        assert (found["launcher"], found["base_model"], found["processes"]) == ("ray", "tiny", 2)
+        assert found["free_slots"] == found["lora_adapters"] - 1 and found["attached_runs"] == []
+        record = json.loads((states / "clusters" / NAMED / "cluster.json").read_text())
+        assert len(record["launcher_state"]["actors"]) == 2 and len(set(record["launcher_state"]["node_ids"])) == 2
+        assert {p["actor"] for p in record["processes"]} == set(record["launcher_state"]["actors"])
+        attached = cluster.run([sys.executable, "-m", "txflow.cli", "run", "sft", "--base-model", "tiny", "--cluster",
+                                NAMED, "--steps", "2", "--run-id", "ray-attached", "--state-dir",
+                                str(states / "ray-attached"), "--checkpoints", str(work / "ckpt"), "--no-export",
+                                "--json"], env=env, timeout=RUN_DEADLINE_S)
+        assert attached.returncode == 0, attached.stderr[-4000:]
+        report = json.loads(attached.stdout)
+        assert report["status"] == "passed" and report["restore"]["passed"] and report["cluster"]["ranks"] == []
+        attach_s = report["timings_s"]["provision-coordinator"] + report["timings_s"]["launch-workers"]
+        print(f"named Ray cluster up in {up_s:.1f} s; attach and verify: {attach_s:.2f} s")
+        deadline = time.monotonic() + 60
+        while True:  # the run's model is unloaded by its teardown; the engine frees the slot on its next loop
+            code, found, err = named_cli(cluster, env, "status", NAMED, "--json")
+            if found and found["free_slots"] == found["lora_adapters"] - 1 or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert code == 0 and found["healthy"] and found["attached_runs"] == [], (found, err[-2000:])
+        assert found["free_slots"] == found["lora_adapters"] - 1
+        records = json.loads((states / "clusters" / NAMED / "cluster.json").read_text())["processes"]
+        assert len(records) == 3 and all(is_alive(r["pid"], r["start_time"]) for r in records)
+        code, _, err = named_cli(cluster, env, "down", NAMED)
+        assert code == 0 and holder.wait(timeout=60) == 0, err[-2000:]
+        assert_nothing_left(cluster, records)
+        code, found, _ = named_cli(cluster, env, "status", NAMED, "--json")
+        assert code == 1 and not found["healthy"] and found["state"] == "down"
+    finally:
+        if holder.poll() is None:
+            holder.kill()  # its actors, and their ranks, die with it
+            holder.wait()
+
+
+def test_a_ray_rank_death_under_an_attached_run_is_named_and_status_says_unhealthy(ray_env):
+    """Rank 1 (on node 1) SIGKILLed while a run attached to the named cluster trains and the holder is frozen
+    (SIGSTOP): only the ranks' actors can tell. Status says unhealthy; the attached run names rank 1 within
+    2 s. Let go, the holder records that death as its cause, stops the cluster and leaves nothing."""
+    cluster, env, work, states = ray_env
+    env = named_env(env, states)
+    holder = named_up(cluster, env, work, states)
+    run, log = None, work / "ray-victim.log"
+    try:
+        run = cluster.spawn([sys.executable, "-m", "txflow.cli", "run", "sft", "--base-model", "tiny", "--cluster",
+                             NAMED, "--steps", "500", "--train-retries", "0", "--run-id", "ray-victim", "--state-dir",
+                             str(states / "ray-victim"), "--checkpoints", str(work / "ckpt"), "--no-export",
+                             "--json"], log, env=env)
+        metrics = states / "ray-victim" / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and metrics.read_text().strip(), run, log, "training to start")
+        records = json.loads((states / "clusters" / NAMED / "cluster.json").read_text())["processes"]
+        worker = next(r for r in records if r["rank"] == 1)
+        os.kill(holder.pid, signal.SIGSTOP)
+        try:
+            os.kill(worker["pid"], signal.SIGKILL)
+            killed_at = time.time()
+            code, found, err = named_cli(cluster, env, "status", NAMED, "--json")
+            assert code == 1 and not found["healthy"] and found["state"] == "up", (code, found, err[-2000:])
+            run_code = run.wait(timeout=300)
+        finally:
+            os.kill(holder.pid, signal.SIGCONT)
+        report, text = output(log)
+        assert run_code == 1 and report["status"] == "failed", text[-4000:]
+        failure = report["failures"][0]
+        assert (failure["rank"], failure["exit_code"]) == (1, -signal.SIGKILL), failure
+        print(f"rank 1 SIGKILLed: named by the attached run after {failure['detected_at'] - killed_at:.2f} s")
+        assert 0 <= failure["detected_at"] - killed_at < 2, failure
+        assert f"dead process detected: rank 1 (worker), pid {worker['pid']}, was killed by signal 9" in text
+        assert holder.wait(timeout=60) == 1  # it stopped the cluster because of that death
+        serves = json.loads((states / "clusters" / NAMED / "serves.json").read_text())
+        assert serves["state"] == "down" and (serves["failure"]["rank"], serves["failure"]["exit_code"]) == (1, -9)
+        assert_nothing_left(cluster, records)
+        code, _, err = named_cli(cluster, env, "down", NAMED)
+        assert code == 0, err[-2000:]
+    finally:
+        for proc in (run, holder):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
 def test_a_lost_node_is_a_rank_death_and_a_retry_that_cannot_be_placed_fails_clearly(ray_env):
     """Last: it kills the second node's raylet. The lost node is detected as a death of the rank it held;
     the retry cannot place two ranks on one node, so the run fails saying so, and leaves nothing."""

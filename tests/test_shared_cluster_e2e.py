@@ -1,7 +1,8 @@
 """One warm cluster, many runs (issue 34), on one real toy cluster that every test here shares:
 `txflow cluster up/status/down`, runs that attach (`--cluster`) and leave it up, two runs' keys kept
-apart on the real API, a neighbour's bad request, its failed client and its cancellation, and, last, the
-cluster killed under two attached runs: one resumes on a cluster of its own, the other on the restarted one."""
+apart on the real API, a neighbour's bad request, its failed client and its cancellation, sweeps (a refused
+grid, two members side by side ranked and the best promoted, a sweep interrupted), and, last, the cluster
+killed under two attached runs: one resumes on a cluster of its own, the other on the restarted one."""
 
 from __future__ import annotations
 
@@ -272,6 +273,40 @@ def test_a_sweep_trains_its_members_side_by_side_ranks_them_and_promotes_the_bes
     found = wait_for(lambda: (s := status(shared))["free_slots"] == ADAPTERS - 1 and s, 60, "slots released")
     assert found["healthy"] and found["attached_runs"] == []
     assert json.loads((shared["dir"] / "run-keys.json").read_text()) == {}
+
+
+def test_an_interrupted_sweep_stops_its_runs_and_leaves_the_cluster_serving(shared):
+    """SIGTERM to `txflow sweep` mid-training: each member (a thread of that process) is interrupted as a
+    cancelled run is and releases its part; the command exits within seconds, the cluster stays healthy with
+    every slot free and no member's key left."""
+    work = shared["work"]
+    proc = subprocess.Popen(txflow_cmd("sweep", "sft", "--base-model", "tiny", "--cluster", NAME, "--learning-rate",
+                                       "1e-2,2e-2", "--steps", "400", "--save-every", "0", "--sweep-id", "cut",
+                                       "--checkpoints", str(work / "ckpt"), "--state-dir", str(work / "cut"),
+                                       "--no-export"), env=shared["env"], cwd=work, stdout=subprocess.DEVNULL,
+                            stderr=open(work / "cut.log", "w"))
+    try:
+        metrics = [work / "cut" / f"cut-0{i}" / "metrics.jsonl" for i in range(2)]
+        wait_for(lambda: all(m.exists() and m.read_text().strip() for m in metrics), 180, "both members training")
+        os.kill(proc.pid, signal.SIGTERM)
+        began = time.monotonic()
+        code = proc.wait(timeout=90)
+        took = time.monotonic() - began
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = (work / "cut.log").read_text()
+    assert code != 0 and "sweep interrupted: stopping its 2 runs" in log, log[-3000:]
+    print(f"sweep exited {took:.1f} s after SIGTERM")
+    steps = [len(m.read_text().splitlines()) for m in metrics]
+    assert all(n < 400 for n in steps), steps  # stopped, not run to the end
+    assert json.loads((shared["dir"] / "run-keys.json").read_text()) == {}
+    assert status(shared)["healthy"]
+    # Each member tore down as a cancelled run does: its models unloaded by its own release (the engine would
+    # free them only minutes after their sessions' last heartbeat).
+    wait_for(lambda: status(shared)["free_slots"] == ADAPTERS - 1, 15, "the members' slots freed")
+    assert log.count("the run's key revoked; the cluster stays up") == 2, log[-3000:]
 
 
 def test_a_killed_cluster_is_named_and_each_run_retries_where_it_was_told(shared, reaper):

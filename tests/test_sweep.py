@@ -38,8 +38,8 @@ def test_a_grid_of_one_axis_keeps_the_configs_other_value(tmp_path):
 @pytest.mark.parametrize(("rates", "ranks", "message"), [
     ([1e-3], [], "at least two points"),
     ([], [], "at least two points"),
-    ([1e-3, 1e-3], [], "--learning-rate repeats a value"),
-    ([1e-3, 1e-2], [8, 8], "--lora-rank repeats a value"),
+    ([1e-3, 1e-3], [], "--learning-rate lists 0.001 more than once"),
+    ([1e-3, 1e-2], [8, 8, 16], "--lora-rank lists 8 more than once"),
 ])
 def test_a_grid_of_fewer_than_two_points_or_a_repeated_value_is_refused(tmp_path, rates, ranks, message):
     with pytest.raises(ValueError, match=message):
@@ -95,7 +95,7 @@ def test_no_member_passed_means_no_best_and_nothing_to_promote(tmp_path):
 @pytest.mark.parametrize(("options", "message"), [
     (["--learning-rate", "1e-3"], "at least two points"),
     (["--learning-rate", "1e-3,fast"], "--learning-rate '1e-3,fast': comma-separated numbers"),
-    (["--lora-rank", "8,8"], "--lora-rank repeats a value"),
+    (["--lora-rank", "8,8"], "--lora-rank lists 8 more than once"),
     (["--learning-rate", "1e-3,1e-2", "--run-id", "x"], "--run-id: a sweep names its runs"),
     (["--learning-rate", "1e-3,1e-2", "--promote-as", "x"], "use --promote-best-as"),
     (["--learning-rate", "1e-3,1e-2", "--promote-best-as", "a b"], "no promotion name"),

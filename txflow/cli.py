@@ -451,9 +451,11 @@ def cluster_cmd(args) -> int:
     if not re.fullmatch(RUN_ID_PATTERN, args.name):
         print(f"txflow: cluster name {args.name!r} must be 1-64 letters, digits, '-' or '_'", file=sys.stderr)
         return 2
+    from txflow.cluster.launcher import PlacementFailed
+
     try:
         handle = named.up(config, args.name)
-    except named.AttachFailed as exc:
+    except (named.AttachFailed, PlacementFailed) as exc:
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
     print(f"txflow: cluster {args.name} up on {handle.cluster.base_url}; attach runs with --cluster {args.name}",

@@ -5,6 +5,8 @@ prune-checkpoints (`keep_last`), who answered the approval (`approve`) and promo
 
 from __future__ import annotations
 
+import threading
+
 from txflow.checkpoints import export, promotion, retention
 from txflow.checkpoints.export import ExportResult
 from txflow.config import TINY_MODEL, RunConfig
@@ -41,6 +43,13 @@ def run_card(cfg: RunConfig, restore: RestoreCheck) -> dict:
             "quality": restore.quality}
 
 
+# One export at a time in a process (a sweep's members run in threads of one): transformers sets torch's
+# process-wide default dtype while it builds a model, so a bf16 load in one thread made another's float32
+# proof compute in bf16 (max |Δ logprob| 1.26) or fail ("unsupported scalarType"). Two exports on 2 cores
+# would only share them anyway.
+_ONE_EXPORT_AT_A_TIME = threading.Lock()
+
+
 def export_run(cfg: RunConfig, restore: RestoreCheck) -> Exported:
     """Export the sampler checkpoint evaluate-restore checked, prove it outside SkyRL, commit it, and list
     the run root again (the manifest then names the export too)."""
@@ -49,8 +58,9 @@ def export_run(cfg: RunConfig, restore: RestoreCheck) -> Exported:
     reference = restore.reference
     if reference is None:
         raise RuntimeError("evaluate-restore recorded no reference figures, so no export can be proven")
-    result = writer.export(reference, f"{cfg.run_root}/{export.EXPORT_DIR}", options, reference.base_model,
-                           run_card(cfg, restore), merged=cfg.export_merged, keep_others=True, log=log.info)
+    with _ONE_EXPORT_AT_A_TIME:
+        result = writer.export(reference, f"{cfg.run_root}/{export.EXPORT_DIR}", options, reference.base_model,
+                               run_card(cfg, restore), merged=cfg.export_merged, keep_others=True, log=log.info)
     discovered = Discovered.list_run_root(cfg.run_root, options)
     if result.passed:
         found = {a.url: a for a in discovered.artifacts}

@@ -64,6 +64,9 @@ class Serves(BaseModel):
     holder_start_time: int | None
     state: str = "starting"  # starting, up, down
     ready_at: float | None = None
+    # The death that made the holder stop the cluster (rank, role, exit_code, message): attached runs name it,
+    # not the processes the holder's stop then ends (see `_Watch`).
+    failure: dict | None = None
 
 
 def clusters_dir() -> Path:
@@ -132,11 +135,13 @@ def up(cfg: RunConfig, name: str) -> ClusterHandle:
                     processes=ccfg.processes, base_url="", sqlite=ccfg.database_url is None, holder_pid=os.getpid(),
                     holder_start_time=procfs.start_time(os.getpid()))
     _save_serves(serves)
-    handle = startup.provision(ccfg, get_launcher(ccfg), api_env=launch.run_keys_env(str(keys)))
-    try:
+    handle = None
+    try:  # provision stops what it started when it fails (on Ray: a cluster it cannot place)
+        handle = startup.provision(ccfg, get_launcher(ccfg), api_env=launch.run_keys_env(str(keys)))
         startup.launch_workers(ccfg, handle)
     except BaseException:
-        handle.stop()
+        if handle is not None:
+            handle.stop()
         serves.state = "down"
         _save_serves(serves)
         raise
@@ -158,7 +163,13 @@ def hold(handle: ClusterHandle, name: str, stop_when=lambda: False) -> list[Proc
         while not stopping and not stop_when() and not handle.monitor.failed.is_set():
             handle.monitor.failed.wait(0.2)
         if handle.monitor.failures:
-            get_logger().error(f"cluster {name}: {handle.monitor.failures[0].message.splitlines()[0]}; stopping it")
+            cause = handle.monitor.first_failure()
+            get_logger().error(f"cluster {name}: {cause.message.splitlines()[0]}; stopping it")
+            serves = load_serves(name)
+            if serves is not None:  # before the stop, whose own deaths an attached run would see next
+                serves.failure = {"rank": cause.rank, "role": cause.role, "exit_code": cause.exit_code,
+                                  "message": cause.message.splitlines()[0]}
+                _save_serves(serves)
     finally:
         records = stop(handle, name)
         for s, h in previous.items():
@@ -240,8 +251,20 @@ def _processes_alive(name: str) -> bool:
         cluster = Cluster.load(cluster_dir(name))
     except FileNotFoundError:
         return False
+    if cluster.launcher == "ray":  # ranks on other nodes, pids of other machines: only their actors can tell
+        return bool(cluster.processes) and _actors_say_alive(cluster)
     return bool(cluster.processes) and all(procfs.is_alive(p.pid, p.start_time) for p in cluster.processes
                                            if p.host == cluster.host and p.actor is None)
+
+
+def _actors_say_alive(cluster: Cluster) -> bool:
+    from txflow.cluster.launchers import get_launcher
+
+    launcher = get_launcher(cluster=cluster)
+    try:
+        return all(launcher.exit_code(p) is None for p in cluster.processes)
+    except (LostProcess, ConnectionError):  # a rank's actor gone, or Ray itself
+        return False
 
 
 def healthy(serves: Serves) -> bool:
@@ -323,8 +346,9 @@ def check(cfg: RunConfig) -> Serves:
 
 
 class _Watch:
-    """What an attached run's monitor asks about the cluster's processes: alive (on this machine, by /proc)
-    or gone; the holder that keeps the cluster counts as one of them."""
+    """What an attached run's monitor asks about the cluster's processes: alive (on this machine, by /proc;
+    on Ray, by their actors) or gone; the holder that keeps the cluster counts as one of them. A process
+    the holder stopped because another died is no death of its own: the other one is named."""
 
     name = "attached"
 
@@ -332,9 +356,27 @@ class _Watch:
         self.serves, self.launcher = serves, launcher
 
     def exit_code(self, record: ProcessRecord) -> int | None:
-        if not holder_alive(self.serves):
-            raise LostProcess(f"the holder of cluster {self.serves.name} (pid {self.serves.holder_pid}) is gone")
-        return self.launcher.exit_code(record)
+        try:
+            if not holder_alive(self.serves):
+                raise LostProcess(f"the holder of cluster {self.serves.name} (pid {self.serves.holder_pid}) is gone")
+            code = self.launcher.exit_code(record)
+        except LostProcess as exc:
+            code, lost = None, exc
+        else:
+            if code is None:
+                return None
+            lost = None
+        now = load_serves(self.serves.name)
+        cause = now.failure if now is not None and now.holder_pid == self.serves.holder_pid else None
+        if cause is None:
+            if lost is not None:
+                raise lost
+            return code
+        if (cause["rank"], cause["role"]) != (record.rank, record.role):
+            return None  # stopped by the holder because of the cause, which this monitor records instead
+        if code is None and cause["exit_code"] is None:
+            raise LostProcess(f"gone (the holder of cluster {self.serves.name} saw: {cause['message']})")
+        return code if code is not None else cause["exit_code"]
 
     def tail(self, record, lines=30):
         return self.launcher.tail(record, lines)

@@ -24,8 +24,9 @@ def grid(config: RunConfig, sweep_id: str, learning_rates: list[float], lora_ran
     """One resolved run config per point of the grid, each attached to `cluster`, named `<sweep_id>-NN`, its
     state under the sweep's `state`. Bad input (too few points, a repeated one) raises ValueError."""
     for flag, values in (("--learning-rate", learning_rates), ("--lora-rank", lora_ranks)):
-        if len(set(values)) != len(values):
-            raise ValueError(f"{flag} repeats a value: {', '.join(map(str, values))}")
+        twice = sorted({v for v in values if values.count(v) > 1})
+        if twice:
+            raise ValueError(f"{flag} lists {', '.join(f'{v:g}' for v in twice)} more than once")
     points = list(itertools.product(learning_rates or [config.learning_rate], lora_ranks or [config.lora_rank]))
     if len(points) < 2:
         raise ValueError("a sweep needs at least two points: --learning-rate and/or --lora-rank with several "

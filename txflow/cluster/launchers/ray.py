@@ -242,8 +242,11 @@ class RayLauncher(Launcher):
     # --- processes ----------------------------------------------------------------------
 
     def _actor(self, name: str):
-        """The actor called `name`, looked up once in this launcher's namespace."""
+        """The actor called `name`, looked up once in this launcher's namespace. Joins Ray first: a process
+        that did not place the cluster (a run attached to a named one, `txflow cluster status`) has not, and
+        `ray.get_actor` would raise RaySystemError, which no caller takes for a lost process."""
         if name not in self._actors:
+            connect(self.address)
             self._actors[name] = ray.get_actor(name, namespace=self.namespace)
         return self._actors[name]
 
