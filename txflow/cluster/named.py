@@ -474,8 +474,9 @@ def release(handle: ClusterHandle, db_url: str | None = None) -> list[ProcessRec
                   if d == key_digest(handle.cluster.api_key.get_secret_value())), None)
     if owner is not None:
         revoke(name, owner)
+    alive = serves is not None and healthy(serves)
     log.info(f"released from cluster {name}: {len(unloaded)} model(s) unloaded, the run's key revoked; "
-             f"the cluster stays up")
+             + ("the cluster stays up" if alive else "the cluster is down (not this run's to restart)"))
     return []
 
 
