@@ -182,5 +182,5 @@ def _publish(sweep_id: str, result: dict) -> None:
     from prefect.context import FlowRunContext
 
     if FlowRunContext.get() is not None:
-        create_markdown_artifact(ranking.markdown(sweep_id, result), key=f"ranking-{sweep_id.lower()}",
+        create_markdown_artifact(ranking.markdown(sweep_id, result), key=ranking.artifact_key(sweep_id),
                                  description="txflow sweep ranking")

@@ -112,3 +112,10 @@ def test_txflow_sweep_refuses_bad_input_in_one_line_before_anything_starts(capsy
     err = capsys.readouterr().err.strip()
     assert code == 2 and message in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "ckpt").exists() and not Path(tmp_path / ".txflow").exists()
+
+
+@pytest.mark.parametrize("sweep_id", ["sw", "Sweep_LR-2", "sweep-sft-20261202-101500-ab12"])
+def test_the_ranking_artifact_key_is_one_prefect_takes_for_every_sweep_id_the_cli_takes(sweep_id):
+    from prefect.client.schemas.actions import ArtifactCreate
+
+    ArtifactCreate(key=sweep.artifact_key(sweep_id), type="markdown", data="x")  # raises on a key it refuses

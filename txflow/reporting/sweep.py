@@ -91,6 +91,12 @@ def markdown(sweep_id: str, result: dict) -> str:
     return "\n".join(lines)
 
 
+def artifact_key(sweep_id: str) -> str:
+    """The ranking's Prefect artifact key: a key takes lowercase letters, digits and dashes only, and a sweep id
+    may hold capitals and '_' (refused at the end of the sweep, after every member trained)."""
+    return f"ranking-{sweep_id.lower().replace('_', '-')}"
+
+
 def write(directory: Path, sweep_id: str, result: dict) -> Path:
     """ranking.json (what `txflow sweep --json` prints) and ranking.md (the table of the Prefect artifact)."""
     directory.mkdir(parents=True, exist_ok=True)
