@@ -275,6 +275,11 @@ def config_values(args: argparse.Namespace) -> dict:
     return values
 
 
+def _fields_line(exc: ValidationError) -> str:
+    """A config's validation errors in one line: `field: message; ...`."""
+    return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+
+
 def _on_sigterm(signum, frame):
     # Turn SIGTERM into the same path as Ctrl-C, so the flow's teardown runs.
     raise KeyboardInterrupt(f"signal {signum}")
@@ -286,7 +291,7 @@ def run(args) -> int:
         config = RunConfig.model_validate(config_values(args)).resolved()
     except ValueError as exc:
         if isinstance(exc, ValidationError):
-            exc = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+            exc = _fields_line(exc)
         print(f"txflow: invalid options: {scrub(str(exc))}", file=sys.stderr)
         return 2
     from txflow.log import register_run_secrets
@@ -371,7 +376,7 @@ def sweep_cmd(args) -> int:
         config = RunConfig.model_validate(config_values(args))
     except ValueError as exc:
         if isinstance(exc, ValidationError):
-            exc = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+            exc = _fields_line(exc)
         print(f"txflow: invalid options: {scrub(str(exc))}", file=sys.stderr)
         return 2
     from flows.sweep import members_of, new_sweep_id, state_of
@@ -384,8 +389,7 @@ def sweep_cmd(args) -> int:
         members_of(config, grid.get("learning_rate", []), grid.get("lora_rank", []), sweep_id)
     except ValueError as exc:  # PreflightError included: one member's bad input refuses the sweep
         if isinstance(exc, ValidationError):
-            exc = "invalid options: " + "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}"
-                                                  for e in exc.errors())
+            exc = "invalid options: " + _fields_line(exc)
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGTERM, _on_sigterm)
@@ -443,7 +447,7 @@ def cluster_cmd(args) -> int:
         config = RunConfig.model_validate(values)
     except (named.AttachFailed, ValueError) as exc:
         if isinstance(exc, ValidationError):
-            exc = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'config'}: {e['msg']}" for e in exc.errors())
+            exc = _fields_line(exc)
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
     from txflow.config import RUN_ID_PATTERN
