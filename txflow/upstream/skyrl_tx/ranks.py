@@ -1,13 +1,13 @@
 """What every rank process gets before upstream's entry point runs: txflow's checkpoint I/O (point 6),
 the default SIGTERM action after `jax.distributed.initialize` (point 7), Tinker's losses (point 13),
-the compilation cache written by every rank (point 15), loss chunks sized to the batch (point 21) and each
-example's own adapter in every LoRA linear layer (point 22)."""
+the compilation cache written by every rank (point 15), loss chunks sized to the batch (point 21), each
+example's own adapter in every LoRA linear layer (point 22), and the model code of `models` (points 23, 24)."""
 
 from __future__ import annotations
 
 import sys
 
-from txflow.upstream.skyrl_tx import losses
+from txflow.upstream.skyrl_tx import losses, models
 from txflow.upstream.skyrl_tx.checkpoint_io import install_checkpoint_io
 
 
@@ -106,6 +106,7 @@ def run(module: str, argv: list[str], patch=None) -> None:
     losses.install_backend()
     loss_chunks_fit_the_batch()
     lora_computes_each_examples_adapter()
+    models.install()
     if patch is not None:
         patch(entry)
     sys.argv = [module, *argv]

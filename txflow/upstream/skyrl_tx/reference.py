@@ -9,6 +9,7 @@ base weights and the same sampler tarball in float32 gives a reference that comp
 from __future__ import annotations
 
 import json
+import os
 import tarfile
 import tempfile
 from pathlib import Path
@@ -48,6 +49,12 @@ def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]
     from tx.tinker.types import LoraConfig
     from tx.utils.models import get_dtype, get_model_class, load_lora_checkpoint, load_safetensors
 
+    from txflow.upstream.skyrl_tx import models
+    from txflow.upstream.tiny_model import cache_dir
+
+    if not jax.config.jax_compilation_cache_dir and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        # The cluster's persistent cache (txflow.cluster.startup.child_env): a warm export compiles nothing.
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax-compilation"))
     lora = lora_config_of(tarball)
     config = ModelConfig(AutoConfig.from_pretrained(base_model_path), max_lora_adapters=2,
                          max_lora_rank=lora.rank, shard_attention_heads=True, loss_chunk_size=0,
@@ -57,15 +64,20 @@ def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]
     longest = max([len(s) for s in sequences] + [len(p) + n for p, n in zip(prompts, greedy_lengths)])
     length = -(-longest // PAD_TO) * PAD_TO
     adapter = jnp.ones((ROWS,), dtype=jnp.int32)  # every row through the trained adapter (slot 1)
+    models.install()  # the cluster's model code, so that the reference computes what the cluster computes
     with jax.set_mesh(mesh), nnx.use_eager_sharding(True):
         model = get_model_class(config)(config, dtype=get_dtype(dtype), rngs=nnx.Rngs(0))
         load_safetensors(base_model_path, config, model)
         init_lora_adapter(model, adapter_index=0, lora_config=LoraConfig(rank=1, alpha=1.0, seed=0))
         init_lora_adapter(model, adapter_index=1, lora_config=lora)
         load_lora_checkpoint(model, lora, 1, tarball)
+        graphdef, weights = nnx.split(model)
 
+        # The weights are the program's argument: closed over, they were constants that XLA folded into
+        # the program (the largest part of its 80-90 s compile on SmolLM2).
         @jax.jit
-        def forward(tokens, mask):
+        def forward(weights, tokens, mask):
+            model = nnx.merge(graphdef, weights)
             states = model(tokens, attention_mask=mask, adapter_indices=adapter).last_hidden_state
             targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
             return model.compute_logits(states, adapter), model.compute_logprobs(states, targets, adapter)
@@ -76,7 +88,7 @@ def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]
             rows = rows + [[0]] * (ROWS - len(rows))
             tokens = jnp.asarray([list(r) + [0] * (length - len(r)) for r in rows], dtype=jnp.int32)
             mask = jnp.asarray([[1] * len(r) + [0] * (length - len(r)) for r in rows], dtype=jnp.int32)
-            return forward(tokens, mask)
+            return forward(weights, tokens, mask)
 
         logprobs = []
         for start in range(0, len(sequences), ROWS):

@@ -1,0 +1,141 @@
+"""Adapter points 23 and 24: the decoder layers under a scan compute what upstream's loop computes (losses,
+gradients, logprobs, greedy tokens, in float32, on the tiny Qwen3 model and on SmolLM2-135M), and no program
+holds the model's weights as constants."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from transformers import AutoConfig
+from tx.layers.lora import init_lora_adapter
+from tx.models.configs import ModelConfig
+from tx.models.llama3 import Llama3ForCausalLM, Llama3Model
+from tx.models.qwen3 import Qwen3ForCausalLM, Qwen3Model
+from tx.tinker.types import LoraConfig, SamplingParams
+from tx.utils.generator import GeneratorMixin
+from tx.utils.models import get_model_class, load_safetensors
+
+from txflow.config import SMOLLM2_MODEL, TINY_MODEL
+from txflow.upstream.skyrl_tx import models
+from txflow.upstream.tiny_model import resolve_base_model
+
+ROWS, LENGTH = 4, 24
+
+
+@pytest.fixture
+def upstream_model_code(monkeypatch):
+    """Upstream's model classes as they were, restored after the test whatever it installed."""
+    for model_class in (Llama3Model, Qwen3Model):
+        monkeypatch.setattr(model_class, "__call__", getattr(model_class.__call__, "upstream", model_class.__call__))
+    for model_class in (Llama3ForCausalLM, Qwen3ForCausalLM):
+        monkeypatch.setattr(model_class, "get_lm_head", model_class.get_lm_head)
+
+
+def build(name: str):
+    """The named model in float32 with a trained-looking adapter in slot 1 (its B not zero, so that both LoRA
+    factors get gradients) and a batch of token rows of unequal lengths."""
+    path = resolve_base_model(name)
+    config = ModelConfig(AutoConfig.from_pretrained(path), max_lora_adapters=2, max_lora_rank=8,
+                         shard_attention_heads=True, loss_chunk_size=1024, gradient_checkpointing=False)
+    mesh = jax.make_mesh((1, 1, 1), ("fsdp", "ep", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
+    with jax.set_mesh(mesh), nnx.use_eager_sharding(True):
+        model = get_model_class(config)(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        load_safetensors(path, config, model)
+        init_lora_adapter(model, 1, LoraConfig(rank=8, alpha=16.0, seed=3))
+    keys = iter(jax.random.split(jax.random.key(7), 1000))
+    for path_, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        if path_[-1] == "lora_B":
+            variable[...] = variable[...].at[1].set(0.02 * jax.random.normal(next(keys), variable.shape[1:]))
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(1, min(config.vocab_size, 5000), (ROWS, LENGTH)), dtype=jnp.int32)
+    mask = jnp.asarray([[1] * (LENGTH - 3 * i) + [0] * (3 * i) for i in range(ROWS)], dtype=jnp.int32)
+    return model, mesh, tokens, mask
+
+
+def loss_program(model):
+    """The training program's shape: the weights as arguments, the loss and its gradient to the LoRA weights,
+    the per-token logprobs beside."""
+    graphdef, lora, rest = nnx.split(model, model.is_lora_param, ...)
+    adapters = jnp.ones((ROWS,), dtype=jnp.int32)
+
+    def loss(lora, rest, tokens, mask):
+        merged = nnx.merge(graphdef, lora, rest)
+        hidden = merged(tokens, attention_mask=mask, adapter_indices=adapters).last_hidden_state
+        targets = jnp.roll(tokens, -1, axis=1)
+        logprobs = merged.compute_logprobs(hidden, targets, adapters)
+        return -(logprobs * mask).sum(), logprobs
+
+    return jax.jit(jax.value_and_grad(loss, has_aux=True)), lora, rest
+
+
+def figures(model, mesh, tokens, mask, sample: bool):
+    jax.clear_caches()  # the class's code changed between calls; a cached trace would hide it
+    program, lora, rest = loss_program(model)
+    with jax.set_mesh(mesh):
+        (loss, logprobs), grads = program(lora, rest, tokens, mask)
+        out = {"loss": np.asarray(loss), "logprobs": np.asarray(logprobs),
+               "grads": [np.asarray(g) for g in jax.tree.leaves(grads)]}
+        if sample:
+            params = [SamplingParams(temperature=0.0, max_tokens=6, seed=0) for _ in range(ROWS)]
+            result = model.generate(tokens, mask, sampling_params=params, adapter_indices=jnp.ones(ROWS, jnp.int32),
+                                    prompt_logprobs=True)
+            out.update(greedy=result.generated_ids, sampled_logprobs=np.asarray(result.logprobs),
+                       prompt_logprobs=[np.asarray(p) for p in result.prompt_logprobs])
+    return out
+
+
+def assert_equal_figures(loop: dict, scan: dict) -> None:
+    np.testing.assert_allclose(scan["loss"], loop["loss"], rtol=1e-6)
+    np.testing.assert_allclose(scan["logprobs"], loop["logprobs"], rtol=0, atol=1e-6)
+    assert len(scan["grads"]) == len(loop["grads"]) and sum(np.abs(g).sum() > 0 for g in loop["grads"]) > 0
+    for got, want in zip(scan["grads"], loop["grads"]):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * max(1.0, float(np.abs(want).max())))
+    if "greedy" in loop:
+        assert scan["greedy"] == loop["greedy"]
+        np.testing.assert_allclose(scan["sampled_logprobs"], loop["sampled_logprobs"], rtol=0, atol=1e-6)
+        for got, want in zip(scan["prompt_logprobs"], loop["prompt_logprobs"]):
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(("name", "sample"), [(TINY_MODEL, True), (SMOLLM2_MODEL, False)])
+def test_the_scanned_layers_compute_what_upstreams_loop_computes(name, sample, upstream_model_code):
+    model, mesh, tokens, mask = build(name)
+    loop = figures(model, mesh, tokens, mask, sample)
+    models.install()
+    assert Llama3Model.__call__.upstream is not None and Qwen3Model.__call__.upstream is not None
+    scan = figures(model, mesh, tokens, mask, sample)
+    assert_equal_figures(loop, scan)
+
+
+def constants_of(text: str) -> list[int]:
+    """The element count of every constant in a lowered program's StableHLO text."""
+    counts = []
+    for shape in re.findall(r"stablehlo\.constant dense<[^\n]*?> : tensor<([0-9x]*)[a-z]+[0-9]*>", text):
+        counts.append(int(np.prod([int(d) for d in shape.split("x") if d])) if shape else 1)
+    return counts
+
+
+def test_no_program_holds_the_tied_embedding_as_a_constant(upstream_model_code):
+    model, mesh, tokens, mask = build(SMOLLM2_MODEL)
+    embedding = model.config.vocab_size * model.config.hidden_size
+
+    def largest_constants() -> tuple[int, int]:
+        jax.clear_caches()
+        program, lora, rest = loss_program(model)
+        with jax.set_mesh(mesh):
+            train = program.lower(lora, rest, tokens, mask).as_text()
+            sample = GeneratorMixin._prefill_and_decode.lower(
+                model, tokens, mask, 64, 6, jnp.ones(ROWS, jnp.int32), jnp.zeros(ROWS), jax.random.split(
+                    jax.random.key(0), ROWS), jnp.full((ROWS, 1), -1, jnp.int32), jnp.zeros(ROWS, jnp.int32),
+                jnp.ones(ROWS), 0, False).as_text()
+        return max(constants_of(train)), max(constants_of(sample))
+
+    assert max(largest_constants()) >= embedding  # the check sees upstream's folded head
+    models.install()
+    train, sample = largest_constants()
+    assert train < 10_000 and sample < 10_000, (train, sample)
