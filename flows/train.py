@@ -211,6 +211,9 @@ def _run(cfg: RunConfig, data, done: Progress, began: float) -> RunReport:
                     done.ranks = done.time(teardown, handle, cfg.state_dir)
                 except BaseException:
                     done.ranks = as_json(handle.stop() if handle is not None else stop_cluster(cfg.state_dir))
+                if handle is not None and handle.compiles is not None:  # stopped by the teardown: all it saw
+                    for name, seconds in handle.compiles.timings().items():
+                        done.timings[name] = round(done.timings.get(name, 0.0) + seconds, 3)
             if error is None:
                 break
             _note_resume_point(cfg, done)

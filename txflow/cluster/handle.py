@@ -12,6 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from txflow.cluster.compiles import CompileWatch
 from txflow.cluster.launcher import Launcher
 from txflow.cluster.monitor import ClusterFault, NoProgress, RankDied, RankMonitor
 from txflow.cluster.records import Cluster, ProcessRecord
@@ -45,11 +46,13 @@ class ClusterHandle:
     # does instead of stopping processes: release the run's part of it, leaving the cluster up.
     shared: str | None = None
     release: Callable[[ClusterHandle], list[ProcessRecord]] | None = None
+    compiles: CompileWatch | None = None  # what rank 0 compiles, said as it happens (a cluster of the run's own)
 
     @classmethod
     def watch(cls, cluster: Cluster, launcher: Launcher) -> ClusterHandle:
         """A handle whose monitor watches every process the cluster has or will get."""
-        return cls(cluster=cluster, launcher=launcher, monitor=RankMonitor(cluster, launcher).start())
+        return cls(cluster=cluster, launcher=launcher, monitor=RankMonitor(cluster, launcher).start(),
+                   compiles=CompileWatch(cluster).start())
 
     def service_client(self, timeout_s: float = OPEN_TIMEOUT_S):
         """A Tinker ServiceClient for this cluster's API (never the hosted default); `close` closes it. Opening
@@ -158,6 +161,8 @@ class ClusterHandle:
         """Teardown: clients first (their heartbeats would only fail once the API is gone), then
         the monitor (a stopped process is no failure), then every process. A run attached to a shared
         cluster releases its part of it instead (`txflow.cluster.named.release`)."""
+        if self.compiles is not None:
+            self.compiles.stop()
         if self.release is not None:
             return self.release(self)
         self.close_clients()

@@ -407,6 +407,7 @@ def attach(cfg: RunConfig) -> ClusterHandle:
     with _locked_keys(cluster_dir(cfg.cluster)) as keys:
         keys[key_digest(key)] = cfg.run_id
     handle = ClusterHandle.watch(cluster, _Watch(serves, get_launcher(cluster=cluster)))
+    handle.compiles.skip_past()
     handle.shared, handle.release = cfg.cluster, release
     get_logger().info(f"run {cfg.run_id} attached to cluster {cfg.cluster} on {cluster.base_url} "
                       f"({serves.base_model})")

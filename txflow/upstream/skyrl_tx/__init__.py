@@ -4,10 +4,10 @@ Its modules follow the upstream process each patch changes: `api` (the Tinker
 API server: points 1, 2, 10, 11, 14 and its ends of 12, 13 and 16, with
 `tinker_compat` for 10 and `protobuf` for its wire format, `result_wait` for
 11 and `lora_config` for 14), `engine` (rank 0: 8, 9, 17, 19 and its ends of 12
-and 16), `worker` (ranks > 0: 8), `ranks` (what every rank gets: 6, 13 and 16
-installed, 7, 15, 21, 22), `checkpoint_io` (6, 16), `losses` (13, both ends), `rest`
-(20; with `auth`'s signed downloads), `layout` (5, 17) and `launch` (3, 4 and
-the command line of each process);
+and 16), `worker` (ranks > 0: 8), `ranks` (what every rank gets: 6, 13, 16, 23 and 24
+installed, 7, 15, 21, 22, 25), `models` (23, 24; the export's reference too),
+`checkpoint_io` (6, 16), `losses` (13, both ends), `rest` (20; with `auth`'s signed
+downloads), `layout` (5, 17) and `launch` (3, 4 and the command line of each process);
 `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This
 module holds the names and numbers of the pinned version and its guard.
 
@@ -205,6 +205,18 @@ workaround can go:
     and B and multiply (`ranks.lora_per_example`; same outputs and gradients,
     tests/test_step_patches.py). Embeddings and experts keep upstream's path.
     Can go when upstream's LoRA costs what the batch's adapters need.
+23. Tied output head (`models`): upstream stores the head of a model that ties it to its embeddings as a
+    lambda bound to the embedding module the model was built with, so every jitted program read that
+    module's concrete array: XLA got the 49,152 x 576 embedding of SmolLM2 as a constant and folded it
+    ("slow_operation_alarm: Constant folding ..."). The head is resolved on the model a program rebuilds
+    from its arguments. Can go when upstream does so.
+24. Scanned layers (`models`): upstream's decoder stacks loop over their layers in Python, so every program
+    (training and its gradient, forward, the prefill and decode of sampling) traced and compiled each layer
+    anew: 82-96 s per SmolLM2 program on 2 cores. The layers run under `jax.lax.scan` over their weights,
+    stacked inside the program (the engine's state keeps upstream's per-layer layout). Same figures
+    (tests/test_scanned_layers.py). Can go when upstream scans its layers.
+25. Sampling buckets (`ranks`): each sampling prompt length bucket (32, 48, 64, ...) is a program of its own;
+    prompts shorter than 64 tokens share one bucket. Can go when upstream compiles fewer sampling shapes.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the

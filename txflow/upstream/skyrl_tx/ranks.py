@@ -1,7 +1,8 @@
 """What every rank process gets before upstream's entry point runs: txflow's checkpoint I/O (point 6),
 the default SIGTERM action after `jax.distributed.initialize` (point 7), Tinker's losses (point 13),
 the compilation cache written by every rank (point 15), loss chunks sized to the batch (point 21), each
-example's own adapter in every LoRA linear layer (point 22), and the model code of `models` (points 23, 24)."""
+example's own adapter in every LoRA linear layer (point 22), the model code of `models` (points 23, 24), sampling
+prompts in one length bucket (point 25) and the optimizer's compile in the log."""
 
 from __future__ import annotations
 
@@ -94,6 +95,55 @@ def lora_computes_each_examples_adapter() -> None:
     LoRALinear.apply_lora = lora_per_example
 
 
+def optimizer_compile_logged() -> None:
+    """The first optimizer step of the process (the one that compiles its program) is logged as upstream logs
+    its train and sample compiles, so that the run can say what it waits for (`txflow.cluster.compiles`)."""
+    import time
+
+    from tx.tinker.backends.jax import JaxBackendImpl
+    from tx.utils.log import logger
+
+    upstream = JaxBackendImpl.optim_step
+
+    def optim_step(self, model_id, request_data):
+        nothing_to_apply = model_id in self.models and int(
+            self.accumulated_grads.counts[self.models[model_id].adapter_index]) == 0  # upstream skips the step
+        if getattr(JaxBackendImpl, "_txflow_optimizer_compiled", False) or nothing_to_apply:
+            return upstream(self, model_id, request_data)
+        logger.info("JIT compiling for optimizer seq_len=0 in progress...")
+        began = time.monotonic()
+        result = upstream(self, model_id, request_data)
+        JaxBackendImpl._txflow_optimizer_compiled = True
+        logger.info(f"JIT compilation for optimizer seq_len=0 took {time.monotonic() - began:.2f}s")
+        return result
+
+    JaxBackendImpl.optim_step = optim_step
+
+
+# Every sampling batch's prompts are padded to at least this many tokens (25.).
+SAMPLE_BUCKET_FLOOR = 64
+
+
+def sample_prompts_share_a_bucket(floor: int = SAMPLE_BUCKET_FLOOR) -> None:
+    """Sampling pads its prompts to upstream's length buckets (32, 48, 64, ...), and each bucket is a program
+    of its own: a run's readiness sample (32), its held-out prompts (48) and its sequences' logprobs (64)
+    compiled three sampling programs of 12-25 s each for SmolLM2. Prompts shorter than `floor` share one
+    bucket (25.); the prefill of a few padded positions costs far less than a compile. Training keeps its own
+    buckets. Can go when upstream compiles fewer sampling shapes."""
+    from tx.tinker.backends import jax as backend
+
+    upstream_sample, upstream_round = backend.JaxBackendImpl.sample, backend.round_up_seq_len
+
+    def sample(self, prepared_batch):
+        backend.round_up_seq_len = lambda length: upstream_round(max(length, floor))
+        try:
+            return upstream_sample(self, prepared_batch)
+        finally:
+            backend.round_up_seq_len = upstream_round  # the engine serves one batch at a time
+
+    backend.JaxBackendImpl.sample = sample
+
+
 def run(module: str, argv: list[str], patch=None) -> None:
     """Import upstream's entry point `module`, install what every rank gets and then `patch(entry)`,
     and run it with `argv`."""
@@ -107,6 +157,8 @@ def run(module: str, argv: list[str], patch=None) -> None:
     loss_chunks_fit_the_batch()
     lora_computes_each_examples_adapter()
     models.install()
+    optimizer_compile_logged()
+    sample_prompts_share_a_bucket()
     if patch is not None:
         patch(entry)
     sys.argv = [module, *argv]

@@ -1,0 +1,65 @@
+"""The run says what the engine compiles while it compiles, and the report gets each program's seconds: rank
+0's log read as the engine's console logger writes it (wrapped lines, arriving in pieces)."""
+
+from __future__ import annotations
+
+import logging
+
+from txflow.cluster.compiles import CompileWatch
+from txflow.cluster.records import Cluster, ProcessRecord
+
+# How upstream's rich handler writes the lines: padded to 80 columns, wrapped at a space.
+WRAPPED = ("2026-12-02 23:25:21,433 - INFO - tx: JIT compiling for sample seq_len=32 in     \n"
+           "progress...                                                                     \n"
+           "2026-12-02 23:25:44,890 - INFO - tx: JIT compilation for sample seq_len=32 took \n"
+           "23.46s                                                                          \n"
+           "2026-12-02 23:25:53,346 - INFO - tx: JIT compiling for train seq_len=64 in      \n"
+           "progress...                                                                     \n")
+LATER = ("2026-12-02 23:26:18,038 - INFO - tx: JIT compilation for train seq_len=64 took  \n"
+         "24.69s                                                                          \n"
+         "2026-12-02 23:26:18,100 - INFO - tx: JIT compiling for optimizer seq_len=0 in progress...\n"
+         "2026-12-02 23:26:30,100 - INFO - tx: JIT compilation for optimizer seq_len=0 took 12.00s\n")
+
+
+def watch_of(tmp_path) -> tuple[CompileWatch, object]:
+    log = tmp_path / "rank0.log"
+    log.write_text("")
+    cluster = Cluster(run_id="c", launcher="local", state_dir=str(tmp_path), host="127.0.0.1", api_port=1,
+                      coordinator_port=None, num_processes=1, base_model_path="x", checkpoints_base="y",
+                      processes=[ProcessRecord(role="coordinator", rank=0, pid=1, host="h", log=str(log))])
+    return CompileWatch(cluster), log
+
+
+def test_each_program_is_announced_when_it_starts_and_timed_when_it_is_ready(tmp_path, caplog):
+    watch, log = watch_of(tmp_path)
+    caplog.set_level(logging.INFO, logger="txflow")
+    text = WRAPPED + LATER
+    cut = text.index("23.46") + 3  # a read that ends inside a figure
+    for piece in (text[:cut], text[cut:len(WRAPPED)], LATER[:40], LATER[40:]):
+        with open(log, "a") as f:
+            f.write(piece)
+        watch.poll()
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [
+        "compiling the sample program for prompts of 32 tokens (XLA, once per shape; later runs on this machine "
+        "load it from the cache)",
+        "the sample 32 program is ready after 23.5 s",
+        "compiling the train program for sequences of 64 tokens (XLA, once per shape; later runs on this machine "
+        "load it from the cache)",
+        "the train 64 program is ready after 24.7 s",
+        "compiling the optimizer program for the adapters (XLA, once per shape; later runs on this machine load it "
+        "from the cache)",
+        "the optimizer program is ready after 12.0 s",
+    ]
+    assert watch.timings() == {"compile sample 32": 23.46, "compile train 64": 24.69, "compile optimizer": 12.0}
+
+
+def test_an_attached_run_says_nothing_of_what_compiled_before_it(tmp_path, caplog):
+    watch, log = watch_of(tmp_path)
+    log.write_text(WRAPPED)
+    watch.skip_past()
+    caplog.set_level(logging.INFO, logger="txflow")
+    with open(log, "a") as f:
+        f.write(LATER)
+    watch.poll()
+    assert watch.timings() == {"compile train 64": 24.69, "compile optimizer": 12.0}  # the end of one it saw begin

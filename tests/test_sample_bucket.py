@@ -1,0 +1,42 @@
+"""Adapter point 25: sampling prompts of different lengths share one length bucket, so the engine compiles one
+sampling program for a run's readiness sample, held-out prompts and sequences; longer prompts keep upstream's
+buckets. Upstream's JAX backend, in this process, on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+from tx.tinker import types
+from tx.tinker.backends import jax as backend
+
+from txflow.config import TINY_MODEL
+from txflow.upstream.skyrl_tx import ranks
+from txflow.upstream.tiny_model import resolve_base_model
+
+
+@pytest.fixture
+def upstream_sample(monkeypatch):
+    monkeypatch.setattr(backend.JaxBackendImpl, "sample", backend.JaxBackendImpl.sample)  # restored after
+
+
+def sample(impl, prompt_lengths: list[int]) -> list[list[int]]:
+    prompts = [[(7 * i + j) % 200 + 1 for j in range(n)] for i, n in enumerate(prompt_lengths)]
+    params = types.SamplingParams(temperature=0.0, max_tokens=4, seed=0)
+    batch = types.PreparedSampleBatch(
+        all_prompts=prompts, all_sampling_params=[params] * len(prompts), all_model_ids=[""] * len(prompts),
+        all_checkpoint_ids=[""] * len(prompts), all_checkpoint_paths=[""] * len(prompts),
+        needs_prompt_logprobs=False, request_batch_slices=[(f"r{i}", "", i, i + 1, False)
+                                                           for i in range(len(prompts))])
+    return [list(impl.sample(batch)[f"r{i}"].sequences[0].tokens) for i in range(len(prompts))]
+
+
+def test_short_prompts_share_one_sampling_program_and_sample_the_same_tokens(upstream_sample):
+    config = backend.JaxBackendConfig(max_lora_adapters=2, max_lora_rank=4, sample_max_num_sequences=2)
+    impl = backend.JaxBackendImpl(resolve_base_model(TINY_MODEL), config)
+    before = [sample(impl, [5]), sample(impl, [40])]
+    assert set(impl.metrics.sample_seq_len_jit_times) == {32, 48}  # upstream: a program per bucket
+    ranks.sample_prompts_share_a_bucket()
+    impl.metrics.sample_seq_len_jit_times.clear()
+    after = [sample(impl, [5]), sample(impl, [40]), sample(impl, [70])]
+    assert set(impl.metrics.sample_seq_len_jit_times) == {ranks.SAMPLE_BUCKET_FLOOR, 96}
+    assert after[:2] == before  # the padding changes no token
+    assert backend.round_up_seq_len(10) == 32  # training keeps its buckets
