@@ -52,10 +52,17 @@ def figures(model, reference: ExportReference) -> Figures:
             logits = model(input_ids=ids).logits[0, :-1].float()
             logprobs.append(torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None]).squeeze(-1).tolist())
         for prompt, sampled in zip(reference.prompts, reference.greedy_tokens):
-            ids = list(prompt)
+            # Greedy decoding with the key-value cache, as a server decodes: a whole forward per new token
+            # took an SFT run's 32 prompts x 8 tokens ~64 s of the export's 158 s on 2 cores.
+            row, out = [], None
             for _ in sampled:
-                ids.append(int(torch.argmax(model(input_ids=torch.tensor([ids])).logits[0, -1])))
-            tokens.append(ids[len(prompt):])
+                if out is None:
+                    out = model(input_ids=torch.tensor([list(prompt)]), use_cache=True)
+                else:
+                    out = model(input_ids=torch.tensor([[row[-1]]]), past_key_values=out.past_key_values,
+                                use_cache=True)
+                row.append(int(torch.argmax(out.logits[0, -1])))
+            tokens.append(row)
     return Figures(logprobs=logprobs, greedy_tokens=tokens)
 
 
