@@ -40,3 +40,17 @@ def test_short_prompts_share_one_sampling_program_and_sample_the_same_tokens(ups
     assert set(impl.metrics.sample_seq_len_jit_times) == {ranks.SAMPLE_BUCKET_FLOOR, 96}
     assert after[:2] == before  # the padding changes no token
     assert backend.round_up_seq_len(10) == 32  # training keeps its buckets
+
+
+def test_the_patched_methods_keep_the_annotations_a_broadcast_is_serialised_by(monkeypatch):
+    """Rank 0 sends a call to the workers typed by the method's annotations; without them the workers got
+    dicts and a 2-rank cluster never answered its readiness sample."""
+    from typing import get_type_hints
+
+    for name in ("sample", "optim_step"):
+        monkeypatch.setattr(backend.JaxBackendImpl, name, getattr(backend.JaxBackendImpl, name))
+    upstream = {name: get_type_hints(getattr(backend.JaxBackendImpl, name)) for name in ("sample", "optim_step")}
+    ranks.sample_prompts_share_a_bucket()
+    ranks.optimizer_compile_logged()
+    assert {name: get_type_hints(getattr(backend.JaxBackendImpl, name)) for name in upstream} == upstream
+    assert get_type_hints(backend.JaxBackendImpl.sample)["prepared_batch"] is types.PreparedSampleBatch

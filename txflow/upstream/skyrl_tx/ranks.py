@@ -6,6 +6,7 @@ prompts in one length bucket (point 25) and the optimizer's compile in the log."
 
 from __future__ import annotations
 
+import functools
 import sys
 
 from txflow.upstream.skyrl_tx import losses, models
@@ -105,6 +106,9 @@ def optimizer_compile_logged() -> None:
 
     upstream = JaxBackendImpl.optim_step
 
+    # The rank-0 wrapper serialises a broadcast call's arguments by the method's annotations (and the workers
+    # read them back so): `wraps` keeps upstream's.
+    @functools.wraps(upstream)
     def optim_step(self, model_id, request_data):
         nothing_to_apply = model_id in self.models and int(
             self.accumulated_grads.counts[self.models[model_id].adapter_index]) == 0  # upstream skips the step
@@ -134,6 +138,7 @@ def sample_prompts_share_a_bucket(floor: int = SAMPLE_BUCKET_FLOOR) -> None:
 
     upstream_sample, upstream_round = backend.JaxBackendImpl.sample, backend.round_up_seq_len
 
+    @functools.wraps(upstream_sample)  # its annotations serialise the broadcast call (see above)
     def sample(self, prepared_batch):
         backend.round_up_seq_len = lambda length: upstream_round(max(length, floor))
         try:
