@@ -33,7 +33,8 @@ def upstream_model_code(monkeypatch):
     for model_class in (Llama3Model, Qwen3Model):
         monkeypatch.setattr(model_class, "__call__", getattr(model_class.__call__, "upstream", model_class.__call__))
     for model_class in (Llama3ForCausalLM, Qwen3ForCausalLM):
-        monkeypatch.setattr(model_class, "get_lm_head", model_class.get_lm_head)
+        monkeypatch.setattr(model_class, "get_lm_head", getattr(model_class.get_lm_head, "upstream",
+                                                                  model_class.get_lm_head))
 
 
 def build(name: str):
