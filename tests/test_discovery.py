@@ -506,7 +506,9 @@ def test_a_signed_checkpoint_is_still_verified_from_the_listing_alone(tmp_path, 
     (state / STATE_FILE).write_bytes(os.urandom(1000))
     try:
         monkeypatch.setenv(SIGNING_KEY_ENV, "signing-key-of-this-team-0123456789")
-        storage.upload(state, f"{root}/m1/step-000002.tar.gz", {}, "a signed state")
+        # Signed as a run signs it: its path below the checkpoint root, the root's name (the run id) first.
+        storage.upload(state, f"{root}/m1/step-000002.tar.gz", {}, "a signed state",
+                       signed_as=f"{root.rsplit('/', 1)[-1]}/m1/step-000002.tar.gz")
         [artifact] = discover(root, require_commit=True)
         assert artifact.committed and Md5Store.reads == []
         monkeypatch.setenv(SIGNING_KEY_ENV, "another-key-0123456789abcdef")  # the listing cannot vouch: read

@@ -458,6 +458,25 @@ def test_a_key_a_bucket_writer_adds_under_a_committed_state_is_never_downloaded(
     assert json.loads(second.stdout)["resumed_from_step"] == 2  # the state before the changed one
     assert sorted(p.name for p in tmp_path.rglob("PWNED*")) == []
 
+    # Issue 41's first finding: state names repeat across runs, and a signature that bound only the last name
+    # let one run's checkpoint, copied with its marker over another's of the same name, be read as that run's.
+    # w-second's step 4 replaces w-first's, byte for byte and marker included: a resume from it is refused
+    # before anything starts, in one line naming both runs' paths.
+    theirs = next(a["url"] for a in json.loads(second.stdout)["artifacts"]
+                  if a["kind"] == "state" and a["path"].endswith("step-000004.tar.gz"))
+    theirs_prefix = theirs.removeprefix(f"s3://{BUCKET}/")
+    for listed in s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix)["Contents"]:
+        s3.delete_object(Bucket=BUCKET, Key=listed["Key"])
+    for listed in s3.list_objects_v2(Bucket=BUCKET, Prefix=theirs_prefix)["Contents"]:
+        s3.copy_object(Bucket=BUCKET, Key=prefix + listed["Key"].removeprefix(theirs_prefix),
+                       CopySource={"Bucket": BUCKET, "Key": listed["Key"]})
+    copied = run_txflow([*run, "--run-id", "w-copied", "--steps", "6", "--state-dir", str(tmp_path / "s4"),
+                         "--resume-from", step4], s3_env, tmp_path)
+    assert copied.returncode == 2, copied.stderr[-3000:]
+    [line] = [x for x in copied.stderr.splitlines() if "signed for" in x]
+    assert f"signed for '{theirs_prefix.removeprefix('writer/')}'" in line and f"/{prefix}'" in line, line
+    assert not (tmp_path / "s4" / "cluster.json").exists()
+
 
 def test_a_second_run_with_a_live_runs_id_exits_2_before_starting_anything(tmp_path, s3_env, reaper):
     """One live run per run id: while a run holds its lease (created with S3's If-None-Match), a second

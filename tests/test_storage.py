@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import os
+import uuid
 from pathlib import Path
 
 import fsspec
@@ -173,8 +176,70 @@ def test_a_marker_forged_by_a_bucket_writer_is_accepted_without_a_key_and_refuse
     step4 = fsspec.core.url_to_fs(urls[4])[1]
     fs.pipe_file(f"{step4}/{STATE_FILE}", fs.cat_file(f"{step2}/{STATE_FILE}"))
     fs.pipe_file(step4 + COMMIT_SUFFIX, fs.cat_file(step2 + COMMIT_SUFFIX))
-    with pytest.raises(ValueError, match="signed with another key, or was changed"):
+    with pytest.raises(ValueError, match=r"signed for '.*/m1/step-000002\.tar\.gz', not for where it is stored "
+                                         r"\('.*/m1/step-000004\.tar\.gz'\)"):
         storage.download(urls[4], tmp_path / "refused", {}, directory=True)
+
+
+def run_checkpoints(checkpoints: str, tmp_path: Path, run_id: str) -> dict[str, str]:
+    """What a run commits under `<checkpoints>/<run_id>`, as the flow commits it: a state and a PEFT export,
+    each signed for its path below the checkpoint root ({"state": url, "peft": url})."""
+    local = tmp_path / f"staging-{run_id}"
+    (local / "step-000002").mkdir(parents=True)
+    (local / "step-000002" / STATE_FILE).write_bytes(f"{run_id}'s state".encode())
+    (local / "peft").mkdir()
+    (local / "peft" / "adapter_model.safetensors").write_bytes(f"{run_id}-weights".encode())
+    cfg = RunConfig(run_id=run_id, checkpoints=checkpoints).resolved()
+    return {"state": storage.upload(local / "step-000002", f"{cfg.run_root}/m1/step-000002.tar.gz", {}, "a state",
+                                    signed_as=f"{run_id}/m1/step-000002.tar.gz"),
+            "peft": storage.upload(local / "peft", f"{cfg.run_root}/export/peft", {}, "an export",
+                                   signed_as=f"{run_id}/export/peft")}
+
+
+@pytest.mark.parametrize("artifact", ["peft", "state"])
+def test_a_signed_checkpoint_copied_over_another_runs_same_name_is_refused_naming_both(tmp_path, memory_root,
+                                                                                      monkeypatch, artifact):
+    """The reproduction of issue 41's first finding: every export ends in `peft` and state names repeat across
+    runs, so a signature that bound only the last name let run B's export, copied with its marker over run A's,
+    be read as A's. Signed for `<run id>/export/peft`, it is refused there, in one line naming both paths; the
+    whole checkpoint root copied elsewhere still reads back."""
+    monkeypatch.setenv(SIGNING_KEY_ENV, KEY)
+    a, b = run_checkpoints(memory_root, tmp_path, "run-a"), run_checkpoints(memory_root, tmp_path, "run-b")
+    file = "adapter_model.safetensors" if artifact == "peft" else STATE_FILE
+    fs, a_path = fsspec.core.url_to_fs(a[artifact])
+    b_path = fsspec.core.url_to_fs(b[artifact])[1]
+    moved = f"memory://moved-{uuid.uuid4().hex}"
+    fs.copy(fsspec.core.url_to_fs(memory_root)[1], fsspec.core.url_to_fs(moved)[1], recursive=True)
+    storage.download(a[artifact].replace(memory_root, moved), tmp_path / "moved", {}, directory=True)
+    assert (tmp_path / "moved" / file).read_bytes().startswith(b"run-a")
+    fs.rm(fsspec.core.url_to_fs(moved)[1], recursive=True)
+
+    fs.pipe_file(f"{a_path}/{file}", fs.cat_file(f"{b_path}/{file}"))
+    fs.pipe_file(a_path + COMMIT_SUFFIX, fs.cat_file(b_path + COMMIT_SUFFIX))
+    below = "export/peft" if artifact == "peft" else "m1/step-000002.tar.gz"
+    with pytest.raises(ValueError) as refused:
+        storage.download(a[artifact], tmp_path / "refused", {}, directory=True)
+    message = str(refused.value)
+    assert "\n" not in message and f"signed for 'run-b/{below}'" in message and f"/run-a/{below}'" in message
+    assert not (tmp_path / "refused").exists()
+    monkeypatch.delenv(SIGNING_KEY_ENV)  # without a key nothing can tell, as the README says
+    storage.download(a[artifact], tmp_path / "unsigned", {}, directory=True)
+    assert (tmp_path / "unsigned" / file).read_bytes().startswith(b"run-b")
+
+
+def test_a_marker_signed_for_its_last_name_only_is_refused(tmp_path, memory_root, monkeypatch):
+    """An earlier txflow signed the record and the last name only: such a marker cannot say which run it
+    belongs to, so with a key it is not read (one line saying why)."""
+    monkeypatch.setenv(SIGNING_KEY_ENV, KEY)
+    url = run_checkpoints(memory_root, tmp_path, "run-a")["peft"]
+    fs, path = fsspec.core.url_to_fs(url)
+    record = json.loads(fs.cat_file(path + COMMIT_SUFFIX))
+    del record["path"], record["hmac"]
+    body = json.dumps(record, indent=1, sort_keys=True).encode()
+    record["hmac"] = hmac.new(KEY.encode(), b"peft\n" + body, hashlib.sha256).hexdigest()  # the old scheme
+    fs.pipe_file(path + COMMIT_SUFFIX, json.dumps(record, indent=1, sort_keys=True).encode())
+    with pytest.raises(ValueError, match="signed for its last name only"):
+        storage.download(url, tmp_path / "refused", {}, directory=True)
 
 
 def test_with_a_key_a_sizes_only_marker_is_refused_and_the_key_never_shows(tmp_path, memory_root, monkeypatch):
@@ -211,7 +276,7 @@ def test_the_key_can_come_from_a_prefect_secret_block(tmp_path, memory_root, mon
     monkeypatch.setenv(SIGNING_KEY_BLOCK_ENV, "txflow-signing-key")
     urls = committed_states(memory_root, tmp_path, steps=(2,))
     fs, path = fsspec.core.url_to_fs(urls[2])
-    check_signature(fs.cat_file(path + COMMIT_SUFFIX), "step-000002.tar.gz", KEY.encode(), urls[2])  # the block's key
+    check_signature(fs.cat_file(path + COMMIT_SUFFIX), path, KEY.encode(), urls[2])  # the block's key
     storage.download(urls[2], tmp_path / "copy", {}, directory=True)
     monkeypatch.setenv(SIGNING_KEY_BLOCK_ENV, "no-such-block")
     with pytest.raises(ValueError, match="TXFLOW_SIGNING_KEY_BLOCK=no-such-block: cannot read that Prefect Secret"):

@@ -60,7 +60,8 @@ def export_run(cfg: RunConfig, restore: RestoreCheck) -> Exported:
         raise RuntimeError("evaluate-restore recorded no reference figures, so no export can be proven")
     with _ONE_EXPORT_AT_A_TIME:
         result = writer.export(reference, f"{cfg.run_root}/{export.EXPORT_DIR}", options, reference.base_model,
-                               run_card(cfg, restore), merged=cfg.export_merged, keep_others=True, log=log.info)
+                               run_card(cfg, restore), merged=cfg.export_merged, keep_others=True, log=log.info,
+                               signed_as=f"{cfg.run_id}/{export.EXPORT_DIR}")
     discovered = Discovered.list_run_root(cfg.run_root, options)
     if result.passed:
         found = {a.url: a for a in discovered.artifacts}

@@ -153,7 +153,11 @@ def discover(
     checked = [a for a in artifacts if a.kind != "file"]
     actual = {a.path: _artifact_files(a, files, members) for a in checked}
     key = signing_key()
-    unverified = {a.path for a in checked if not _commit_matches_listing(a, actual[a.path], etags, key)}
+    # A run's markers are signed for `<run id>/<path below the run root>`: the root's last name, when it is a
+    # run root (any other root's markers are read, not matched from the listing).
+    signed_prefix = posixpath.basename(root_path.rstrip("/"))
+    unverified = {a.path for a in checked
+                  if not _commit_matches_listing(a, actual[a.path], etags, key, f"{signed_prefix}/{a.path}")}
     # The sidecars the listing could not verify, in one batched read (concurrent on object stores).
     sidecars = [fs_paths[p + COMMIT_SUFFIX] for p in sorted(unverified) if p + COMMIT_SUFFIX in files]
     contents = fs.cat(sidecars, on_error="return") if sidecars else {}
@@ -367,7 +371,7 @@ def _is_auxiliary(rel: str, files: dict[str, int]) -> bool:
 
 
 def _commit_matches_listing(artifact: Artifact, actual: dict[str, int], etags: dict[str, str],
-                            key: bytes | None) -> bool:
+                            key: bytes | None, signed_as: str) -> bool:
     """True when the sidecar's listed ETag is the MD5 of the record of exactly the files listed now, each
     with its listed MD5 ETag (signed with `key`, when there is one): the stored bytes are the committed
     ones, and nothing was read to know it."""
@@ -380,7 +384,7 @@ def _commit_matches_listing(artifact: Artifact, actual: dict[str, int], etags: d
         if file_etag is None:
             return False
         listed[name] = (size, file_etag)
-    return md5_of(commit_record(listed, name=posixpath.basename(artifact.path), key=key)) == etag
+    return md5_of(commit_record(listed, path=signed_as, key=key)) == etag
 
 
 def _check_commit(

@@ -6,9 +6,12 @@ where an object store lists MD5 ETags, from the listing alone.
 
 MD5 only tells a changed byte from the committed one: whoever can write a file into the bucket can write
 its marker too. With a signing key (`TXFLOW_SIGNING_KEY`, or the Prefect Secret block that
-`TXFLOW_SIGNING_KEY_BLOCK` names) every marker also carries an HMAC-SHA256 of its record and of the
-artifact's name, and a checkpoint is only read back (resume, restore, export, promotion) when its marker
-is signed with that key. Without a key markers are unsigned, as before.
+`TXFLOW_SIGNING_KEY_BLOCK` names) every marker also records the artifact's path below the checkpoint root
+(`<run id>/<model id>/step-000020`, `<run id>/export/peft`, `promoted/<name>/history/<promotion id>/peft`)
+and carries an HMAC-SHA256 of its record, that path included. A checkpoint is only read back (resume,
+restore, export, promotion) when its marker is signed with that key and the path it was signed for is where
+it is read from: a whole checkpoint root can move, one run's checkpoint cannot stand in for another's.
+Without a key markers are unsigned, as before.
 """
 
 from __future__ import annotations
@@ -58,16 +61,18 @@ def md5_of(data_or_file) -> str:
     return digest.hexdigest()
 
 
-def commit_record(files: dict[str, tuple[int, str]], verify: str = VERIFY_ETAG, name: str = "",
+def commit_record(files: dict[str, tuple[int, str]], verify: str = VERIFY_ETAG, path: str = "",
                   key: bytes | None = None) -> bytes:
     """The commit sidecar's content for an artifact of these files ({name: (size, md5)}): canonical (same
     files, same bytes), so that its MD5 can be checked against the ETag an object store lists. With a
-    signing `key` it carries the HMAC of the record and of the artifact's `name` (its last path segment, so
-    that a marker copied to another checkpoint's name does not verify there)."""
+    signing `key` it records the artifact's `path` below the checkpoint root (the run id included) and
+    carries the HMAC of the record, so that a marker copied with its files under another run's or another
+    checkpoint's path does not verify there."""
     record = {"format": COMMIT_FORMAT, "verify": verify, "bytes": sum(size for size, _ in files.values()),
               "files": {file: {"md5": md5, "size": size} for file, (size, md5) in sorted(files.items())}}
     if key is not None:
-        record["hmac"] = _mac(key, name, record)
+        record["path"] = path.strip("/")
+        record["hmac"] = _mac(key, record)
     return _canonical(record)
 
 
@@ -75,8 +80,8 @@ def _canonical(record: dict) -> bytes:
     return json.dumps(record, indent=1, sort_keys=True).encode()
 
 
-def _mac(key: bytes, name: str, record: dict) -> str:
-    return hmac.new(key, name.encode() + b"\n" + _canonical(record), hashlib.sha256).hexdigest()
+def _mac(key: bytes, record: dict) -> str:
+    return hmac.new(key, _canonical(record), hashlib.sha256).hexdigest()
 
 
 def read_commit(content: bytes) -> dict[str, tuple[int, str | None]]:
@@ -132,9 +137,10 @@ def _secret_block(name: str) -> str:
                          f"({type(exc).__name__}: {exc})") from None
 
 
-def check_signature(content: bytes, name: str, key: bytes | None, what: str) -> None:
-    """With a signing `key`, raise ValueError unless the marker `content` of the artifact `name` is signed
-    with it; `what` names the checkpoint in the message. Without a key, any marker passes."""
+def check_signature(content: bytes, stored_at: str, key: bytes | None, what: str) -> None:
+    """With a signing `key`, raise ValueError unless the marker `content` of the artifact stored at the path
+    `stored_at` (no protocol) is signed with it, for a path that `stored_at` ends with; `what` names the
+    checkpoint in the message. Without a key, any marker passes."""
     if key is None:
         return
     record = json.loads(content)
@@ -142,13 +148,28 @@ def check_signature(content: bytes, name: str, key: bytes | None, what: str) -> 
     if not isinstance(mac, str):
         raise ValueError(f"{what}: its commit marker is not signed, and a signing key is set ({SIGNING_KEY_ENV}): "
                          f"it was not committed by a run with this key; refusing to read it")
-    if not hmac.compare_digest(mac, _mac(key, name, record)):
+    signed_for = record.get("path")
+    if not isinstance(signed_for, str) or not signed_for:
+        raise ValueError(f"{what}: its commit marker is signed for its last name only (by a txflow before "
+                         f"signatures bound the path), so another run's checkpoint could stand in for it; "
+                         f"refusing to read it")
+    if not hmac.compare_digest(mac, _mac(key, record)):
         raise ValueError(f"{what}: its commit marker is signed with another key, or was changed after it was "
                          f"signed; refusing to read it")
+    if not stored_under(stored_at, signed_for):
+        raise ValueError(f"{what}: its commit marker is signed for {signed_for!r}, not for where it is stored "
+                         f"({stored_at.strip('/')!r}): a checkpoint copied or moved from another run or "
+                         f"promotion is not this one; refusing to read it")
+
+
+def stored_under(stored_at: str, signed_for: str) -> bool:
+    """True when the path `stored_at` ends with the path `signed_for`, segment by segment: the artifact is
+    where it was signed, below a checkpoint root that may have moved."""
+    return f"/{stored_at.strip('/')}".endswith(f"/{signed_for.strip('/')}")
 
 
 def write_commit(fs_url: str, storage_options: dict | None = None,
-                 expected: dict[str, tuple[int, str]] | None = None) -> str:
+                 expected: dict[str, tuple[int, str]] | None = None, signed_as: str | None = None) -> str:
     """Write the commit sidecar `fs_url + COMMIT_SUFFIX` for the artifact at `fs_url`; returns how its files
     are verified (`VERIFY_ETAG` or `VERIFY_READ`).
 
@@ -160,7 +181,8 @@ def write_commit(fs_url: str, storage_options: dict | None = None,
     its ETag where the store lists the MD5 as ETag, else, on an object store, by
     reading it back (an ETag that is no MD5: multipart, SSE-KMS, SSE-C); anything
     else raises instead of committing. Without `expected` the digests are
-    computed from the stored files.
+    computed from the stored files. With a signing key the marker is signed for
+    `signed_as`, the artifact's path below its checkpoint root (default: its whole path).
     """
     fs, path = fsspec.core.url_to_fs(fs_url, **(storage_options or {}))
     path = path.rstrip("/")
@@ -195,7 +217,7 @@ def write_commit(fs_url: str, storage_options: dict | None = None,
             raise OSError(f"Upload to {fs_url} is incomplete ({problems[:3]} missing, extra, of the wrong size or "
                           f"of other content); no commit marker written")
         files, verify = expected, VERIFY_ETAG if by_etag else VERIFY_READ
-    fs.pipe_file(path + COMMIT_SUFFIX, commit_record(files, verify, posixpath.basename(path), signing_key()))
+    fs.pipe_file(path + COMMIT_SUFFIX, commit_record(files, verify, signed_as or path, signing_key()))
     return verify
 
 

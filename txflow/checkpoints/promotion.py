@@ -83,7 +83,8 @@ def promote(checkpoints: str, name: str, run_id: str, exported: dict[str, str], 
         for part, url in exported.items():
             local = Path(scratch) / part
             storage.download(url, local, options, directory=True)  # refuses bytes that are not the committed ones
-            storage.upload(local, f"{target}/{part}", options, f"the {part} export of {run_id}")
+            storage.upload(local, f"{target}/{part}", options, f"the {part} export of {run_id}",
+                           signed_as=f"{PROMOTED_DIR}/{name}/{HISTORY}/{promotion_id}/{part}")
     previous = current(checkpoints, name, options)
     full = {**record, "name": name, "id": promotion_id, "run_id": run_id, "promoted_at": time.time(),
             "files": {part: f"{target}/{part}" for part in exported},

@@ -89,13 +89,15 @@ def commit(cfg: RunConfig, staging_base: str, tinker_path: str) -> str:
         _check_local_tarball(local, tinker_path)
     elif not local.is_dir():
         raise FileNotFoundError(f"The engine reported {tinker_path} but nothing is at {local}")
-    return upload(local, f"{cfg.run_root}/{relative}", cfg.plain_storage_options(), tinker_path)
+    return upload(local, f"{cfg.run_root}/{relative}", cfg.plain_storage_options(), tinker_path,
+                  signed_as=f"{cfg.run_id}/{relative}")
 
 
-def upload(local: Path, url: str, options: dict, what: str) -> str:
+def upload(local: Path, url: str, options: dict, what: str, signed_as: str | None = None) -> str:
     """Upload a local file, or a directory with everything in it, to `url`, verify that every file arrived,
     and write the commit marker last; returns `url`. The marker records each file's size and MD5, taken
-    from the local copy."""
+    from the local copy; with a signing key it is signed for `signed_as`, the path of `url` below its
+    checkpoint root (`<run id>/...`, so that the root can move), else for the whole path of `url`."""
     if local.is_dir():
         paths = {p.relative_to(local).as_posix(): p for p in sorted(local.rglob("*")) if p.is_file()}
     else:
@@ -111,7 +113,7 @@ def upload(local: Path, url: str, options: dict, what: str) -> str:
     extra = {"chunksize": SINGLE_PART_BYTES} if "s3" in fs.protocol else {}
     try:
         fs.put([str(p) for p in paths.values()], targets, **extra)
-        write_commit(url, options, expected=files)
+        write_commit(url, options, expected=files, signed_as=signed_as)
     except Exception as exc:  # any storage error: say what it means for the checkpoint
         raise OSError(f"Committing {what} to {url} failed; no commit marker was written, so the "
                       f"checkpoint counts as incomplete ({type(exc).__name__}: {exc})") from exc
@@ -146,7 +148,7 @@ def download(url: str, local: Path, options: dict, directory: bool) -> None:
     remote = remote.rstrip("/")
     name = posixpath.basename(remote)
     content = fs.cat_file(remote + COMMIT_SUFFIX)
-    check_signature(content, name, signing_key(), url)
+    check_signature(content, remote, signing_key(), url)
     recorded = read_commit(content)  # every name a plain relative path
     if directory:
         unrecorded = sorted(set(_stored_names(fs, remote)) - set(recorded))
@@ -248,7 +250,7 @@ def check_signed(url: str, options: dict) -> None:
         content = fs.cat_file(remote + COMMIT_SUFFIX)
     except FileNotFoundError:
         raise ValueError(f"{url}: it has no commit marker") from None
-    check_signature(content, posixpath.basename(remote), key, url)
+    check_signature(content, remote, key, url)
 
 
 def _gone(url: str, found: Artifact | None, options: dict) -> str:

@@ -29,9 +29,12 @@ from txflow.export.proof import figures, load_base, merge, prove
 
 
 def export(reference: ExportReference, dest: str, options: dict, base_model_path: str, run: dict,
-           merged: bool = False, force: bool = False, keep_others: bool = False, log=print) -> ExportResult:
+           merged: bool = False, force: bool = False, keep_others: bool = False, log=print,
+           signed_as: str | None = None) -> ExportResult:
     """Export the sampler checkpoint of `reference` to `<dest>/peft` (and `<dest>/merged`), proven against
-    the reference; committed only when the proof holds. `run` describes the run for the model card."""
+    the reference; committed only when the proof holds. `run` describes the run for the model card.
+    `signed_as` is `dest`'s path below the checkpoint root (`<run id>/export`), which a signed marker binds;
+    without it the markers bind `dest`'s whole path."""
     began = time.monotonic()
     kept = prepare_destination(dest, options, force, reference.sampler_url, keep_others)
     if kept:
@@ -85,6 +88,7 @@ def export(reference: ExportReference, dest: str, options: dict, base_model_path
                 {"sampler_url": reference.sampler_url, "run": run, "proof": result.model_dump(exclude={"seconds"})},
                 indent=1) + "\n")
             storage.upload(directory, f"{dest}/{directory.name}", options,
-                           "the merged model" if is_merged else "the PEFT adapter")
+                           "the merged model" if is_merged else "the PEFT adapter",
+                           signed_as=f"{signed_as}/{directory.name}" if signed_as else None)
     result.seconds = round(time.monotonic() - began, 3)
     return result
