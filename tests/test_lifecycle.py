@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import socket
 import subprocess
 import threading
@@ -311,6 +312,69 @@ def test_retention_never_deletes_what_a_promotion_was_made_from(tmp_path):
     assert urls[2] in protected
     [run] = [r for r in retention.prune(str(checkpoints), 1, None, protected=protected) if r.run_id == "r"]
     assert run.deletions == [] and states(checkpoints / "r") == {2: True, 4: True, 6: True}
+
+
+KEY = "signing-key-of-the-promotions-0123"
+
+
+def test_what_serving_reads_names_only_the_promotions_own_files(tmp_path):
+    """Issue 41's second finding, without a key: a bucket writer pointed `current.json` at `../` paths and
+    `promotion.json` at another bucket, and `current()` returned them. Now either is refused in one line."""
+    checkpoints = str(tmp_path / "ckpt")
+    url, files = committed_export(tmp_path, "good")
+    promoted = promotion.promote(checkpoints, "prod", "good", {"peft": url}, {})
+    base = Path(checkpoints) / "promoted" / "prod"
+    pointer, record = base / "current.json", base / "history" / promoted.id / "promotion.json"
+    good_pointer, good_record = pointer.read_bytes(), record.read_bytes()
+    for path in ("promoted/prod/../../../evil", f"history/{promoted.id}/../../../../evil", "/etc"):
+        pointer.write_text(json.dumps({**json.loads(good_pointer), "path": path}))
+        with pytest.raises(ValueError, match=f"current.json points at '{re.escape(path)}', not at a promotion"):
+            promotion.current(checkpoints, "prod")
+    pointer.write_bytes(good_pointer)
+    for elsewhere in ("s3://attacker/adapter", f"{base}/history/{promoted.id}/../../other/peft"):
+        record.write_text(json.dumps({**json.loads(good_record), "files": {"peft": elsewhere}}))
+        with pytest.raises(ValueError, match="promotion.json names files .*, not this promotion's own"):
+            promotion.current(checkpoints, "prod")
+    record.write_bytes(good_record)
+    assert read_promoted(checkpoints, "prod") == files
+
+
+def test_with_a_key_the_pointer_the_record_and_the_files_serving_reads_are_signed_for_their_paths(
+        tmp_path, monkeypatch):
+    """With a signing key, `current.json` and `promotion.json` are signed for their paths and `current()`
+    verifies each file's marker: an unsigned pointer, another promotion's record put in place, or another
+    promotion's adapter copied over this one's are refused, each in one line; the genuine one reads back."""
+    monkeypatch.setenv("TXFLOW_SIGNING_KEY", KEY)
+    checkpoints = str(tmp_path / "ckpt")
+    (first, _), (second, files) = committed_export(tmp_path, "one"), committed_export(tmp_path, "two")
+    one = promotion.promote(checkpoints, "prod", "one", {"peft": first}, {})
+    time.sleep(0.002)
+    two = promotion.promote(checkpoints, "prod", "two", {"peft": second}, {})
+    assert read_promoted(checkpoints, "prod") == files
+    base = Path(checkpoints) / "promoted" / "prod"
+    pointer = base / "current.json"
+    assert "hmac" in json.loads(pointer.read_bytes()) and "hmac" not in promotion.current(checkpoints, "prod")
+    good = pointer.read_bytes()
+
+    pointer.write_text(json.dumps({"id": two.id, "path": f"history/{two.id}", "run_id": "two", "promoted_at": 1}))
+    with pytest.raises(ValueError, match="current.json: it is not signed, and a signing key is set"):
+        promotion.current(checkpoints, "prod")
+    pointer.write_bytes(good)
+
+    records = [base / "history" / i / "promotion.json" for i in (one.id, two.id)]
+    kept = records[1].read_bytes()
+    records[1].write_bytes(records[0].read_bytes())
+    with pytest.raises(ValueError, match=f"signed for 'promoted/prod/history/{re.escape(one.id)}/promotion.json', "
+                                         f"not for where it is stored"):
+        promotion.current(checkpoints, "prod")
+    records[1].write_bytes(kept)
+
+    ours, theirs = base / "history" / two.id / "peft", base / "history" / one.id / "peft"
+    for file in theirs.iterdir():
+        (ours / file.name).write_bytes(file.read_bytes())
+    (ours.parent / ("peft" + COMMIT_SUFFIX)).write_bytes((theirs.parent / ("peft" + COMMIT_SUFFIX)).read_bytes())
+    with pytest.raises(ValueError, match=f"signed for 'promoted/prod/history/{re.escape(one.id)}/peft', not for"):
+        promotion.current(checkpoints, "prod")
 
 
 def test_a_promotion_copies_only_what_was_committed(tmp_path):

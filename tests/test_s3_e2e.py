@@ -509,3 +509,54 @@ def test_a_second_run_with_a_live_runs_id_exits_2_before_starting_anything(tmp_p
             first.wait()
     assert json.loads((tmp_path / "first.out").read_text())["status"] == "passed"
     assert "leases/same/lease.json" not in bucket_keys("leases/same/")  # released at the end
+
+
+def test_txflow_promoted_on_s3_refuses_a_pointer_a_record_or_an_adapter_not_signed_for_where_it_is(
+        tmp_path, s3_env, monkeypatch):
+    """Issue 41's second finding on a real S3 API, through the CLI that serving scripts call: with a signing
+    key, `txflow promoted` shows the genuine promotion; a pointer aimed at another bucket, an unsigned pointer,
+    and the previous promotion's adapter copied over the current one's each make it exit 2 in one line."""
+    key = "signing-key-of-the-promotion-e2e-1c"
+    monkeypatch.setenv(SIGNING_KEY_ENV, key)
+    s3_env = s3_env | {SIGNING_KEY_ENV: key}
+    root = f"s3://{BUCKET}/promoting"
+    ids = []
+    for run_id in ("one", "two"):
+        local = tmp_path / run_id / "peft"
+        local.mkdir(parents=True)
+        (local / "adapter_config.json").write_text(json.dumps({"run": run_id}))
+        (local / "adapter_model.safetensors").write_bytes(f"{run_id}-weights".encode())
+        url = storage.upload(local, f"{root}/{run_id}/export/peft", {}, "an export",
+                             signed_as=f"{run_id}/export/peft")
+        ids.append(promotion_of(root, run_id, url).id)
+        time.sleep(0.002)
+    shown = run_txflow(["promoted", root, "prod"], s3_env, tmp_path)
+    assert shown.returncode == 0 and "prod: run two" in shown.stdout, shown.stderr
+    s3 = boto3.client("s3")
+    pointer = "promoting/promoted/prod/current.json"
+    good = s3.get_object(Bucket=BUCKET, Key=pointer)["Body"].read()
+
+    def refused(expected: str) -> None:
+        result = run_txflow(["promoted", root, "prod"], s3_env, tmp_path)
+        assert result.returncode == 2 and expected in result.stderr, result.stderr
+        assert len([line for line in result.stderr.splitlines() if line.startswith("txflow:")]) == 1
+
+    s3.put_object(Bucket=BUCKET, Key=pointer, Body=json.dumps(
+        {**json.loads(good), "path": "../../../attacker/adapter"}).encode())
+    refused("current.json: it is signed with another key, or was changed after it was signed")
+    s3.put_object(Bucket=BUCKET, Key=pointer, Body=json.dumps(
+        {"id": ids[1], "path": f"history/{ids[1]}", "run_id": "two", "promoted_at": 1}).encode())
+    refused("current.json: it is not signed, and a signing key is set")
+    s3.put_object(Bucket=BUCKET, Key=pointer, Body=good)
+    ours, theirs = (f"promoting/promoted/prod/history/{i}/peft" for i in (ids[1], ids[0]))
+    for name in ("adapter_config.json", "adapter_model.safetensors", ""):
+        suffix = f"/{name}" if name else COMMIT_SUFFIX
+        s3.copy_object(Bucket=BUCKET, Key=ours + suffix, CopySource={"Bucket": BUCKET, "Key": theirs + suffix})
+    refused(f"signed for 'promoted/prod/history/{ids[0]}/peft', not for where it is stored")
+
+
+def promotion_of(root: str, run_id: str, url: str):
+    from txflow.checkpoints import promotion
+
+    return promotion.promote(root, "prod", run_id, {"peft": url}, {"mode": "sft", "base_model": "tiny",
+                                                                  "figures": {}})

@@ -168,6 +168,38 @@ def stored_under(stored_at: str, signed_for: str) -> bool:
     return f"/{stored_at.strip('/')}".endswith(f"/{signed_for.strip('/')}")
 
 
+def signed_document(document: dict, path: str, key: bytes | None) -> bytes:
+    """A JSON document (a promotion's pointer or record) as written: with a signing `key`, it records `path`,
+    where it is written below the checkpoint root, and the HMAC of both; without one, as it is."""
+    if key is None:
+        return json.dumps(document, indent=1).encode()
+    signed = {**document, "signed_path": path.strip("/")}
+    return _canonical({**signed, "hmac": _mac(key, signed)})
+
+
+def read_signed_document(content: bytes, stored_at: str, key: bytes | None, what: str) -> dict:
+    """The document `content` read from the path `stored_at` (no protocol); with a signing `key`, ValueError
+    unless it is signed with it for a path `stored_at` ends with. The signature's fields are removed."""
+    document = json.loads(content)
+    if not isinstance(document, dict):
+        raise ValueError(f"{what}: not a JSON object")
+    mac, signed_for = document.pop("hmac", None), document.get("signed_path")
+    if key is None:
+        document.pop("signed_path", None)
+        return document
+    if not isinstance(mac, str) or not isinstance(signed_for, str):
+        raise ValueError(f"{what}: it is not signed, and a signing key is set ({SIGNING_KEY_ENV}): it was not "
+                         f"written by a promotion with this key; refusing to read it")
+    if not hmac.compare_digest(mac, _mac(key, document)):
+        raise ValueError(f"{what}: it is signed with another key, or was changed after it was signed; refusing "
+                         f"to read it")
+    if not stored_under(stored_at, signed_for):
+        raise ValueError(f"{what}: it is signed for {signed_for!r}, not for where it is stored "
+                         f"({stored_at.strip('/')!r}); refusing to read it")
+    document.pop("signed_path")
+    return document
+
+
 def write_commit(fs_url: str, storage_options: dict | None = None,
                  expected: dict[str, tuple[int, str]] | None = None, signed_as: str | None = None) -> str:
     """Write the commit sidecar `fs_url + COMMIT_SUFFIX` for the artifact at `fs_url`; returns how its files

@@ -26,8 +26,8 @@ promotion standing (it is reported); the next trim finishes it.
 
 from __future__ import annotations
 
-import json
 import os
+import re
 import secrets
 import tempfile
 import time
@@ -37,6 +37,7 @@ import fsspec
 from pydantic import BaseModel
 
 from txflow.checkpoints import retention, storage
+from txflow.checkpoints.markers import read_signed_document, signed_document, signing_key
 from txflow.config import PROMOTED_DIR
 from txflow.log import get_logger
 
@@ -90,9 +91,12 @@ def promote(checkpoints: str, name: str, run_id: str, exported: dict[str, str], 
             "files": {part: f"{target}/{part}" for part in exported},
             "previous": previous["id"] if previous else None}
     fs, path = fsspec.core.url_to_fs(base, **options)
-    fs.pipe_file(f"{path}/{HISTORY}/{promotion_id}/{RECORD}", json.dumps(full, indent=1).encode())
-    _replace(fs, f"{path}/{POINTER}", json.dumps({"id": promotion_id, "path": f"{HISTORY}/{promotion_id}",
-                                                  "run_id": run_id, "promoted_at": full["promoted_at"]}).encode())
+    key, below = signing_key(), f"{PROMOTED_DIR}/{name}"  # signed for their paths below the checkpoint root
+    fs.pipe_file(f"{path}/{HISTORY}/{promotion_id}/{RECORD}",
+                 signed_document(full, f"{below}/{HISTORY}/{promotion_id}/{RECORD}", key))
+    _replace(fs, f"{path}/{POINTER}", signed_document(
+        {"id": promotion_id, "path": f"{HISTORY}/{promotion_id}", "run_id": run_id,
+         "promoted_at": full["promoted_at"]}, f"{below}/{POINTER}", key))
     removed, trim_error = [], None
     try:
         removed = trim(checkpoints, name, options)
@@ -116,14 +120,48 @@ def _replace(fs, path: str, data: bytes) -> None:
 
 
 def current(checkpoints: str, name: str, storage_options: dict | None = None) -> dict | None:
-    """The current promotion's record (`promotion.json`, with `url`), or None when there is none."""
-    fs, path = fsspec.core.url_to_fs(root_of(checkpoints, name), **(storage_options or {}))
+    """The current promotion's record (`promotion.json`, with `url`), or None when there is none.
+
+    What serving reads is checked before it is returned: the pointer names a promotion under
+    `<root>/promoted/<name>/history/` (never `..`, an absolute path or another URL), the record's files are
+    that promotion's own, and, with a signing key, the pointer and the record are signed for where they are
+    and each file's commit marker is signed for its path. Raises ValueError naming what is wrong."""
+    options = storage_options or {}
+    base = root_of(checkpoints, name)
+    fs, path = fsspec.core.url_to_fs(base, **options)
+    key = signing_key()
     try:
-        pointer = json.loads(fs.cat_file(f"{path}/{POINTER}"))
+        content = fs.cat_file(f"{path}/{POINTER}")
     except FileNotFoundError:
         return None
-    record = json.loads(fs.cat_file(f"{path}/{pointer['path']}/{RECORD}"))
-    return {**record, "url": f"{root_of(checkpoints, name)}/{pointer['path']}"}
+    pointer = read_signed_document(content, f"{path}/{POINTER}", key, f"{base}/{POINTER}")
+    promotion_id = pointer.get("id")
+    if not isinstance(promotion_id, str) or not re.fullmatch(r"[0-9A-Za-z][0-9A-Za-z._-]*", promotion_id) \
+            or pointer.get("path") != f"{HISTORY}/{promotion_id}":
+        raise ValueError(f"{base}/{POINTER} points at {pointer.get('path')!r}, not at a promotion under "
+                         f"{base}/{HISTORY}/; refusing to follow it")
+    record = _record(fs, path, base, promotion_id, key)
+    url = f"{base}/{HISTORY}/{promotion_id}"
+    files = record.get("files")
+    # Each part is this promotion's own directory, wherever the root has moved since: the record's own
+    # spelling of it is checked, never followed.
+    below = f"/{PROMOTED_DIR}/{name}/{HISTORY}/{promotion_id}/"
+    if record.get("id") != promotion_id or not isinstance(files, dict) or not files or any(
+            not isinstance(part, str) or part not in ("peft", "merged") or not isinstance(file, str)
+            or not file.endswith(below + part) or ".." in file.split("/") for part, file in files.items()):
+        raise ValueError(f"{url}/{RECORD} names files {files!r}, not this promotion's own ({url}/<part>); "
+                         f"refusing to serve them")
+    record["files"] = {part: f"{url}/{part}" for part in files}
+    for file in record["files"].values():
+        storage.check_signed(file, options)  # with a key, each part's marker is signed for its path
+    return {**record, "url": url}
+
+
+def _record(fs, path: str, base: str, promotion_id: str, key: bytes | None) -> dict:
+    """The record `history/<promotion_id>/promotion.json`; with a signing key, only when it is signed for
+    that path."""
+    stored = f"{path}/{HISTORY}/{promotion_id}/{RECORD}"
+    return read_signed_document(fs.cat_file(stored), stored, key, f"{base}/{HISTORY}/{promotion_id}/{RECORD}")
 
 
 def history(checkpoints: str, name: str, storage_options: dict | None = None) -> list[dict]:
@@ -137,7 +175,7 @@ def history(checkpoints: str, name: str, storage_options: dict | None = None) ->
     records = []
     for promotion_id in ids:
         try:
-            records.append(json.loads(fs.cat_file(f"{path}/{HISTORY}/{promotion_id}/{RECORD}")))
+            records.append(_record(fs, path, root_of(checkpoints, name), promotion_id, signing_key()))
         except FileNotFoundError:  # unfinished (a promotion that failed half-way): never current
             continue
     return records
@@ -161,7 +199,7 @@ def trim(checkpoints: str, name: str, storage_options: dict | None = None) -> li
     # Only ids listed under history/ (a record names a directory there, nothing else), each once.
     while (previous := record.get("previous")) in listed and previous not in before and previous != pointed["id"]:
         try:
-            record = json.loads(fs.cat_file(f"{path}/{HISTORY}/{previous}/{RECORD}"))
+            record = _record(fs, path, root_of(checkpoints, name), previous, signing_key())
         except FileNotFoundError:  # trimmed already: everything older went before it
             break
         before.append(previous)
