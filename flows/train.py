@@ -233,10 +233,16 @@ def _run(cfg: RunConfig, data, done: Progress, began: float) -> RunReport:
     done.timings["total"] = round(time.monotonic() - began, 3)
 
     report = run_report.build(cfg, done, error)
-    path = metrics_path(cfg.state_dir)
-    run_report.write(cfg, report, path.read_text() if path.exists() else "")
+    try:
+        lease.check(cfg.run_root, cfg.plain_storage_options())
+    except lease.LeaseLost as exc:  # the run root is another run's now: nothing more is written there
+        report = run_report.build(cfg, done, error or str(exc))
+        log.info(f"run {cfg.run_id} {report.status}; no report written under {cfg.run_root}")
+    else:
+        path = metrics_path(cfg.state_dir)
+        run_report.write(cfg, report, path.read_text() if path.exists() else "")
+        log.info(f"run {cfg.run_id} {report.status}; report {cfg.run_root}/report.json")
     run_report.publish_artifacts(report)
-    log.info(f"run {cfg.run_id} {report.status}; report {cfg.run_root}/report.json")
     if not report.passed:
         raise RunFailed(report)
     return report

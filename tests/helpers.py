@@ -263,8 +263,9 @@ def bucket_keys(prefix: str) -> dict[str, int]:
 
 def lease_race(run_root: str, contenders: int = 8) -> list[str]:
     """`contenders` runs taking over one dead lease under `run_root` at the same moment (the lease expired 100 s
-    ago): the run ids that got it. Each judges the lease dead 0.1 s after reading it, so all of them read it
-    before any writes (call it with `lease.stale` slowed, as the tests do)."""
+    ago, by another host's clock): the run ids that got it. Each watches it unchanged for 0.5 s and judges it
+    dead 0.1 s after reading it, so all of them read it before any writes (call it with `lease.stale` slowed,
+    as the tests do)."""
     import threading
     import time
 
@@ -283,7 +284,7 @@ def lease_race(run_root: str, contenders: int = 8) -> list[str]:
     def contender(i: int) -> None:
         start.wait()
         try:
-            lease._acquire(fs, path, run_root, f"run{i}", f"token{i}", 600)
+            lease._acquire(fs, path, run_root, f"run{i}", f"token{i}", ttl_s=0.5, poll_s=0.05)  # watched 0.5 s
             won.append(f"run{i}")
         except lease.LeaseHeld:
             pass

@@ -221,3 +221,36 @@ def test_a_fault_during_save_checkpoint_is_checked_against_the_live_model(tmp_pa
     assert restore["loss_before"] == recorded["eval_loss"] and restore["live_tokens"] == recorded["greedy_tokens"]
     assert restore["passed"] and restore["abs_diff"] <= 1e-6 and restore["sampler_logprob_diff"] <= 1e-4
     assert alive_pids(state) == []
+
+
+def test_a_run_whose_lease_is_taken_over_stops_at_its_next_step_and_writes_nothing_more(tmp_path, txflow_env,
+                                                                                        reaper):
+    """Issue 41's third finding, end to end: a run paused longer than the lease's TTL is taken over (here the
+    takeover is written while the run is held after step 1); at its next step the run stops, fails in one line
+    naming the run that holds the lease now, is not retried, writes no report into the run root, and leaves
+    the other run's lease and no process behind."""
+    run_id, log = "paused", tmp_path / "paused.log"
+    proc, state, files = start_run(tmp_path, txflow_env, run_id, "--steps", "4", "--save-every", "0",
+                                   "--processes", "1", hold_at="train-step-1")
+    reaper.watch(state)
+    lease_file = tmp_path / "ckpt" / run_id / "lease.json"
+    try:
+        held(proc, log, tmp_path, "train-step-1")
+        now = time.time()
+        lease_file.write_text(json.dumps({"run_id": run_id, "host": "another-host", "pid": 1, "token": "theirs",
+                                          "renewed_at": now, "expires_at": now + 600}))
+    finally:
+        release(tmp_path, "train-step-1")
+        code = finish(proc, files)
+    text = log.read_text()
+    assert code == 1, text[-4000:]
+    report = json.loads((tmp_path / f"{run_id}.json").read_text())
+    assert report["status"] == "failed" and [m["step"] for m in report["metrics"]] == [1]
+    lines = [line for line in text.splitlines() if "was taken over (by run paused on host another-host); this run "
+             "stops here" in line]
+    assert lines and f"failed in train: txflow.checkpoints.lease.LeaseLost: run {run_id}: its lease of " in text, \
+        text[-4000:]
+    assert text.count("step 2/4") == 0 and "continuing on a fresh cluster" not in text
+    assert not (tmp_path / "ckpt" / run_id / "report.json").exists()
+    assert json.loads(lease_file.read_text())["token"] == "theirs"
+    assert alive_pids(state) == []

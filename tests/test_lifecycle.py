@@ -137,10 +137,20 @@ def test_prune_leaves_running_and_failed_runs_alone_unless_told(tmp_path):
 
 
 def test_a_lease_not_renewed_expires(tmp_path):
-    with lease.held(str(tmp_path / "r"), "r", ttl_s=0.5, renew_s=100):
-        assert lease.alive(str(tmp_path / "r"))
+    """For `txflow prune` (which only leaves a live run alone), another host's lease counts as its holder's
+    until its expiry; one of this host counts as long as its process lives, renewed or not."""
+    root = tmp_path / "r"
+    root.mkdir()
+    now = time.time()
+    (root / lease.LEASE).write_text(json.dumps({"run_id": "r", "host": "another-host", "pid": 1, "renewed_at": now,
+                                                "expires_at": now + 0.5}))
+    assert lease.alive(str(root))
+    time.sleep(0.7)
+    assert not lease.alive(str(root))  # its holder stopped renewing it (an orchestrator that died)
+    (root / lease.LEASE).unlink()
+    with lease.held(str(root), "r", ttl_s=0.5, renew_s=100):
         time.sleep(0.7)
-        assert not lease.alive(str(tmp_path / "r"))  # its holder stopped renewing it (an orchestrator that died)
+        assert lease.alive(str(root))  # not renewed, but its process on this host lives
     with lease.held(str(tmp_path / "r"), "r", ttl_s=0.5, renew_s=0.1):
         time.sleep(0.8)
         assert lease.alive(str(tmp_path / "r"))  # renewed while its holder lives
@@ -172,7 +182,7 @@ def test_of_many_runs_starting_at_once_exactly_one_gets_the_lease(tmp_path):
     def contender(i):
         start.wait()
         try:
-            lease._acquire(fs, f"{root}/{lease.LEASE}", str(tmp_path), f"run{i}", f"token{i}", 600)
+            lease._acquire(fs, f"{root}/{lease.LEASE}", str(tmp_path), f"run{i}", f"token{i}", 600, 60)
             won.append(i)
         except lease.LeaseHeld:
             pass
@@ -195,10 +205,13 @@ def test_a_dead_holders_lease_is_taken_over_with_a_log_line(run_root, caplog):
     dead = {"run_id": "old", "host": socket.gethostname(), "pid": gone.pid, "started": 1, "renewed_at": now,
             "expires_at": now + 600}
     silent = {**dead, "host": "another-host", "pid": 1, "renewed_at": now - 700, "expires_at": now - 100}
-    for record, why in ((dead, f"its process {gone.pid} on this host is gone"), (silent, "not renewed for 70")):
+    # Another host's lease whose own clock says it was last renewed 700 s ago is watched (0.3 s here, the TTL
+    # in production), unchanged, before it is taken over.
+    for record, why in ((dead, f"its process {gone.pid} on this host is gone"),
+                        (silent, "looks not renewed for 70")):
         fs.pipe_file(f"{root}/{lease.LEASE}", json.dumps(record).encode())
         assert not lease.alive(run_root)
-        with caplog.at_level(logging.WARNING), lease.held(run_root, "new"):
+        with caplog.at_level(logging.WARNING), lease.held(run_root, "new", ttl_s=0.3):
             assert lease.holder(run_root)["run_id"] == "new"
         assert f"took over the lease of run old under {run_root} " in caplog.text and why in caplog.text
     # Another host's lease, renewed a moment ago: its pid says nothing here, and it is refused.
@@ -206,6 +219,58 @@ def test_a_dead_holders_lease_is_taken_over_with_a_log_line(run_root, caplog):
     with pytest.raises(lease.LeaseHeld, match="host another-host, pid 1"):
         with lease.held(run_root, "new"):
             pass
+
+
+def test_a_live_holder_on_this_host_keeps_its_lease_whatever_the_clocks_say(run_root, monkeypatch):
+    """Issue 41's third finding: with the reader's clock 601 s ahead of the holder's, the same-host holder's
+    lease looked expired and a second run took it over while the first went on. A live process of this host
+    holding it now refuses the second run, whatever the timestamps say."""
+    with lease.held(run_root, "r"):
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 601)
+        with pytest.raises(lease.LeaseHeld, match=f"^Run r is running under {re.escape(run_root)}"):
+            with lease.held(run_root, "second"):
+                pytest.fail("a second holder entered")
+        monkeypatch.setattr(time, "time", real)
+        assert lease.holder(run_root)["run_id"] == "r"
+
+
+def test_another_hosts_lease_that_looks_old_is_kept_when_it_is_renewed_while_watched(run_root, caplog):
+    """Another host's clock cannot be compared with this one's: its lease that looks 700 s old is watched,
+    and a renewal seen while watching refuses the second run (the holder lives; its clock is behind)."""
+    fs, root = fsspec.core.url_to_fs(run_root)
+    fs.makedirs(root, exist_ok=True)
+    path = f"{root}/{lease.LEASE}"
+    now = time.time()
+    behind = {"run_id": "old", "host": "another-host", "pid": 1, "renewed_at": now - 700, "expires_at": now - 100}
+    fs.pipe_file(path, json.dumps(behind).encode())
+    renewal = threading.Timer(0.3, lambda: fs.pipe_file(path, json.dumps({**behind, "renewed_at": now - 640}).encode()))
+    renewal.start()
+    try:
+        with caplog.at_level(logging.WARNING), pytest.raises(lease.LeaseHeld, match="renewed while this run watched"):
+            with lease.held(run_root, "second", ttl_s=5):
+                pytest.fail("a second holder entered")
+    finally:
+        renewal.join()
+    assert "watching it for 5 s before taking it over" in caplog.text
+    assert json.loads(fs.cat_file(path))["run_id"] == "old"
+
+
+def test_a_run_whose_lease_was_taken_over_stops_at_its_next_step_or_commit(run_root):
+    """The holder learns of a takeover at its next renewal, and before that at its next step or commit
+    (`lease.check`, one read): LeaseLost, in one line, and it leaves the other run's lease."""
+    with lease.held(run_root, "r", renew_s=600) as path:
+        lease.check(run_root)  # its own: passes
+        fs, _ = fsspec.core.url_to_fs(run_root)
+        fs.pipe_file(path, json.dumps({"run_id": "other", "host": "another-host", "pid": 1, "renewed_at": time.time(),
+                                       "expires_at": time.time() + 600}).encode())
+        with pytest.raises(lease.LeaseLost) as lost:
+            lease.check(run_root)
+        assert "\n" not in str(lost.value) and "(by run other on host another-host); this run stops" in str(lost.value)
+        with pytest.raises(lease.LeaseLost):
+            storage.commit(SimpleNamespace(run_root=run_root, run_id="r", plain_storage_options=dict), "unused",
+                           "tinker://r/weights/step-000001")
+    assert lease.holder(run_root)["run_id"] == "other"
 
 
 @pytest.fixture
@@ -248,8 +313,9 @@ def test_an_s3_write_that_another_write_beat_is_a_lost_race_and_nothing_else_is(
 def test_a_holder_taken_over_learns_it_at_its_next_renewal_and_leaves_the_new_lease(run_root):
     after, messages = taken_over_while_held(run_root)
     assert after is not None and after["run_id"] == "other"  # neither renewed over nor deleted by the old holder
-    assert [m for m in messages if m == f"run r: the lease of {run_root} was taken over (by run other); another "
-                                        "run may use this run id now"], messages
+    assert [m for m in messages if m == f"run r: its lease of {run_root} was taken over (by run other on host "
+                                        f"another-host); this run stops here, before it writes more under a run "
+                                        f"root that is another run's now"], messages
     after, _ = taken_over_while_held(f"{run_root}/released", renew=False)
     assert after is not None and after["run_id"] == "other"  # its release left the other run's lease
 

@@ -15,6 +15,7 @@ import sys
 import time
 
 import boto3
+import fsspec
 import pytest
 
 from tests.helpers import (
@@ -234,6 +235,15 @@ def test_a_prune_killed_mid_deletion_reads_incomplete_and_the_next_one_finishes(
                      r"s3://.*/life-c/.*step-000006\.tar\.gz \(step 6\)", line), line
 
 
+def held_and_taken_over_then_checked(run_root: str) -> None:
+    """A run holds `run_root`'s lease, another run's is written over it, and the holder checks before its next
+    step (as the training loop and every commit do): LeaseLost."""
+    with lease.held(run_root, "r", renew_s=600) as path:
+        fs, _ = fsspec.core.url_to_fs(run_root)
+        fs.pipe_file(path, json.dumps({"run_id": "other", "host": "another-host", "pid": 1}).encode())
+        lease.check(run_root)
+
+
 def test_of_many_runs_taking_over_one_dead_lease_on_s3_exactly_one_gets_it(s3_env, monkeypatch):
     """On S3 a takeover is a PUT with `If-Match` the dead lease's ETag: of 8 runs that all read the dead lease
     before any wrote, one replaces it and the others find its live lease."""
@@ -249,6 +259,8 @@ def test_a_holder_taken_over_on_s3_learns_it_at_its_next_renewal_and_leaves_the_
     touches the lease another run wrote over it."""
     after, messages = taken_over_while_held(f"s3://{BUCKET}/leases/renewal")
     assert after is not None and after["run_id"] == "other"
-    assert [m for m in messages if "was taken over (by run other)" in m], messages
+    assert [m for m in messages if "was taken over (by run other on host another-host)" in m], messages
+    with pytest.raises(lease.LeaseLost, match="this run stops here"):
+        held_and_taken_over_then_checked(f"s3://{BUCKET}/leases/checked")
     after, _ = taken_over_while_held(f"s3://{BUCKET}/leases/release", renew=False)
     assert after is not None and after["run_id"] == "other"  # its release left the other run's lease

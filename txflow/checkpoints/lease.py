@@ -7,8 +7,14 @@ offers one (S3's `If-None-Match: *`, s3fs `mode="create"`), a hard link that
 fails when the name exists on a local disk (the content is whole before the
 name appears); other stores check first (not atomic). A lease whose holder
 still lives refuses the second run (`LeaseHeld`, naming the holder). A lease
-whose holder is dead is taken over, with a log line: not renewed for `TTL_S`
-(10 renewals missed), or, on this host, its process is gone.
+whose holder is dead is taken over, with a log line. On this host that is
+known at once: its process is gone (a live one is never taken over, whatever
+the clocks say). For a holder on another host, no clock is compared with
+another machine's: a lease whose holder's own timestamp says it was renewed
+within `TTL_S` refuses the second run at once (refusing is the safe mistake),
+and one that looks older is watched, on the second run's own monotonic clock,
+and taken over only when its bytes (its ETag on S3) stayed the same for
+`TTL_S` (a live holder renews every `RENEW_S`, so it shows itself).
 
 Every change to a lease that exists (a takeover, a renewal, the release) is
 made only if the lease is still the one read: on S3 a write or delete with
@@ -16,10 +22,12 @@ made only if the lease is still the one read: on S3 a write or delete with
 root. So of two runs taking over one dead lease at once, one wins and the
 other is refused like any second run; and a holder that was taken over (it
 looked dead: it stopped renewing for `TTL_S`) finds out at its next renewal,
-which fails, and logs it, instead of overwriting the new holder's lease.
-Other stores compare and then write, which is not atomic: two takeovers at
-the same moment can both succeed there, and the loser learns it only at its
-first renewal (logged; the run goes on).
+which fails, instead of overwriting the new holder's lease. A run whose lease
+was taken over stops: each step and each commit checks the lease is still its
+own (`check`, one read) and raises `LeaseLost`, so the run fails in one line
+before it writes anything more under the run root. Other stores compare and
+then write, which is not atomic: two takeovers at the same moment can both
+succeed there, and the loser learns it at its next step.
 
 `txflow prune` may run on another machine than the run, against the same
 bucket, so a local `cluster.json` cannot tell it a run is still going. The
@@ -53,6 +61,10 @@ TTL_S = 10 * RENEW_S
 
 class LeaseHeld(ValueError):
     """Another run holds the run id's lease; the message names it."""
+
+
+class LeaseLost(RuntimeError):
+    """This run's lease was taken over: another run holds the run id now, so this one must stop."""
 
 
 def _record(run_id: str, token: str, ttl_s: float) -> bytes:
@@ -192,16 +204,34 @@ def _read(fs, path: str) -> tuple[dict | None, Version | None]:
 
 
 def stale(record: dict) -> str | None:
-    """Why the holder of lease `record` is dead, or None while it lives."""
+    """Why the holder of lease `record` looks dead, or None while it looks alive. On this host its process
+    says so; for another host's holder this reads that host's timestamp against this one's clock, so it is
+    only a hint: `txflow prune` uses it to leave a run alone, a takeover watches the lease (`_acquire`)."""
     expires_at = record.get("expires_at")
     if not isinstance(expires_at, (int, float)):
         return "the lease is unreadable"
+    pid = record.get("host") == socket.gethostname() and record.get("pid")
+    if isinstance(pid, int) and pid:
+        return None if is_alive(pid, record.get("started")) else f"its process {pid} on this host is gone"
     if expires_at < time.time():
         return f"not renewed for {time.time() - float(record.get('renewed_at') or expires_at):.0f} s"
-    pid = record.get("pid")
-    if record.get("host") == socket.gethostname() and isinstance(pid, int) and not is_alive(pid, record.get("started")):
-        return f"its process {pid} on this host is gone"
     return None
+
+
+def _on_this_host(record: dict) -> bool:
+    return record.get("host") == socket.gethostname() and isinstance(record.get("pid"), int)
+
+
+def _unchanged_for(fs, path: str, seen: Version, ttl_s: float, poll_s: float) -> Version | None:
+    """Watch the lease at `path`, last seen as `seen`, on this process's monotonic clock: `seen` again when it
+    stayed the same for `ttl_s`, None as soon as it changed or went (its holder renewed or released it)."""
+    began = time.monotonic()
+    while time.monotonic() - began < ttl_s:
+        time.sleep(min(poll_s, max(0.0, ttl_s - (time.monotonic() - began))))
+        _, now = _read(fs, path)
+        if now != seen:
+            return None
+    return seen
 
 
 def describe(record: dict, run_root: str) -> str:
@@ -224,7 +254,7 @@ def alive(run_root: str, storage_options: dict | None = None) -> bool:
     return holder(run_root, storage_options) is not None
 
 
-def _acquire(fs, path: str, run_root: str, run_id: str, token: str, ttl_s: float) -> Version:
+def _acquire(fs, path: str, run_root: str, run_id: str, token: str, ttl_s: float, poll_s: float) -> Version:
     """Create the lease; take it over from a dead holder; raise LeaseHeld when a live one has it. The lease's
     version."""
     for _ in range(3):  # a lease that vanishes or is taken over between two looks: look again
@@ -238,6 +268,18 @@ def _acquire(fs, path: str, run_root: str, run_id: str, token: str, ttl_s: float
         why = stale(record)
         if why is None:
             raise LeaseHeld(describe(record, run_root))
+        if record and not _on_this_host(record):
+            # Another host's clock said it is old: watched here, on this clock, before it is believed.
+            get_logger().warning(f"the lease of run {record.get('run_id')} under {run_root} (host "
+                                 f"{record.get('host')}) looks {why}; watching it for {ttl_s:.0f} s before taking "
+                                 f"it over (a live holder renews it every {RENEW_S:.0f} s)")
+            if _unchanged_for(fs, path, seen, ttl_s, poll_s) is None:
+                record, _ = _read(fs, path)
+                if record is None:
+                    continue
+                raise LeaseHeld(describe(record, run_root) + " (it was renewed while this run watched it)")
+            why = f"unchanged for {ttl_s:.0f} s as this host watched it"
+            data = _record(run_id, token, ttl_s)
         version = _swap(fs, path, seen, data)
         if version is not None:
             get_logger().warning(f"took over the lease of run {record.get('run_id')} under {run_root} (host "
@@ -246,9 +288,43 @@ def _acquire(fs, path: str, run_root: str, run_id: str, token: str, ttl_s: float
     raise LeaseHeld(f"Another run keeps taking the lease of {run_root} (run id {run_id}); use another --run-id")
 
 
+class _Holding:
+    """A lease this process holds: its last version, and why it was lost, once it was."""
+
+    def __init__(self, fs, path: str, run_root: str, run_id: str, version: Version):
+        self.fs, self.path, self.run_root, self.run_id, self.version = fs, path, run_root, run_id, version
+        self.lost: str | None = None
+        self.lock = threading.Lock()  # a renewal and a check never interleave
+
+    def mark_lost(self) -> str:
+        record, _ = _read(self.fs, self.path)
+        self.version, self.lost = None, (
+            f"run {self.run_id}: its lease of {self.run_root} was taken over (by run "
+            f"{(record or {}).get('run_id')} on host {(record or {}).get('host')}); this run stops here, "
+            f"before it writes more under a run root that is another run's now")
+        get_logger().error(self.lost)
+        return self.lost
+
+
 # The leases this process holds, by URL: `txflow run` takes its run's before the flow starts (so a second run
 # is refused before anything starts), and the flow's own `held(..., join=True)` joins it.
-_held_here: set[str] = set()
+_held_here: dict[str, _Holding] = {}
+
+
+def check(run_root: str, storage_options: dict | None = None) -> None:
+    """Raise LeaseLost when this process held `run_root`'s lease and it is no longer its own (one read); a
+    run root this process holds no lease of passes."""
+    fs, root = fsspec.core.url_to_fs(run_root, **(storage_options or {}))
+    holding = _held_here.get(fs.unstrip_protocol(f"{root.rstrip('/')}/{LEASE}"))
+    if holding is None:
+        return
+    with holding.lock:
+        if holding.lost is None:
+            _, now = _read(holding.fs, holding.path)
+            if now != holding.version:
+                holding.mark_lost()
+        if holding.lost is not None:
+            raise LeaseLost(holding.lost)
 
 
 @contextmanager
@@ -264,24 +340,24 @@ def held(run_root: str, run_id: str, storage_options: dict | None = None, ttl_s:
         yield path
         return
     token = secrets.token_hex(16)
-    version = _acquire(fs, path, run_root, run_id, token, ttl_s)
-    _held_here.add(url)
+    holding = _Holding(fs, path, run_root, run_id, _acquire(fs, path, run_root, run_id, token, ttl_s,
+                                                           poll_s=min(renew_s, ttl_s / 10)))
+    _held_here[url] = holding
     stop = threading.Event()
 
     def renew():
-        nonlocal version
         while not stop.wait(renew_s):
-            try:
-                renewed = _swap(fs, path, version, _record(run_id, token, ttl_s))
-            except Exception:  # a store briefly away: the next renewal tries again, well within the TTL
-                continue
-            if renewed is None:
-                record, _ = _read(fs, path)
-                get_logger().error(f"run {run_id}: the lease of {run_root} was taken over (by run "
-                                   f"{(record or {}).get('run_id')}); another run may use this run id now")
-                version = None
-                return
-            version = renewed
+            with holding.lock:
+                if holding.lost is not None:
+                    return
+                try:
+                    renewed = _swap(fs, path, holding.version, _record(run_id, token, ttl_s))
+                except Exception:  # a store briefly away: the next renewal tries again, well within the TTL
+                    continue
+                if renewed is None:
+                    holding.mark_lost()
+                    return
+                holding.version = renewed
 
     thread = threading.Thread(target=renew, name="txflow-lease", daemon=True)
     thread.start()
@@ -290,9 +366,9 @@ def held(run_root: str, run_id: str, storage_options: dict | None = None, ttl_s:
     finally:
         stop.set()
         thread.join()
-        _held_here.discard(url)
+        _held_here.pop(url, None)
         try:
-            if version is not None:
-                _remove(fs, path, version)  # never another run's lease
+            if holding.version is not None:
+                _remove(fs, path, holding.version)  # never another run's lease
         except Exception:  # gone already, or the store away: the lease then expires on its own
             pass

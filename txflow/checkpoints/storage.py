@@ -28,6 +28,7 @@ from pathlib import Path
 
 import fsspec
 
+from txflow.checkpoints import lease
 from txflow.checkpoints.discovery import Artifact, count_tar_members, discover
 from txflow.checkpoints.markers import (
     BEING_PRUNED,
@@ -83,6 +84,7 @@ def commit(cfg: RunConfig, staging_base: str, tinker_path: str) -> str:
 
     A sampler tarball is read to its end here first, so a committed tarball never needs reading again.
     """
+    lease.check(cfg.run_root, cfg.plain_storage_options())  # never commit under another run's lease
     relative = layout.relative_checkpoint_path(tinker_path)
     local = Path(staging_base) / relative
     if local.is_file():

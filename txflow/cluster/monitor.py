@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+from txflow.checkpoints.lease import LeaseLost
 from txflow.cluster.launcher import Launcher, LostProcess
 from txflow.cluster.records import Cluster, ProcessRecord, describe_exit
 from txflow.log import get_logger
@@ -68,7 +69,8 @@ def retry_unless(*kinds: type[BaseException]) -> Callable:
 
 # A task retry runs on the same cluster, which is useless after a dead rank or a request without
 # progress (and would cost another `step_timeout_s`); the flow retries those on a fresh cluster instead.
-retry_unless_cluster_fault = retry_unless(ClusterFault)
+# Nor is a run whose lease was taken over retried: another run holds its run root now.
+retry_unless_cluster_fault = retry_unless(ClusterFault, LeaseLost)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import fsspec
 
-from txflow.checkpoints import storage
+from txflow.checkpoints import lease, storage
 from txflow.checkpoints.names import checkpoint_name
 from txflow.cluster.handle import ClusterHandle
 from txflow.config import RunConfig
@@ -120,6 +120,7 @@ def train_loop(cfg: RunConfig, handle: ClusterHandle, step_fn, data) -> Trained:
     bar = TrainingBar(cfg.steps, start, cfg.run_id)
     try:
         for step in range(start, cfg.steps):
+            lease.check(cfg.run_root, cfg.plain_storage_options())  # taken over (it looked dead): stop here
             began = time.monotonic()
             row = {"step": step + 1, **step_fn(training_client, step), "seconds": 0.0}
             row["seconds"] = round(time.monotonic() - began, 3)
