@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextvars
 import ctypes
+import re
 import secrets
 import threading
 import time
@@ -22,7 +23,7 @@ from prefect import flow
 
 from flows.train import RunFailed, train_flow
 from txflow.cluster import named
-from txflow.config import RunConfig
+from txflow.config import RunConfig, checked_promotion_name
 from txflow.log import get_logger
 from txflow.preflight import PreflightError, check_learning_rate, prepare
 from txflow.processes.umask import private_files
@@ -54,6 +55,10 @@ def sweep_flow(config: RunConfig = RunConfig(), learning_rates: list[float] | No
     """Train every point of the grid side by side on one cluster (`config.cluster`, or one started for the
     sweep), rank them, and promote the best that passed as `promote_best_as` when given. The flow run fails
     only when no member passed (SweepFailed); a member that failed is in the ranking."""
+    if promote_best_as is not None:  # before anything trains: it becomes a directory under promoted/
+        checked_promotion_name(promote_best_as, "promote_best_as")
+    if sweep_id is not None and not re.fullmatch(r"[A-Za-z0-9_-]{1,60}", sweep_id):  # it names directories
+        raise ValueError(f"sweep_id {sweep_id!r} must be 1-60 letters, digits, '-' or '_'")
     sweep_id = sweep_id or new_sweep_id(config.mode)
     with private_files():
         members = members_of(config, learning_rates or [], lora_ranks or [], sweep_id)

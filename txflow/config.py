@@ -66,6 +66,22 @@ LR_RULE_BASE = 5e-5 * 10
 LR_RULE_EXPONENTS = {"llama": 0.781, "qwen": 0.0775}
 RUN_ID_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_-]{0,63}$"
 PROMOTION_NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,63}$"
+
+
+def checked_promotion_name(value, what: str = "the promotion name") -> str:
+    """`value` when it is a promotion name, else ValueError: it becomes a directory under promoted/, so it is
+    checked wherever it arrives (the CLI, a flow's parameters, the promotion code itself)."""
+    if not isinstance(value, str) or not re.fullmatch(PROMOTION_NAME_PATTERN, value):
+        raise ValueError(f"{what} {value!r} must be 1-64 letters, digits, '.', '-' or '_', starting with a letter "
+                         f"or digit (it becomes a directory name under promoted/)")
+    return value
+
+
+def checked_cluster_name(value) -> str:
+    """`value` when it is a cluster name, else ValueError: it becomes a directory under the clusters' one."""
+    if not isinstance(value, str) or not re.fullmatch(RUN_ID_PATTERN, value):
+        raise ValueError(f"cluster name {value!r} must be 1-64 letters, digits, '-' or '_'")
+    return value
 PROMOTED_DIR = "promoted"
 NIGHTLY_HISTORY_DIR = "nightly-history"
 # Directories of a checkpoints root that are not runs: a run of that id would write into them.
@@ -316,10 +332,7 @@ class RunConfig(BaseModel, extra="forbid"):
     @field_validator("promote_as")
     @classmethod
     def _promotion_name_is_a_path_segment(cls, value: str | None) -> str | None:
-        if value is not None and not re.fullmatch(PROMOTION_NAME_PATTERN, value):
-            raise ValueError(f"promote_as {value!r} must be 1-64 letters, digits, '.', '-' or '_', starting with a "
-                             f"letter or digit (it becomes a directory name under promoted/)")
-        return value
+        return value if value is None else checked_promotion_name(value, "promote_as")
 
     @field_validator("api_key")
     @classmethod

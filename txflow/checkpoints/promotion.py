@@ -38,7 +38,7 @@ from pydantic import BaseModel
 
 from txflow.checkpoints import retention, storage
 from txflow.checkpoints.markers import read_signed_document, signed_document, signing_key
-from txflow.config import PROMOTED_DIR
+from txflow.config import PROMOTED_DIR, checked_promotion_name
 from txflow.log import get_logger
 
 POINTER = "current.json"
@@ -62,7 +62,8 @@ class Promotion(BaseModel):
 
 
 def root_of(checkpoints: str, name: str) -> str:
-    return f"{checkpoints.rstrip('/')}/{PROMOTED_DIR}/{name}"
+    """`<checkpoints>/promoted/<name>`; ValueError for a name that is not one (it becomes a path)."""
+    return f"{checkpoints.rstrip('/')}/{PROMOTED_DIR}/{checked_promotion_name(name)}"
 
 
 def new_id(run_id: str) -> str:

@@ -30,7 +30,7 @@ from pydantic import BaseModel, SecretStr
 from txflow.cluster.handle import ClusterHandle
 from txflow.cluster.launcher import LostProcess
 from txflow.cluster.records import Cluster, ProcessRecord
-from txflow.config import RunConfig
+from txflow.config import RunConfig, checked_cluster_name
 from txflow.log import get_logger, register_secret
 from txflow.processes import procfs
 from txflow.upstream.skyrl_tx.auth import key_digest
@@ -74,7 +74,9 @@ def clusters_dir() -> Path:
 
 
 def cluster_dir(name: str) -> Path:
-    return clusters_dir() / name
+    """The named cluster's directory; ValueError for a name that is not one (`..`, `/abs`, empty), wherever
+    it came from (the CLI, the cluster flow's parameter, a run's `cluster`)."""
+    return clusters_dir() / checked_cluster_name(name)
 
 
 def cluster_config(cfg: RunConfig, name: str) -> RunConfig:
