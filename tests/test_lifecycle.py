@@ -20,7 +20,15 @@ from tests.helpers import fresh_root, lease_race, taken_over_while_held
 from txflow import cli, lifecycle
 from txflow.checkpoints import lease, promotion, retention, storage
 from txflow.checkpoints.discovery import discover
-from txflow.checkpoints.markers import BEING_PRUNED, COMMIT_SUFFIX, PRUNED_SUFFIX, PRUNING_SUFFIX
+from txflow.checkpoints.markers import (
+    BEING_PRUNED,
+    COMMIT_SUFFIX,
+    PRUNED_SUFFIX,
+    PRUNING_SUFFIX,
+    commit_record,
+    md5_of,
+    pruning_record,
+)
 from txflow.config import RunConfig
 from txflow.reporting.report import lifecycle_markdown
 from txflow.upstream.skyrl_tx.layout import STATE_FILE
@@ -107,12 +115,49 @@ def test_a_deletion_stopped_half_way_reads_incomplete_and_the_next_prune_finishe
 
 def test_a_deletion_stopped_after_the_data_is_finished_too(tmp_path):
     urls = passed_run(tmp_path, "r", (2, 4, 6))
-    Path(urls[2] + PRUNING_SUFFIX).write_text("{}")
+    Path(urls[2] + PRUNING_SUFFIX).write_bytes(pruning_record(urls[2], 1000, "beyond the newest 1", None))
     Path(urls[2] + COMMIT_SUFFIX).unlink()
     storage.shutil.rmtree(urls[2])
     [run] = retention.prune(str(tmp_path), keep_last=5, older_than_days=None)
     assert [d.url for d in run.deletions] == [urls[2]]
     assert not os.path.exists(urls[2] + PRUNING_SUFFIX) and os.path.exists(urls[2] + PRUNED_SUFFIX)
+
+
+@pytest.mark.parametrize("planted", ["m1", "m1/step-000004.tar.gz", "m1/step-000006.tar.gz"])
+def test_a_planted_pruning_file_deletes_nothing(tmp_path, planted, caplog):
+    """Issue 41's fourth finding: any `X.txflow-pruning` file was taken for an interrupted prune, and `prune
+    --keep-last 5` deleted X, a whole model directory (final state included). Only a sidecar a deletion of
+    exactly that state checkpoint wrote (its path and step) is finished; any other is named and left."""
+    urls = passed_run(tmp_path, "r", (2, 4, 6))
+    (tmp_path / "r" / (planted + PRUNING_SUFFIX)).write_text("{}")
+    with caplog.at_level(logging.WARNING):
+        assert {a.url: a.complete for a in discover(str(tmp_path / "r"))}[urls[4]]  # not "being pruned"
+        [run] = retention.prune(str(tmp_path), keep_last=5, older_than_days=None)
+    assert run.deletions == [] and states(tmp_path / "r") == {2: True, 4: True, 6: True}
+    assert f"{planted}{PRUNING_SUFFIX} does not record a deletion of this state checkpoint" in caplog.text
+
+
+def test_with_a_key_an_unsigned_higher_step_is_no_final_state_and_an_unsigned_pruning_file_deletes_nothing(
+        tmp_path, monkeypatch, caplog):
+    """With a signing key, retention and discovery take no unsigned marker: a forged higher step (its marker an
+    MD5 list anyone can write) does not become the run's final state, and a well-formed but unsigned pruning
+    record deletes nothing; discovery says why."""
+    monkeypatch.setenv("TXFLOW_SIGNING_KEY", KEY)
+    urls = passed_run(tmp_path, "r", (2, 4, 6))
+    forged = tmp_path / "r" / "m1" / "step-000099.tar.gz"
+    forged.mkdir()
+    (forged / STATE_FILE).write_bytes(b"a writer's state")
+    Path(str(forged) + COMMIT_SUFFIX).write_bytes(commit_record({STATE_FILE: (16, md5_of(b"a writer's state"))}))
+    Path(urls[4] + PRUNING_SUFFIX).write_bytes(pruning_record(urls[4], 1000, "forged", None))  # unsigned
+    with caplog.at_level(logging.WARNING):
+        found = {a.url: a for a in discover(str(tmp_path / "r"), require_commit=True)}
+        [run] = retention.prune(str(tmp_path), keep_last=1, older_than_days=None)
+    assert not found[str(forged)].committed and "its commit marker is not signed" in found[str(forged)].reason
+    assert found[urls[4]].committed and found[urls[4]].reason is None
+    assert storage.latest_state(str(tmp_path / "r")).url == urls[6]
+    assert [d.url for d in run.deletions] == [urls[2]]  # beyond the newest 1 before the final 6: step 2 only
+    assert states(tmp_path / "r") == {4: True, 6: True, 99: False}  # 99 left as it is, never taken
+    assert "step-000004.tar.gz.txflow-pruning: it is not signed" in caplog.text
 
 
 def test_prune_leaves_running_and_failed_runs_alone_unless_told(tmp_path):

@@ -264,3 +264,27 @@ def test_a_holder_taken_over_on_s3_learns_it_at_its_next_renewal_and_leaves_the_
         held_and_taken_over_then_checked(f"s3://{BUCKET}/leases/checked")
     after, _ = taken_over_while_held(f"s3://{BUCKET}/leases/release", renew=False)
     assert after is not None and after["run_id"] == "other"  # its release left the other run's lease
+
+
+def test_txflow_prune_on_s3_deletes_nothing_for_a_planted_pruning_file(s3_env, tmp_path):
+    """Issue 41's fourth finding on a real S3 API, through `txflow prune`: a `<model dir>.txflow-pruning` that
+    a bucket writer put there is named and left; the model directory and every state in it stay."""
+    from txflow.checkpoints import storage
+    from txflow.checkpoints.markers import PRUNING_SUFFIX
+    from txflow.upstream.skyrl_tx.layout import STATE_FILE
+
+    root = f"s3://{BUCKET}/planted"
+    for step in (2, 4, 6):
+        local = tmp_path / f"step-{step:06d}"
+        local.mkdir()
+        (local / STATE_FILE).write_bytes(f"state {step}".encode())
+        storage.upload(local, f"{root}/r/m1/step-{step:06d}.tar.gz", {}, f"step {step}")
+    s3 = boto3.client("s3")
+    s3.put_object(Bucket=BUCKET, Key="planted/r/report.json", Body=json.dumps({"status": "passed"}).encode())
+    s3.put_object(Bucket=BUCKET, Key=f"planted/r/m1{PRUNING_SUFFIX}", Body=b"{}")
+    done = run_txflow(["prune", root, "--keep-last", "5", "--json"], s3_env, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["runs"][0]["deletions"] == [], done.stdout
+    assert f"m1{PRUNING_SUFFIX} does not record a deletion of this state checkpoint" in done.stderr
+    kept = {o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="planted/r/m1/")["Contents"]}
+    assert {f"planted/r/m1/step-{s:06d}.tar.gz/{STATE_FILE}" for s in (2, 4, 6)} <= kept

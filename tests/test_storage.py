@@ -161,11 +161,10 @@ def test_a_marker_forged_by_a_bucket_writer_is_accepted_without_a_key_and_refuse
 
     monkeypatch.setenv(SIGNING_KEY_ENV, KEY)
     [state] = [a for a in discover(memory_root) if a.url == urls[4]]
-    assert state.complete and state.committed  # the bytes are those its marker records; the marker is not ours
+    assert not state.committed and "its commit marker is not signed" in state.reason  # not ours: no commit
     with pytest.raises(ValueError, match=f"^{urls[4]}: its commit marker is not signed"):
         storage.download(urls[4], tmp_path / "refused", {}, directory=True)
-    with pytest.raises(ValueError, match=f"^{urls[4]}: its commit marker is not signed"):
-        storage.resolve_resume_from(cfg)
+    assert storage.resolve_resume_from(cfg) == (urls[2], 2)  # from the root: the newest state signed with it
     assert not (tmp_path / "refused").exists()
     # Signed with another key, or a genuine marker copied onto another checkpoint's name: refused too.
     monkeypatch.setenv(SIGNING_KEY_ENV, "another-key-0123456789abcdef")

@@ -48,6 +48,8 @@ from txflow.checkpoints.markers import (
     PRUNED_SUFFIX,
     PRUNING_SUFFIX,
     VERIFY_ETAG,
+    begun_prune,
+    check_signature,
     commit_record,
     listed_size,
     md5_etag,
@@ -58,6 +60,7 @@ from txflow.checkpoints.markers import (
     signing_key,
     verify_method,
 )
+from txflow.log import get_logger
 from txflow.upstream.skyrl_tx.layout import STATE_FILE
 
 MANIFEST_NAME = "manifest.json"
@@ -163,12 +166,17 @@ def discover(
     contents = fs.cat(sidecars, on_error="return") if sidecars else {}
     for artifact in checked:
         if artifact.path in unverified:
-            _check_commit(fs, artifact, actual[artifact.path], files, fs_paths, etags, contents, require_commit)
+            _check_commit(fs, artifact, actual[artifact.path], files, fs_paths, etags, contents, require_commit, key)
         else:
             artifact.committed = True
     for artifact in artifacts:
-        if artifact.path + PRUNING_SUFFIX in files:  # whatever is left of it, it is going
-            artifact.complete, artifact.committed, artifact.reason = False, False, BEING_PRUNED
+        sidecar = artifact.path + PRUNING_SUFFIX
+        if sidecar in files:  # a deletion txflow began: whatever is left of it, it is going
+            begun, why = begun_prune(fs, fs_paths[sidecar].removesuffix(PRUNING_SUFFIX), key)
+            if begun is not None:
+                artifact.complete, artifact.committed, artifact.reason = False, False, BEING_PRUNED
+            else:
+                get_logger().warning(f"discover: {why}")
         # A committed tarball holds the bytes that were read to their end before the commit; others are read.
         elif artifact.format == "tarball" and not artifact.committed and artifact.complete and verify_tarballs:
             _verify_tarball(fs, artifact, fs_paths[artifact.path])
@@ -396,6 +404,7 @@ def _check_commit(
     etags: dict[str, str],
     contents: dict,
     require_commit: bool,
+    key: bytes | None = None,
 ) -> None:
     """Set `committed` when the artifact's sidecar matches what is on storage, else explain why not."""
     sidecar = artifact.path + COMMIT_SUFFIX
@@ -411,6 +420,13 @@ def _check_commit(
         trust_etags = verify_method(content) == VERIFY_ETAG
     except (ValueError, KeyError, TypeError) as exc:
         _fail(artifact, f"The commit marker {sidecar!r} is unreadable ({exc}); the save did not finish.")
+        return
+    try:  # with a signing key, a marker not signed with it for this path is no commit (nothing reads it)
+        check_signature(content, fs_paths[sidecar].removesuffix(COMMIT_SUFFIX), key, artifact.path)
+    except ValueError as exc:
+        artifact.reason = f"{artifact.reason} {exc}" if artifact.reason else str(exc)
+        if require_commit:
+            artifact.complete = False
         return
     unrecorded = sorted(set(actual) - set(recorded))
     if unrecorded:

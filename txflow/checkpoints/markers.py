@@ -23,9 +23,11 @@ import json
 import os
 import posixpath
 import re
+import time
 
 import fsspec
 
+from txflow.checkpoints.names import is_txflow_state, step_of
 from txflow.log import register_secret
 
 COMMIT_SUFFIX = ".txflow-commit"
@@ -198,6 +200,38 @@ def read_signed_document(content: bytes, stored_at: str, key: bytes | None, what
                          f"({stored_at.strip('/')!r}); refusing to read it")
     document.pop("signed_path")
     return document
+
+
+def pruning_record(path: str, size: int, reason: str, key: bytes | None) -> bytes:
+    """The `.txflow-pruning` sidecar a deletion of the artifact at `path` (no protocol) begins with: what it
+    deletes (its path and step), when, how many bytes and why; signed for its own path with a key."""
+    path = path.rstrip("/")
+    return signed_document({"path": path.strip("/"), "step": step_of(path), "pruned_at": time.time(),
+                            "bytes": size, "reason": reason}, path + PRUNING_SUFFIX, key)
+
+
+def begun_prune(fs, path: str, key: bytes | None) -> tuple[dict | None, str | None]:
+    """The record of a prune txflow began on the state checkpoint at `path` (no protocol), from its
+    `.txflow-pruning` sidecar: (record, None) when the sidecar is one a deletion of exactly this checkpoint
+    wrote (its path and step, a txflow state's name, signed with the key when one is set); (None, why) when
+    a sidecar is there but is not that (a file anyone could have put there deletes nothing); (None, None)
+    when there is none."""
+    path = path.rstrip("/")
+    sidecar = path + PRUNING_SUFFIX
+    try:
+        content = fs.cat_file(sidecar)
+    except FileNotFoundError:
+        return None, None
+    try:
+        record = read_signed_document(content, sidecar, key, sidecar)
+    except ValueError as exc:
+        return None, str(exc)
+    step = step_of(path)
+    if step is None or not is_txflow_state(path) or record.get("path") != path.strip("/") \
+            or record.get("step") != step:
+        return None, (f"{sidecar} does not record a deletion of this state checkpoint (its path and step "
+                      f"{step}); ignored, nothing is deleted for it")
+    return record, None
 
 
 def write_commit(fs_url: str, storage_options: dict | None = None,

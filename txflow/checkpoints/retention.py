@@ -33,9 +33,18 @@ from pydantic import BaseModel
 
 from txflow.checkpoints import lease
 from txflow.checkpoints.discovery import Artifact, discover
-from txflow.checkpoints.markers import BEING_PRUNED, COMMIT_SUFFIX, PRUNED_SUFFIX, PRUNING_SUFFIX
+from txflow.checkpoints.markers import (
+    BEING_PRUNED,
+    COMMIT_SUFFIX,
+    PRUNED_SUFFIX,
+    PRUNING_SUFFIX,
+    begun_prune,
+    pruning_record,
+    signing_key,
+)
 from txflow.checkpoints.names import is_txflow_state, step_of
 from txflow.config import RESERVED_RUN_IDS
+from txflow.log import get_logger
 
 REPORT = "report.json"
 
@@ -95,11 +104,11 @@ def delete(url: str, storage_options: dict | None = None, *, reason: str, size: 
     """Delete the committed artifact at `url` in the order the module docstring gives."""
     fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
     path = path.rstrip("/")
-    try:  # a deletion an earlier prune began: finish it under its own record (its time, reason and size)
+    key = signing_key()
+    if begun_prune(fs, path, key)[0] is not None:  # an earlier prune began it: finish it under its own record
         record = fs.cat_file(path + PRUNING_SUFFIX)
-        json.loads(record)
-    except (FileNotFoundError, ValueError):
-        record = json.dumps({"pruned_at": time.time(), "bytes": size, "reason": reason}).encode()
+    else:
+        record = pruning_record(path, size, reason, key)
         fs.pipe_file(path + PRUNING_SUFFIX, record)
     if fs.exists(path + COMMIT_SUFFIX):
         fs.rm_file(path + COMMIT_SUFFIX)
@@ -197,15 +206,22 @@ def prune(root: str, keep_last: int | None, older_than_days: float | None, *, dr
 
 
 def _emptied(run_root: str, artifacts: list[Artifact], storage_options: dict | None) -> list[Deletion]:
-    """Deletions that stopped after the data went: a `.txflow-pruning` sidecar with nothing left beside it."""
+    """Deletions that stopped after the data went: a `.txflow-pruning` sidecar with nothing left beside it,
+    which a deletion of that state checkpoint wrote (`begun_prune`); any other such file is named and left."""
     fs, root = fsspec.core.url_to_fs(run_root, **(storage_options or {}))
     present = {a.url.rstrip("/") for a in artifacts}
+    key = signing_key()
     found = []
     for path in fs.find(root):
         if path.endswith(PRUNING_SUFFIX):
             url = f"{run_root.rstrip('/')}/{path.removesuffix(PRUNING_SUFFIX)[len(root.rstrip('/')) + 1:]}"
-            if url not in present:
-                found.append(Deletion(url=url, step=step_of(url), bytes=0, reason="a prune stopped half-way"))
+            if url in present:
+                continue
+            record, why = begun_prune(fs, path.removesuffix(PRUNING_SUFFIX), key)
+            if record is None:
+                get_logger().warning(f"prune: {why}")
+                continue
+            found.append(Deletion(url=url, step=step_of(url), bytes=0, reason="a prune stopped half-way"))
     return found
 
 
