@@ -170,13 +170,8 @@ def discover(
         else:
             artifact.committed = True
     for artifact in artifacts:
-        sidecar = artifact.path + PRUNING_SUFFIX
-        if sidecar in files:  # a deletion txflow began: whatever is left of it, it is going
-            begun, why = begun_prune(fs, fs_paths[sidecar].removesuffix(PRUNING_SUFFIX), key)
-            if begun is not None:
-                artifact.complete, artifact.committed, artifact.reason = False, False, BEING_PRUNED
-            else:
-                get_logger().warning(f"discover: {why}")
+        if _being_pruned(fs, artifact, files, fs_paths, key):  # whatever is left of it, it is going
+            artifact.complete, artifact.committed, artifact.reason = False, False, BEING_PRUNED
         # A committed tarball holds the bytes that were read to their end before the commit; others are read.
         elif artifact.format == "tarball" and not artifact.committed and artifact.complete and verify_tarballs:
             _verify_tarball(fs, artifact, fs_paths[artifact.path])
@@ -376,6 +371,18 @@ def _is_auxiliary(rel: str, files: dict[str, int]) -> bool:
         return True
     stem = rel.removesuffix(PROBE_SUFFIX)
     return rel.endswith(PROBE_SUFFIX) and stem in files and stem.endswith(TARBALL_SUFFIXES)
+
+
+def _being_pruned(fs, artifact: Artifact, files: dict[str, int], fs_paths: dict[str, str], key: bytes | None) -> bool:
+    """Whether a deletion txflow began is under way on `artifact` (its `.txflow-pruning` record, `begun_prune`);
+    any other file of that name is named in a warning and changes nothing."""
+    sidecar = artifact.path + PRUNING_SUFFIX
+    if sidecar not in files:
+        return False
+    begun, why = begun_prune(fs, fs_paths[sidecar].removesuffix(PRUNING_SUFFIX), key)
+    if begun is None:
+        get_logger().warning(f"discover: {why}")
+    return begun is not None
 
 
 def _commit_matches_listing(artifact: Artifact, actual: dict[str, int], etags: dict[str, str],
