@@ -155,13 +155,19 @@ def check_signature(content: bytes, stored_at: str, key: bytes | None, what: str
         raise ValueError(f"{what}: its commit marker is signed for its last name only (by a txflow before "
                          f"signatures bound the path), so another run's checkpoint could stand in for it; "
                          f"refusing to read it")
+    _check_mac(record, mac, signed_for, stored_at, key, f"{what}: its commit marker is")
+
+
+def _check_mac(record: dict, mac: str, signed_for: str, stored_at: str, key: bytes, subject: str) -> None:
+    """ValueError, its message starting with `subject`, unless `record` (its HMAC taken out) is signed with
+    `key` for the path `signed_for`, and `stored_at` ends with that path."""
     if not hmac.compare_digest(mac, _mac(key, record)):
-        raise ValueError(f"{what}: its commit marker is signed with another key, or was changed after it was "
-                         f"signed; refusing to read it")
+        raise ValueError(f"{subject} signed with another key, or was changed after it was signed; refusing to "
+                         f"read it")
     if not stored_under(stored_at, signed_for):
-        raise ValueError(f"{what}: its commit marker is signed for {signed_for!r}, not for where it is stored "
-                         f"({stored_at.strip('/')!r}): a checkpoint copied or moved from another run or "
-                         f"promotion is not this one; refusing to read it")
+        raise ValueError(f"{subject} signed for {signed_for!r}, not for where it is stored "
+                         f"({stored_at.strip('/')!r}): a copy or move from another run or promotion is not this "
+                         f"one; refusing to read it")
 
 
 def stored_under(stored_at: str, signed_for: str) -> bool:
@@ -192,12 +198,7 @@ def read_signed_document(content: bytes, stored_at: str, key: bytes | None, what
     if not isinstance(mac, str) or not isinstance(signed_for, str):
         raise ValueError(f"{what}: it is not signed, and a signing key is set ({SIGNING_KEY_ENV}): it was not "
                          f"written by a promotion with this key; refusing to read it")
-    if not hmac.compare_digest(mac, _mac(key, document)):
-        raise ValueError(f"{what}: it is signed with another key, or was changed after it was signed; refusing "
-                         f"to read it")
-    if not stored_under(stored_at, signed_for):
-        raise ValueError(f"{what}: it is signed for {signed_for!r}, not for where it is stored "
-                         f"({stored_at.strip('/')!r}); refusing to read it")
+    _check_mac(document, mac, signed_for, stored_at, key, f"{what}: it is")
     document.pop("signed_path")
     return document
 
