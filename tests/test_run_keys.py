@@ -17,13 +17,15 @@ from sqlalchemy.ext.asyncio import create_async_engine
 
 from txflow.upstream.skyrl_tx import auth
 
-CLUSTER_KEY, KEY_A, KEY_B = "tml-cluster", "tml-run-a", "tml-run-b"
+CLUSTER_KEY, KEY_A, KEY_B, KEY_A2 = "tml-cluster", "tml-run-a", "tml-run-b", "tml-run-a-again"
 
 
 @pytest.fixture()
 def served(tmp_path):
     keys = tmp_path / "run-keys.json"
-    keys.write_text(json.dumps({auth.key_digest(KEY_A): "run-a", auth.key_digest(KEY_B): "run-b"}))
+    # KEY_A2: a second attach under run A's id (another process given the same --run-id).
+    keys.write_text(json.dumps({auth.key_digest(KEY_A): "run-a", auth.key_digest(KEY_B): "run-b",
+                                auth.key_digest(KEY_A2): "run-a"}))
     ids = count(1)
 
     @asynccontextmanager
@@ -120,3 +122,65 @@ def test_the_clusters_own_key_is_unscoped_and_a_revoked_key_is_refused(served):
 def test_the_run_keys_file_holds_digests_not_keys(served):
     _, keys = served
     assert KEY_A not in keys.read_text() and auth.key_digest(KEY_A) in keys.read_text()
+
+
+def key_check(client) -> auth.KeyCheck:
+    """The KeyCheck in front of the test app."""
+    layer = client.app.middleware_stack
+    while not isinstance(layer, auth.KeyCheck):
+        layer = layer.app
+    return layer
+
+
+def test_a_body_the_check_cannot_read_as_its_route_does_is_refused(served):
+    """The outside review's first bypass: the check read a JSON body sent as `application/json;
+    profile=protobuf` as protobuf, failed, and let it through as naming nothing, while the route read the JSON
+    (a neighbour's forward_backward got through). The check reads a body as its route does, or refuses it."""
+    client, _ = served
+    _, model_a = model_of(client, KEY_A)
+    body = json.dumps({"model_id": model_a}).encode()
+
+    def post_as_b(content_types: list[str], path: str = "/api/v1/forward_backward", data: bytes = body):
+        headers = [("X-API-Key", KEY_B), *(("Content-Type", t) for t in content_types)]
+        return client.post(path, content=data, headers=headers)
+
+    for json_type in ("application/json; profile=protobuf", "Application/JSON", "application/vnd.x+json"):
+        assert post_as_b([json_type]).status_code == 403, json_type  # read as JSON, as the route does: A's
+    refused = {"two headers": post_as_b(["application/json", "application/x-protobuf"]),
+               "protobuf that is JSON": post_as_b(["Application/X-Protobuf"]),
+               "protobuf elsewhere": post_as_b(["application/x-protobuf"], "/api/v1/load_weights"),
+               "another type": post_as_b(["text/plain"], "/api/v1/load_weights"),
+               "unreadable JSON": post_as_b(["application/json"], data=b"{not json")}
+    assert {what: r.status_code for what, r in refused.items()} == dict.fromkeys(refused, 400)
+    assert refused["two headers"].json()["detail"] == "send one Content-Type header"
+    assert as_run(client, KEY_A)("/api/v1/forward_backward", {"model_id": model_a}).status_code == 200
+
+
+@pytest.mark.parametrize("spelling", ["TINKER://{}/weights/x", "Tinker://{}/weights/x", " tinker://{}/weights/x",
+                                      "\ttinker://{}/weights/x", "tin\nker://{}/weights/x"])
+def test_a_checkpoint_path_is_owned_by_the_model_the_route_reads_in_it_whatever_its_spelling(served, spelling):
+    """The second bypass: the check matched the literal `tinker://`, the routes parse with urllib (any scheme
+    case, leading blanks, tabs and newlines dropped), so a neighbour's sampler was loaded by a path spelled
+    `TINKER://...`. The check now reads the path with the routes' own parser."""
+    client, _ = served
+    _, model_a = model_of(client, KEY_A)
+    _, model_b = model_of(client, KEY_B)
+    b = as_run(client, KEY_B)
+    assert b("/api/v1/load_weights", {"model_id": model_b, "path": spelling.format(model_a)}).status_code == 403
+    assert b("/api/v1/load_weights", {"model_id": model_b, "path": spelling.format(model_b)}).status_code == 200
+
+
+def test_a_second_attach_under_the_same_run_id_owns_nothing_of_the_first_and_a_released_keys_work_is_forgotten(
+        served):
+    """The third bypass: ownership was keyed by run id, so a second run given the same --run-id owned the
+    first's models, and ownership was never forgotten. It is keyed by the key (one attach); when a key leaves
+    the run-keys file, what it created is forgotten."""
+    client, keys = served
+    session_a, model_a = model_of(client, KEY_A)
+    again = as_run(client, KEY_A2)
+    assert again("/api/v1/forward_backward", {"model_id": model_a}).status_code == 403
+    assert again("/api/v1/create_model", {"session_id": session_a}).status_code == 403
+    assert session_a in key_check(client).owners.sessions
+    keys.write_text(json.dumps({auth.key_digest(KEY_B): "run-b", auth.key_digest(KEY_A2): "run-a"}))  # A released
+    assert as_run(client, KEY_B)("/api/v1/create_session").status_code == 200
+    assert session_a not in key_check(client).owners.sessions

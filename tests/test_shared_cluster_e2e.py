@@ -143,6 +143,18 @@ def test_each_runs_key_opens_only_its_own_work_and_release_frees_it(shared):
     path = a.wait(client_a.save_state("iso-a-state"), "save_state", 120).path
     assert as_b("POST", "/api/v1/load_weights", {"model_id": client_b.model_id, "path": path,
                                                 "type": "load_weights"}).status_code == 403
+    # The outside review's bypasses, on the real API: A's checkpoint path in another spelling the routes read,
+    # a JSON body under a protobuf-looking Content-Type, a protobuf Content-Type on JSON, two Content-Types.
+    for spelling in (path.replace("tinker://", "TINKER://"), " " + path):
+        assert as_b("POST", "/api/v1/load_weights", {"model_id": client_b.model_id, "path": spelling,
+                                                    "type": "load_weights"}).status_code == 403, spelling
+    body = json.dumps({"model_id": model_a, "type": "forward_backward", "forward_backward_input": {
+        "data": [datum.model_dump(mode="json")], "loss_fn": "cross_entropy"}}).encode()
+    for types, status_code in ((["application/json; profile=protobuf"], 403), (["Application/X-Protobuf"], 400),
+                               (["application/json", "application/x-protobuf"], 400)):
+        answer = httpx.post(f"{base}/api/v1/forward_backward", content=body, timeout=30,
+                            headers=[("X-API-Key", key_b), *(("Content-Type", t) for t in types)])
+        assert answer.status_code == status_code, (types, answer.text)
     # A's teardown: its model unloaded, its staging gone, its key revoked; the cluster stays up for B.
     named.release(a)
     db = named.database_url(named.load_serves(NAME))

@@ -473,10 +473,8 @@ def release(handle: ClusterHandle, db_url: str | None = None) -> list[ProcessRec
     staging = Path(handle.cluster.checkpoints_base)
     for model_id in every:  # committed already, or imported from the durable copy: staging only
         _remove_tree(staging / model_id)
-    owner = next((o for d, o in _read_keys(cluster_dir(name)).items()
-                  if d == key_digest(handle.cluster.api_key.get_secret_value())), None)
-    if owner is not None:
-        revoke(name, owner)
+    with _locked_keys(cluster_dir(name)) as keys:  # this attach's key only: never another of the run id
+        keys.pop(key_digest(handle.cluster.api_key.get_secret_value()), None)
     alive = serves is not None and healthy(serves)
     log.info(f"released from cluster {name}: {len(unloaded)} model(s) unloaded, the run's key revoked; "
              + ("the cluster stays up" if alive else "the cluster is down (not this run's to restart)"))

@@ -19,9 +19,12 @@ valid only for what that run created: the file named by `RUN_KEYS_ENV` maps the 
 run (written by `txflow.cluster.named` when a run attaches, and emptied of it when the run releases; read
 again whenever it changes). A session belongs to the key that created it, a model or sampling session to
 its session, a future to the key whose request created it, a checkpoint to its model; a run's key gets 403
-on anything else, on the listings (they span runs) and on any route this check does not know. The
-cluster's own key (`API_KEY_ENV`) stays unscoped. Upstream has no owners at all: can go when it scopes keys.
-"""
+on anything else, on the listings (they span runs) and on any route this check does not know. Owners are
+keys, not run ids (two processes given one run id own nothing of each other's), and what a key that left
+the file created is forgotten. The check reads a body and a checkpoint path exactly as the route will
+(`read_body`, `tinker_model_id`): what it cannot read so is refused, never let through as naming nothing.
+The cluster's own key (`API_KEY_ENV`) stays unscoped. Upstream has no owners at all: can go when it scopes
+keys."""
 
 from __future__ import annotations
 
@@ -96,6 +99,17 @@ class RunKeys:
         self.path, self._seen, self._owners = Path(path), None, {}
 
     def owner(self, key: bytes) -> str | None:
+        """The key's owner: its digest (one attach of one run; a second attach of the same run id is another
+        owner), or None when no attached run holds it."""
+        self.current()
+        digest = key_digest(key)
+        return digest if digest in self._owners else None
+
+    def run_of(self, owner: str) -> str:
+        return self._owners.get(owner, "a released run")
+
+    def current(self) -> set[str]:
+        """The digests the file holds now (read again when it changed)."""
         try:
             st = os.stat(self.path)
             seen = (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -103,7 +117,7 @@ class RunKeys:
                 self._owners, self._seen = json.loads(self.path.read_text() or "{}"), seen
         except (OSError, ValueError):
             self._owners, self._seen = {}, None
-        return self._owners.get(key_digest(key))
+        return set(self._owners)
 
 
 # What a run's key may call without naming anything it owns: nothing there touches another run's work.
@@ -118,6 +132,52 @@ BODY_IDS = {"session_id": "session", "model_id": "model", "sampling_session_id":
             "request_id": "future"}
 
 
+PROTOBUF = b"application/x-protobuf"
+
+
+def read_body(path: str, headers: list[tuple[bytes, bytes]], raw: bytes):
+    """A request's body as its route reads it, or ValueError when it cannot be read so. One Content-Type
+    header at most; its media type (case and parameters aside) decides, as the routes decide: protobuf on
+    forward_backward (txflow's route, `tinker_compat`), JSON where FastAPI parses JSON (no Content-Type, or
+    `application/json` or `application/*+json`, whatever its parameters), and txflow's forward_backward
+    parses anything else as JSON too. Any other body is refused rather than passed unread."""
+    types = [value for key, value in headers if key.lower() == b"content-type"]
+    if len(types) > 1:
+        raise ValueError("send one Content-Type header")
+    if not raw:
+        return None
+    media = types[0].split(b";")[0].strip().lower() if types else b""
+    if media == PROTOBUF:
+        if path != "/api/v1/forward_backward":
+            raise ValueError(f"{path} takes no protobuf body")
+        from txflow.upstream.skyrl_tx.protobuf import parse_forward_backward
+
+        try:
+            return parse_forward_backward(raw)[0]
+        except Exception as exc:
+            raise ValueError(f"unreadable protobuf forward_backward body ({type(exc).__name__})") from None
+    kind, _, subtype = media.partition(b"/")
+    if media and path != "/api/v1/forward_backward" and not (kind == b"application" and (
+            subtype == b"json" or subtype.endswith(b"+json"))):
+        raise ValueError(f"{path} takes a JSON body (Content-Type application/json), not {media.decode('latin-1')}")
+    try:
+        return json.loads(raw)
+    except ValueError:
+        raise ValueError("unreadable JSON body") from None
+
+
+def tinker_model_id(value: str) -> str | None:
+    """The model a string names when the routes read it as a checkpoint path (upstream's `TinkerPath.parse`,
+    urllib's parser: any scheme case, leading blanks, tabs and newlines anywhere), else None."""
+    from urllib.parse import urlparse
+
+    try:
+        parsed = urlparse(value)
+    except ValueError:
+        return None
+    return parsed.netloc if parsed.scheme == "tinker" else None
+
+
 def _forbidden(what: str) -> bytes:
     return json.dumps({"detail": f"this run's API key does not own {what}: a key of a shared cluster serves "
                                  f"only its own run's sessions, models, checkpoints and futures"}).encode()
@@ -126,7 +186,6 @@ def _forbidden(what: str) -> bytes:
 def named_ids(path: str, body: dict | None) -> list[tuple[str, str]] | None:
     """(kind, id) of everything a request names, from its path and JSON body; None for a route a run's key
     may not call at all (a listing, or a route this check does not know)."""
-    from txflow.upstream.skyrl_tx import layout
 
     if path in LISTINGS:
         return None
@@ -149,11 +208,8 @@ def named_ids(path: str, body: dict | None) -> list[tuple[str, str]] | None:
                 walk(v, key)
         elif isinstance(value, str | int) and key in BODY_IDS and value != "":
             ids.append((BODY_IDS[key], str(value)))
-        elif isinstance(value, str) and value.startswith("tinker://"):
-            try:
-                ids.append(("model", layout.parse_tinker_path(value)[0]))
-            except ValueError:
-                ids.append(("model", value.removeprefix("tinker://").split("/")[0]))
+        elif isinstance(value, str) and (model := tinker_model_id(value)) is not None:
+            ids.append(("model", model))  # read as the route reads it, whatever its spelling
 
     walk(body or {})
     return ids
@@ -190,9 +246,10 @@ class Owners:
             if isinstance(answer.get(key), str | int):
                 self.futures.setdefault(str(answer[key]), owner)
 
-    def forget(self, owner: str) -> None:
-        self.sessions = {k: v for k, v in self.sessions.items() if v != owner}
-        self.futures = {k: v for k, v in self.futures.items() if v != owner}
+    def forget_all_but(self, owners: set[str]) -> None:
+        """Forget what keys no longer in the run-keys file (released, revoked) created."""
+        self.sessions = {k: v for k, v in self.sessions.items() if v in owners}
+        self.futures = {k: v for k, v in self.futures.items() if v in owners}
 
 
 class KeyCheck:
@@ -219,12 +276,12 @@ class KeyCheck:
             return await self.app(scope, receive, send)
         owner = self._run_keys.owner(given) if given is not None and self._run_keys is not None else None
         if owner is not None:
+            self.owners.forget_all_but(self._run_keys.current())
             return await self._scoped(owner, scope, receive, send)
         await _refuse(send, 401, REFUSED)
 
     async def _scoped(self, owner: str, scope, receive, send):
         """A run's key: the request goes through only when everything it names is the run's."""
-        from txflow.upstream.skyrl_tx.protobuf import parse_forward_backward
 
         chunks, more = [], True
         while more:
@@ -232,19 +289,13 @@ class KeyCheck:
             chunks.append(message.get("body", b""))
             more = message.get("more_body", False)
         raw = b"".join(chunks)
-        headers = {k.lower(): v for k, v in scope.get("headers") or []}
-        body = None
-        if raw:
-            try:
-                if b"protobuf" in headers.get(b"content-type", b""):
-                    body = parse_forward_backward(raw)[0] if scope["path"] == "/api/v1/forward_backward" else None
-                else:
-                    body = json.loads(raw)
-            except Exception:  # unreadable: upstream answers it (a 4xx), owning nothing
+        try:
+            body = read_body(scope["path"], scope.get("headers") or [], raw)
+            if body is None and scope["method"] == "POST":
                 body = {}
-        elif scope["method"] == "POST":
-            body = {}
-        ids = named_ids(scope["path"], body if isinstance(body, dict) else None)
+            ids = named_ids(scope["path"], body if isinstance(body, dict) else None)
+        except ValueError as exc:  # what the check cannot read as the route would, it does not let through
+            return await _refuse(send, 400, json.dumps({"detail": str(exc)}).encode())
         if ids is None:
             return await _refuse(send, 403, _forbidden(f"{scope['path']} (it spans runs or is not scoped)"))
         app = scope.get("app") or self.app
