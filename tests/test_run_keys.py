@@ -22,6 +22,10 @@ CLUSTER_KEY, KEY_A, KEY_B, KEY_A2 = "tml-cluster", "tml-run-a", "tml-run-b", "tm
 
 @pytest.fixture()
 def served(tmp_path):
+    yield from serving(tmp_path, None)
+
+
+def serving(tmp_path, limits: auth.Limits | None):
     keys = tmp_path / "run-keys.json"
     # KEY_A2: a second attach under run A's id (another process given the same --run-id).
     keys.write_text(json.dumps({auth.key_digest(KEY_A): "run-a", auth.key_digest(KEY_B): "run-b",
@@ -63,10 +67,14 @@ def served(tmp_path):
     async def load_weights(body: dict):
         return {"request_id": str(next(ids))}
 
+    @app.post("/api/v1/asample")
+    async def asample(body: dict):
+        return {"request_id": str(next(ids))}
+
     app.add_api_route("/api/v1/training_runs/{model_id}/checkpoints", lambda model_id: [])
     app.add_api_route("/api/v1/training_runs", lambda: ["every run"])
     app.add_api_route("/api/v1/healthz", lambda: "ok")
-    auth.install(app, CLUSTER_KEY, auth.DownloadSigner(), str(keys))
+    auth.install(app, CLUSTER_KEY, auth.DownloadSigner(), str(keys), limits)
     with TestClient(app) as client:
         yield client, keys
 
@@ -184,3 +192,42 @@ def test_a_second_attach_under_the_same_run_id_owns_nothing_of_the_first_and_a_r
     keys.write_text(json.dumps({auth.key_digest(KEY_B): "run-b", auth.key_digest(KEY_A2): "run-a"}))  # A released
     assert as_run(client, KEY_B)("/api/v1/create_session").status_code == 200
     assert session_a not in key_check(client).owners.sessions
+
+
+def test_each_bound_is_refused_in_one_line_naming_its_limit_and_its_flag(tmp_path):
+    """The review's last finding: nothing bounded a request (3e6 samples built 188 MiB of ids in the API's
+    event loop). Each bound, per request for every key and per key for a run's, is refused with a 4xx whose
+    one line names the limit and the flag that sets it; what is within the bounds passes."""
+    limits = auth.Limits(body_mb=0.01, samples=8, tokens=64, batch=3, sessions=2, models=1)
+    for client, _ in serving(tmp_path, limits):
+        _, model_a = model_of(client, KEY_A)
+        for key in (KEY_A, CLUSTER_KEY):
+            post = as_run(client, key)
+            sample = {"prompt": {"chunks": []}, "model_path": f"tinker://{model_a}/x"}
+            answers = {
+                "num_samples": post("/api/v1/asample", {**sample, "num_samples": 3_000_000,
+                                                        "sampling_params": {"max_tokens": 4}}),
+                "max_tokens": post("/api/v1/asample", {**sample, "num_samples": 1,
+                                                       "sampling_params": {"max_tokens": 65}}),
+                "batch": post("/api/v1/forward_backward", {"model_id": model_a, "forward_backward_input": {
+                    "data": [{}] * 4, "loss_fn": "cross_entropy"}}),
+                "body": client.post("/api/v1/forward_backward", content=b"x" * 20_000,
+                                    headers={"X-API-Key": key, "Content-Type": "application/json"})}
+            expected = {"num_samples": (400, "num_samples 3000000 is above this cluster's limit 8 (--api-max-samples)"),
+                        "max_tokens": (400, "max_tokens 65 is above this cluster's limit 64 (--api-max-tokens)"),
+                        "batch": (400, "a forward_backward of 4 items is above this cluster's limit 3 "
+                                       "(--api-max-batch)"),
+                        "body": (413, "the request body is above this cluster's limit of 0.01 MB "
+                                      "(--api-max-body-mb)")}
+            assert {k: (r.status_code, r.json()["detail"]) for k, r in answers.items()} == expected, key
+            assert post("/api/v1/asample", {**sample, "num_samples": 8,
+                                            "sampling_params": {"max_tokens": 64}}).status_code == 200
+        # Per key, for a run's key: it holds one session and one model; a second session passes, a third not.
+        a = as_run(client, KEY_A)
+        session = a("/api/v1/create_session").json()["session_id"]
+        third = a("/api/v1/create_session")
+        assert third.status_code == 429 and third.json()["detail"] == (
+            "sessions created with this key: 3 is above this cluster's limit 2 (--api-max-sessions-per-key)")
+        second_model = a("/api/v1/create_model", {"session_id": session})
+        assert second_model.status_code == 429 and "(--api-max-models-per-key)" in second_model.json()["detail"]
+        assert as_run(client, CLUSTER_KEY)("/api/v1/create_session").status_code == 200  # the cluster's own key

@@ -155,6 +155,11 @@ def test_each_runs_key_opens_only_its_own_work_and_release_frees_it(shared):
         answer = httpx.post(f"{base}/api/v1/forward_backward", content=body, timeout=30,
                             headers=[("X-API-Key", key_b), *(("Content-Type", t) for t in types)])
         assert answer.status_code == status_code, (types, answer.text)
+    # A request beyond a bound (3e6 samples once built 188 MiB of ids in the API's event loop): one line.
+    flood = as_b("POST", "/api/v1/asample", {"num_samples": 3_000_000, "prompt": {"chunks": []},
+                                             "sampling_params": {"max_tokens": 4}, "base_model": "tiny"})
+    assert flood.status_code == 400 and flood.json()["detail"] == (
+        "num_samples 3000000 is above this cluster's limit 1024 (--api-max-samples)")
     # A's teardown: its model unloaded, its staging gone, its key revoked; the cluster stays up for B.
     named.release(a)
     db = named.database_url(named.load_serves(NAME))

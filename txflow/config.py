@@ -240,6 +240,18 @@ class RunConfig(BaseModel, extra="forbid"):
         "takes max_lora_rank x every layer in memory. A client that keeps more models than this gets 'Maximum "
         "number of LoRA adapters reached'; a client's adapters are freed 120 s after its last heartbeat. At "
         "least 8, which the base model, the trained model and the restore checks' models fit in.")
+    api_max_body_mb: float = Field(default=64.0, gt=0, description="The cluster's Tinker API refuses a request "
+                                   "body larger than this many MB (413), before reading it further.")
+    api_max_samples: int = Field(default=1024, ge=1, description="The cluster's Tinker API refuses a sample request "
+                                 "for more completions (num_samples) than this (400).")
+    api_max_tokens: int = Field(default=4096, ge=1, description="The cluster's Tinker API refuses a sample request "
+                                "whose max_tokens is above this (400): each new length compiles a program.")
+    api_max_batch: int = Field(default=4096, ge=1, description="The cluster's Tinker API refuses a forward or "
+                               "forward_backward of more data items than this (400).")
+    api_max_sessions_per_key: int = Field(default=64, ge=1, description="On a shared cluster, the sessions one "
+                                          "run's key may create (429 beyond).")
+    api_max_models_per_key: int = Field(default=64, ge=1, description="On a shared cluster, the models one run's "
+                                        "key may create (429 beyond).")
     save_every: int = Field(default=5, ge=0, description="save_state every K steps so a retry resumes; 0: never.")
     seed: int = Field(default=0, description="Seed for the adapter init, data order and sampling.")
     group_size: int = Field(default=8, description="rl: completions sampled per prompt; at least 2.")

@@ -60,7 +60,7 @@ def serve_api(argv: list[str]) -> None:
     signer = auth.DownloadSigner()
     rest.install(api.app, signer)  # (20.)
     # (15.) last added, so it runs first; a shared cluster also lets in its attached runs' keys, each scoped
-    auth.install(api.app, key, signer, os.environ.get(auth.RUN_KEYS_ENV) or None)
+    auth.install(api.app, key, signer, os.environ.get(auth.RUN_KEYS_ENV) or None, auth.Limits.from_env())
     api.app.state.engine_config = engine_config
     config = uvicorn.Config(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
     # The socket the launcher bound for this API and kept bound until now (txflow.processes.ports.listener):

@@ -41,6 +41,47 @@ from urllib.parse import parse_qs
 API_KEY_ENV = "TXFLOW_API_KEY"
 RUN_KEYS_ENV = "TXFLOW_RUN_KEYS_FILE"
 OPEN_PATHS = frozenset({"/api/v1/healthz"})
+LIMITS_ENV = "TXFLOW_API_LIMITS"
+
+
+class Limits:
+    """What one request, and one run's key, may ask of the API (`RunConfig.api_max_*`, given to the API as
+    `LIMITS_ENV`): each refused in one line naming the limit and its flag, before the request is read into
+    anything bigger than its bytes."""
+
+    FLAGS = {"body_mb": "--api-max-body-mb", "samples": "--api-max-samples", "tokens": "--api-max-tokens",
+             "batch": "--api-max-batch", "sessions": "--api-max-sessions-per-key",
+             "models": "--api-max-models-per-key"}
+
+    def __init__(self, body_mb: float = 64.0, samples: int = 1024, tokens: int = 4096, batch: int = 4096,
+                 sessions: int = 64, models: int = 64):
+        self.body_mb, self.samples, self.tokens, self.batch = body_mb, samples, tokens, batch
+        self.sessions, self.models = sessions, models
+
+    @classmethod
+    def from_env(cls) -> Limits:
+        return cls(**json.loads(os.environ.get(LIMITS_ENV) or "{}"))
+
+    def refusal(self, what: str, value, limit: str) -> tuple[int, bytes]:
+        return 400, json.dumps({"detail": f"{what} {value} is above this cluster's limit {getattr(self, limit)} "
+                                          f"({self.FLAGS[limit]})"}).encode()
+
+    def of_body(self, path: str, body) -> tuple[int, bytes] | None:
+        """The refusal of a request body that asks for more than one request may, else None."""
+        if not isinstance(body, dict):
+            return None
+        samples = body.get("num_samples")
+        if isinstance(samples, int) and samples > self.samples:
+            return self.refusal("num_samples", samples, "samples")
+        params = body.get("sampling_params")
+        tokens = params.get("max_tokens") if isinstance(params, dict) else None
+        if isinstance(tokens, int) and tokens > self.tokens:
+            return self.refusal("max_tokens", tokens, "tokens")
+        for field in ("forward_backward_input", "forward_input"):
+            data = body.get(field, {}).get("data") if isinstance(body.get(field), dict) else None
+            if isinstance(data, list) and len(data) > self.batch:
+                return self.refusal(f"a {path.rsplit('/', 1)[-1]} of", f"{len(data)} items", "batch")
+        return None
 REFUSED = json.dumps({"detail": "missing or wrong API key: send the run's key in the X-API-Key header "
                                 "(TINKER_API_KEY for the Tinker SDK)"}).encode()
 
@@ -222,6 +263,7 @@ class Owners:
     def __init__(self):
         self.sessions: dict[str, str] = {}
         self.futures: dict[str, str] = {}
+        self.models: dict[str, str] = {}  # created through a key, counted against its limit
 
     async def owner(self, app, kind: str, ident: str) -> str | None:
         if kind == "session":
@@ -238,10 +280,21 @@ class Owners:
             return self.sessions.get(ident.split(":train:")[0])  # 0.38 names models after their session
         return self.sessions.get(row[0]) if row is not None else None
 
-    def note(self, owner: str, answer: dict) -> None:
+    def beyond(self, owner: str, path: str, limits: Limits) -> tuple[int, bytes] | None:
+        """The refusal (429) of a request that would create one session or model more than a key may hold."""
+        for route, held, limit in (("/api/v1/create_session", self.sessions, "sessions"),
+                                   ("/api/v1/create_model", self.models, "models")):
+            count = sum(1 for o in held.values() if o == owner)
+            if path == route and count >= getattr(limits, limit):
+                return 429, limits.refusal(f"{limit} created with this key:", count + 1, limit)[1]
+        return None
+
+    def note(self, owner: str, answer: dict, path: str = "") -> None:
         """Record what a response to `owner`'s request created."""
         if "session_id" in answer and isinstance(answer["session_id"], str):
             self.sessions.setdefault(answer["session_id"], owner)
+        if path == "/api/v1/create_model" and isinstance(answer.get("model_id"), str):
+            self.models.setdefault(answer["model_id"], owner)
         for key in ("request_id", "future_id"):
             if isinstance(answer.get(key), str | int):
                 self.futures.setdefault(str(answer[key]), owner)
@@ -250,6 +303,7 @@ class Owners:
         """Forget what keys no longer in the run-keys file (released, revoked) created."""
         self.sessions = {k: v for k, v in self.sessions.items() if v in owners}
         self.futures = {k: v for k, v in self.futures.items() if v in owners}
+        self.models = {k: v for k, v in self.models.items() if v in owners}
 
 
 class KeyCheck:
@@ -257,10 +311,12 @@ class KeyCheck:
     carries a signature (judged by `signer` alone: valid passes, anything else gets 403), or present a run's
     key from `run_keys` and name only what that run owns."""
 
-    def __init__(self, app, key: str, signer: DownloadSigner | None = None, run_keys: RunKeys | None = None):
+    def __init__(self, app, key: str, signer: DownloadSigner | None = None, run_keys: RunKeys | None = None,
+                 limits: Limits | None = None):
         if not key:
             raise ValueError("the Tinker API needs a key to check (txflow gives it one per run)")
         self.app, self._key, self._signer, self._run_keys = app, key.encode(), signer, run_keys
+        self.limits = limits or Limits()
         self.owners = Owners()
 
     async def __call__(self, scope, receive, send):
@@ -273,22 +329,42 @@ class KeyCheck:
             return await _refuse(send, 403, EXPIRED)
         given = presented_key({k.lower(): v for k, v in scope.get("headers") or []})
         if given is not None and hmac.compare_digest(given, self._key):
-            return await self.app(scope, receive, send)
-        owner = self._run_keys.owner(given) if given is not None and self._run_keys is not None else None
-        if owner is not None:
+            owner = None  # the cluster's own key: unscoped, bounded per request alone
+        elif given is not None and self._run_keys is not None and (owner := self._run_keys.owner(given)):
             self.owners.forget_all_but(self._run_keys.current())
-            return await self._scoped(owner, scope, receive, send)
-        await _refuse(send, 401, REFUSED)
+        else:
+            return await _refuse(send, 401, REFUSED)
+        raw = await self._body(receive)
+        if raw is None:
+            return await _refuse(send, 413, json.dumps({"detail": f"the request body is above this cluster's limit "
+                                                                  f"of {self.limits.body_mb:g} MB (--api-max-body-mb)"
+                                                        }).encode())
+        if owner is None:
+            try:
+                refusal = self.limits.of_body(scope["path"], read_body(scope["path"], scope.get("headers") or [],
+                                                                       raw))
+            except ValueError:  # the cluster's own client: upstream answers what it cannot read, as before
+                refusal = None
+            if refusal is not None:
+                return await _refuse(send, *refusal)
+            return await self.app(scope, _replaying(raw, receive), send)
+        return await self._scoped(owner, scope, raw, receive, send)
 
-    async def _scoped(self, owner: str, scope, receive, send):
-        """A run's key: the request goes through only when everything it names is the run's."""
-
-        chunks, more = [], True
+    async def _body(self, receive) -> bytes | None:
+        """The request's body, or None once it passes the body limit (the rest is not read)."""
+        chunks, size, more = [], 0, True
         while more:
             message = await receive()
             chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limits.body_mb * 2**20:
+                return None
             more = message.get("more_body", False)
-        raw = b"".join(chunks)
+        return b"".join(chunks)
+
+    async def _scoped(self, owner: str, scope, raw: bytes, receive, send):
+        """A run's key: the request goes through only when everything it names is the run's, within what one
+        key may hold."""
         try:
             body = read_body(scope["path"], scope.get("headers") or [], raw)
             if body is None and scope["method"] == "POST":
@@ -296,21 +372,15 @@ class KeyCheck:
             ids = named_ids(scope["path"], body if isinstance(body, dict) else None)
         except ValueError as exc:  # what the check cannot read as the route would, it does not let through
             return await _refuse(send, 400, json.dumps({"detail": str(exc)}).encode())
+        refusal = self.limits.of_body(scope["path"], body) or self.owners.beyond(owner, scope["path"], self.limits)
+        if refusal is not None:
+            return await _refuse(send, *refusal)
         if ids is None:
             return await _refuse(send, 403, _forbidden(f"{scope['path']} (it spans runs or is not scoped)"))
         app = scope.get("app") or self.app
         for kind, ident in ids:
             if await self.owners.owner(app, kind, ident) != owner:
                 return await _refuse(send, 403, _forbidden(f"{kind} {ident}"))
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": raw, "more_body": False}
-            return await receive()
-
         answer: list[bytes] = []
         is_json = False
 
@@ -326,10 +396,24 @@ class KeyCheck:
                     except ValueError:
                         parsed = None
                     if isinstance(parsed, dict):
-                        self.owners.note(owner, parsed)
+                        self.owners.note(owner, parsed, scope["path"])
             await send(message)
 
-        await self.app(scope, replay, noting)
+        await self.app(scope, _replaying(raw, receive), noting)
+
+
+def _replaying(raw: bytes, receive):
+    """An ASGI `receive` that gives the body read already, then whatever comes after (a disconnect)."""
+    replayed = False
+
+    async def replay():
+        nonlocal replayed
+        if not replayed:
+            replayed = True
+            return {"type": "http.request", "body": raw, "more_body": False}
+        return await receive()
+
+    return replay
 
 
 async def _refuse(send, status: int, body: bytes) -> None:
@@ -338,7 +422,10 @@ async def _refuse(send, status: int, body: bytes) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def install(app, key: str, signer: DownloadSigner | None = None, run_keys_file: str | None = None) -> None:
+def install(app, key: str, signer: DownloadSigner | None = None, run_keys_file: str | None = None,
+            limits: Limits | None = None) -> None:
     """Check `key` in front of every route of `app` (added last, so it runs first); `signer` opens signed
-    checkpoint downloads; `run_keys_file` names the keys of the runs attached to a shared cluster."""
-    app.add_middleware(KeyCheck, key=key, signer=signer, run_keys=RunKeys(run_keys_file) if run_keys_file else None)
+    checkpoint downloads; `run_keys_file` names the keys of the runs attached to a shared cluster; `limits`
+    bound each request and each run's key."""
+    app.add_middleware(KeyCheck, key=key, signer=signer, run_keys=RunKeys(run_keys_file) if run_keys_file else None,
+                       limits=limits)

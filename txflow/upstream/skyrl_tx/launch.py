@@ -11,7 +11,7 @@ from typing import Any
 from txflow.config import RunConfig
 from txflow.upstream import wake
 from txflow.upstream.skyrl_tx import TINKER_DEFAULT_RANK
-from txflow.upstream.skyrl_tx.auth import API_KEY_ENV, RUN_KEYS_ENV
+from txflow.upstream.skyrl_tx.auth import API_KEY_ENV, LIMITS_ENV, RUN_KEYS_ENV
 
 ENTRY = "txflow.upstream.skyrl_tx"
 
@@ -64,6 +64,14 @@ def wake_env() -> dict[str, str]:
 def api_key_env(key: str) -> dict[str, str]:
     """Environment for the API: the key it lets in (15.); never its command line."""
     return {API_KEY_ENV: key}
+
+
+def api_limits_env(cfg) -> dict[str, str]:
+    """Environment for the API: what one request and one run's key may ask of it (`RunConfig.api_max_*`)."""
+    return {LIMITS_ENV: json.dumps({"body_mb": cfg.api_max_body_mb, "samples": cfg.api_max_samples,
+                                    "tokens": cfg.api_max_tokens, "batch": cfg.api_max_batch,
+                                    "sessions": cfg.api_max_sessions_per_key,
+                                    "models": cfg.api_max_models_per_key})}
 
 
 def run_keys_env(path: str) -> dict[str, str]:
