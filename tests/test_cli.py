@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 
@@ -209,3 +210,20 @@ def test_storage_option_values_are_masked_in_every_command(tmp_path, command, gi
     result = run_txflow(command, env, tmp_path, timeout=120)
     assert result.returncode != 0 and "option-MARKER" not in result.stdout + result.stderr
     assert "Could not connect to the endpoint URL: \"***/bucket" in result.stderr, result.stderr[-2000:]
+
+
+def test_version_names_txflow_and_the_upstream_versions_it_adapts(capsys):
+    with pytest.raises(SystemExit) as done:
+        cli.main(["--version"])
+    assert done.value.code == 0
+    assert re.fullmatch(r"txflow \S+ \(skyrl-tx 0\.3\.0, tinker 0\.13\.1, prefect \S+\)\n", capsys.readouterr().out)
+
+
+def test_run_help_shows_each_plain_default(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for shown in ("Optimizer steps. (default: 20)", "LoRA rank of the trained adapter. (default: 32)",
+                  "(default: on)", "(default: off)"):
+        assert shown in text, shown
+    assert "(default: None)" not in text

@@ -27,6 +27,7 @@ import typing
 from contextlib import ExitStack
 
 from pydantic import BaseModel, ValidationError
+from pydantic_core import PydanticUndefined
 
 from txflow.config import (
     NAMED_MODELS,
@@ -69,7 +70,7 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "", only: tuple[s
             _run_options(inner, parser, prefix=dest + ".")
             continue
         flag = flag_of(dest.replace(".", "_"))
-        help_text = info.description or ""
+        help_text = (info.description or "") + _default_of(info)
         origin = typing.get_origin(annotation)
         if name in SECRET_ENV and not prefix:
             hint = ("A flag shows in `ps` to every local user: prefer the environment variable."
@@ -92,6 +93,30 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "", only: tuple[s
             parser.add_argument(flag, dest=dest, metavar=name.upper().removesuffix("_S"), help=help_text)
 
 
+def _default_of(info) -> str:
+    """` (default: X)` for a field whose default is a plain value; fields whose default depends on others say
+    so in their description."""
+    value = info.default
+    if value is None or value is PydanticUndefined or isinstance(value, (BaseModel, list, dict)):
+        return ""
+    if isinstance(value, bool):
+        return f" (default: {'on' if value else 'off'})"
+    return f" (default: {value})"
+
+
+def versions() -> str:
+    """txflow's version and those of the upstream packages it adapts, for `--version` and bug reports."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    def of(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"txflow {of('txflow')} (skyrl-tx {of('skyrl-tx')}, tinker {of('tinker')}, prefect {of('prefect')})"
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):
         # One line that names the culprit, not the usage of every option.
@@ -100,6 +125,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="txflow", description="LoRA fine-tuning on a self-hosted SkyRL-tx cluster")
+    parser.add_argument("--version", action="version", version=versions())
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     run = sub.add_parser("run", help="run the train flow in-process on Prefect's embedded API",
                          argument_default=argparse.SUPPRESS)
