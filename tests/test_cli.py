@@ -227,3 +227,35 @@ def test_run_help_shows_each_plain_default(capsys):
                   "(default: on)", "(default: off)"):
         assert shown in text, shown
     assert "(default: None)" not in text
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".toml", ".json"])
+def test_a_config_file_gives_the_options_and_a_flag_given_as_well_wins(tmp_path, suffix):
+    texts = {".yaml": "steps: 7\nlora-rank: 8\nmesh:\n  tp: 1\nstorage_options:\n  anon: 'false'\n",
+             ".toml": "steps = 7\nlora-rank = 8\n[mesh]\ntp = 1\n[storage_options]\nanon = 'false'\n",
+             ".json": '{"steps": 7, "lora-rank": 8, "mesh": {"tp": 1}, "storage_options": {"anon": "false"}}'}
+    file = tmp_path / f"run{suffix}"
+    file.write_text(texts[suffix])
+    args = cli._parser().parse_args(["run", "sft", "--config", str(file), "--steps", "9",
+                                     "--storage-option", "key=k"])
+    config = RunConfig.model_validate(cli.config_values(args))
+    assert (config.steps, config.lora_rank, config.mesh.tp) == (9, 8, 1)
+    assert config.plain_storage_options() == {"anon": "false", "key": "k"}
+
+
+@pytest.mark.parametrize(("text", "name", "message"), [
+    ("stepz: 3\n", "bad.yaml", "stepz: Extra inputs are not permitted"),
+    ("steps: [\n", "bad.yaml", "--config {file}: not valid yaml ("),
+    ("- 1\n", "bad.yaml", "--config {file}: holds a list, not a table of options"),
+    ("steps: 3\n", "bad.ini", "--config {file}: name a .yaml, .toml or .json file"),
+    ("mode: rl\n", "bad.yaml", "--config {file} says mode rl, the command says sft"),
+])
+def test_a_config_file_that_cannot_serve_exits_2_in_one_line(capsys, cli_env, tmp_path, monkeypatch, text, name,
+                                                             message):
+    monkeypatch.chdir(tmp_path)  # where a run would create .txflow/
+    file = tmp_path / name
+    file.write_text(text)
+    assert cli_exit(["run", "sft", "--config", str(file)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and message.format(file=file) in err, err
+    assert not (tmp_path / ".txflow").exists()

@@ -230,8 +230,9 @@ def test_a_run_whose_lease_is_taken_over_stops_at_its_next_step_and_writes_nothi
     naming the run that holds the lease now, is not retried, writes no report into the run root, and leaves
     the other run's lease and no process behind."""
     run_id, log = "paused", tmp_path / "paused.log"
-    proc, state, files = start_run(tmp_path, txflow_env, run_id, "--steps", "4", "--save-every", "0",
-                                   "--processes", "1", hold_at="train-step-1")
+    options = tmp_path / "paused.yaml"  # the run's options from a file, as `--config` reads them
+    options.write_text("steps: 4\nsave-every: 0\nprocesses: 1\n")
+    proc, state, files = start_run(tmp_path, txflow_env, run_id, "--config", str(options), hold_at="train-step-1")
     reaper.watch(state)
     lease_file = tmp_path / "ckpt" / run_id / "lease.json"
     try:
@@ -246,6 +247,7 @@ def test_a_run_whose_lease_is_taken_over_stops_at_its_next_step_and_writes_nothi
     assert code == 1, text[-4000:]
     report = json.loads((tmp_path / f"{run_id}.json").read_text())
     assert report["status"] == "failed" and [m["step"] for m in report["metrics"]] == [1]
+    assert report["num_processes"] == 1 and "step 1/4 " in text  # the options from the config file
     lines = [line for line in text.splitlines() if "was taken over (by run paused on host another-host); this run "
              "stops here" in line]
     assert lines and f"failed in train: txflow.checkpoints.lease.LeaseLost: run {run_id}: its lease of " in text, \

@@ -25,6 +25,7 @@ import traceback
 import types
 import typing
 from contextlib import ExitStack
+from pathlib import Path
 
 from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
@@ -131,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
                          argument_default=argparse.SUPPRESS)
     run.add_argument("mode", choices=list(typing.get_args(RunConfig.model_fields["mode"].annotation)))
     _run_options(RunConfig, run)
+    run.add_argument("--config", dest="config_file", metavar="FILE", help=CONFIG_HELP)
     run.add_argument("--json", action="store_true", default=False, help="print the run report as JSON on stdout")
     export = sub.add_parser("export", help="export a run's trained adapter as Hugging Face PEFT (and merged), proven")
     export.add_argument("url", help="a run root, or the sampler checkpoint of one that evaluate-restore checked")
@@ -160,6 +162,7 @@ def _parser() -> argparse.ArgumentParser:
                            argument_default=argparse.SUPPRESS, conflict_handler="resolve")
     sweep.add_argument("mode", choices=["sft", "rl"])
     _run_options(RunConfig, sweep)
+    sweep.add_argument("--config", dest="config_file", metavar="FILE", help=CONFIG_HELP)
     # The grid: the two fields a sweep varies take comma-separated values here (the last flag of a name wins).
     sweep.add_argument("--learning-rate", dest="learning_rate", metavar="R1,R2,...",
                        help="learning rates to try, comma-separated")
@@ -176,6 +179,7 @@ def _parser() -> argparse.ArgumentParser:
     from txflow.cluster.named import CLUSTER_FIELDS
 
     _run_options(RunConfig, up, only=CLUSTER_FIELDS)
+    up.add_argument("--config", dest="config_file", metavar="FILE", help=CONFIG_HELP)
     for action, text in (("status", "what the cluster serves, whether it is healthy, free adapter slots, attached "
                                     "runs"), ("down", "stop the cluster")):
         sub_action = actions.add_parser(action, help=text)
@@ -285,11 +289,58 @@ def _command_storage_options(pairs: list[str]) -> dict[str, str]:
     return options | _storage_options(pairs)
 
 
+CONFIG_HELP = ("a YAML, TOML or JSON file of these options (field names, nested as `mesh: {tp: 2}`); a flag given "
+               "as well wins")
+
+
+def load_config_file(path: str | None) -> dict:
+    """The RunConfig fields in a YAML, TOML or JSON file (by its extension), `-` in a name read as `_`;
+    ValueError in one line naming the file when it cannot be read."""
+    if not path:
+        return {}
+    import tomllib
+
+    import yaml
+
+    file = Path(path)
+    readers = {".yaml": yaml.safe_load, ".yml": yaml.safe_load, ".toml": tomllib.loads, ".json": json.loads}
+    if file.suffix.lower() not in readers:
+        raise ValueError(f"--config {path}: name a .yaml, .toml or .json file")
+    try:
+        data = readers[file.suffix.lower()](file.read_text())
+    except OSError as exc:
+        raise ValueError(f"--config {path}: cannot read it ({exc.strerror})") from None
+    except Exception as exc:  # each format's own parse error: its first line says where
+        raise ValueError(f"--config {path}: not valid {file.suffix[1:]} ({str(exc).splitlines()[0]})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: holds a {type(data).__name__}, not a table of options")
+
+    def names(value):
+        return {str(k).replace("-", "_"): names(v) for k, v in value.items()} if isinstance(value, dict) else value
+
+    return names(data)
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """`over` on top of `base`, nested tables merged."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def config_values(args: argparse.Namespace) -> dict:
-    """The RunConfig fields given on the command line, nested where the model nests them."""
+    """The RunConfig fields of `--config FILE`, with the ones given on the command line over them, nested where
+    the model nests them."""
+    from_file = load_config_file(getattr(args, "config_file", None))
+    mode = getattr(args, "mode", None)
+    if mode is not None and from_file.get("mode", mode) != mode:
+        raise ValueError(f"--config {args.config_file} says mode {from_file['mode']}, the command says {mode}")
     values: dict = {}
     for dest, value in vars(args).items():
-        if dest in ("command", "json", "action", "name"):
+        if dest in ("command", "json", "action", "name", "config_file"):
             continue
         if dest == "storage_options":
             value = _storage_options(value)
@@ -298,7 +349,7 @@ def config_values(args: argparse.Namespace) -> dict:
         for parent in parents:
             target = target.setdefault(parent, {})
         target[leaf] = value
-    return values
+    return _merged(from_file, values)
 
 
 def _fields_line(exc: ValidationError) -> str:
