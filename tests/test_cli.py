@@ -259,3 +259,16 @@ def test_a_config_file_that_cannot_serve_exits_2_in_one_line(capsys, cli_env, tm
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and message.format(file=file) in err, err
     assert not (tmp_path / ".txflow").exists()
+
+
+def test_a_runs_last_line_says_where_the_adapter_is():
+    from types import SimpleNamespace
+
+    exported = SimpleNamespace(passed=True, peft_url="s3://b/runs/r1/export/peft")
+    report = SimpleNamespace(run_id="r1", status="passed", error=None, export=exported, checkpoint_root="s3://b/runs/r1",
+                             promotion=SimpleNamespace(status="promoted", name="prod"))
+    assert cli.last_line(report) == ("txflow: run r1 passed; adapter at s3://b/runs/r1/export/peft (promoted as "
+                                     "prod); report at s3://b/runs/r1/report.json")
+    failed = SimpleNamespace(**{**vars(report), "status": "failed", "error": "checks failed: loss\nmore",
+                                "export": SimpleNamespace(passed=False, peft_url=None), "promotion": None})
+    assert cli.last_line(failed) == "txflow: run r1 failed (checks failed: loss); report at s3://b/runs/r1/report.json"

@@ -414,13 +414,21 @@ def run(args) -> int:
     else:
         from txflow.reporting.report import answers_text
 
-        why = f" ({report.error.splitlines()[0]})" if report.error else ""
         shown = answers_text(report)
         if shown:
             print("txflow: held-out prompts, before and after training:", *shown, sep="\n", file=sys.stderr)
-        print(f"txflow: run {report.run_id} {report.status}{why}; report at {report.checkpoint_root}/report.json",
-              file=sys.stderr)
+        print(last_line(report), file=sys.stderr)
     return code
+
+
+def last_line(report) -> str:
+    """A run's last line: how it ended and, first, where the trained adapter is (and its promoted name)."""
+    why = f" ({report.error.splitlines()[0]})" if report.error else ""
+    adapter = report.export.peft_url if report.export is not None and report.export.passed else None
+    where = f"; adapter at {adapter}" if adapter else ""
+    if report.promotion is not None and report.promotion.status == "promoted":
+        where += f" (promoted as {report.promotion.name})"
+    return f"txflow: run {report.run_id} {report.status}{why}{where}; report at {report.checkpoint_root}/report.json"
 
 
 def sweep_cmd(args) -> int:
