@@ -272,3 +272,14 @@ def test_a_runs_last_line_says_where_the_adapter_is():
     failed = SimpleNamespace(**{**vars(report), "status": "failed", "error": "checks failed: loss\nmore",
                                 "export": SimpleNamespace(passed=False, peft_url=None), "promotion": None})
     assert cli.last_line(failed) == "txflow: run r1 failed (checks failed: loss); report at s3://b/runs/r1/report.json"
+
+
+def test_sweep_help_lists_no_flag_a_sweep_refuses_and_refuses_it_saying_what_to_use(capsys, cli_env):
+    with pytest.raises(SystemExit):
+        cli.main(["sweep", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--run-id", "--promote-as", "--approve", "--client"):
+        assert flag not in text, flag
+    assert "--promote-best-as" in text and "--learning-rate" in text
+    assert cli_exit(["sweep", "sft", "--learning-rate", "1e-3,1e-2", "--run-id", "x"]) == 2
+    assert "--run-id: a sweep names its runs <sweep-id>-NN: use --sweep-id" in capsys.readouterr().err

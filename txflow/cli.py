@@ -56,9 +56,11 @@ def flag_of(name: str) -> str:
     return FLAG_NAMES.get(name) or "--" + name.replace("_", "-")
 
 
-def _run_options(model: type[BaseModel], parser, prefix: str = "", only: tuple[str, ...] | None = None) -> None:
+def _run_options(model: type[BaseModel], parser, prefix: str = "", only: tuple[str, ...] | None = None,
+                 hidden: tuple[str, ...] = ()) -> None:
     """One flag per field of `model` (recursively for nested models), of the top-level fields `only` when
-    given; dest is the dotted field path."""
+    given; dest is the dotted field path. The `hidden` ones are parsed (a command refuses them in a line that
+    says what to use instead) but not listed in `--help`."""
     for name, info in model.model_fields.items():
         if name in POSITIONAL and not prefix or (only is not None and not prefix and name not in only):
             continue
@@ -72,6 +74,7 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "", only: tuple[s
             continue
         flag = flag_of(dest.replace(".", "_"))
         help_text = (info.description or "") + _default_of(info)
+        hide = dest in hidden
         origin = typing.get_origin(annotation)
         if name in SECRET_ENV and not prefix:
             hint = ("A flag shows in `ps` to every local user: prefer the environment variable."
@@ -79,19 +82,24 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "", only: tuple[s
                     f"Prefer {SECRET_ENV[name]} in the environment: a flag shows in `ps` to every local user.")
             parser.add_argument(flag, dest=dest, metavar="KEY=VALUE" if origin is dict else name.upper(),
                                 action="append" if origin is dict else "store",
-                                help=help_text + (" (repeatable)" if origin is dict else "") + " " + hint)
+                                help=_help(help_text + (" (repeatable)" if origin is dict else "") + " " + hint, hide))
         elif origin is list:
-            parser.add_argument(flag, dest=dest, action="append", metavar="VALUE", help=help_text + " (repeatable)")
+            parser.add_argument(flag, dest=dest, action="append", metavar="VALUE",
+                                help=_help(help_text + " (repeatable)", hide))
         elif origin is dict:
             parser.add_argument(flag, dest=dest, action="append", metavar="KEY=VALUE",
-                                help=help_text + " (repeatable)")
+                                help=_help(help_text + " (repeatable)", hide))
         elif inner is bool:
-            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=help_text)
+            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=_help(help_text, hide))
         elif typing.get_origin(inner) is typing.Literal:  # the model checks the choice, in one line
             parser.add_argument(flag, dest=dest, metavar="{" + ",".join(typing.get_args(inner)) + "}",
-                                help=help_text)
+                                help=_help(help_text, hide))
         else:
-            parser.add_argument(flag, dest=dest, metavar=name.upper().removesuffix("_S"), help=help_text)
+            parser.add_argument(flag, dest=dest, metavar=name.upper().removesuffix("_S"), help=_help(help_text, hide))
+
+
+def _help(text: str, hide: bool) -> str:
+    return argparse.SUPPRESS if hide else text
 
 
 def _default_of(info) -> str:
@@ -161,7 +169,10 @@ def _parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="train a grid of learning rates and LoRA ranks side by side on one cluster",
                            argument_default=argparse.SUPPRESS, conflict_handler="resolve")
     sweep.add_argument("mode", choices=["sft", "rl"])
-    _run_options(RunConfig, sweep)
+    # What a sweep sets itself (its members' ids, their promotion) or does not run (a custom client): refused in
+    # one line by `sweep_cmd`, not listed.
+    _run_options(RunConfig, sweep, hidden=("run_id", "promote_as", "approve", "approve_timeout_s", "client",
+                                           "client_args", "client_python"))
     sweep.add_argument("--config", dest="config_file", metavar="FILE", help=CONFIG_HELP)
     # The grid: the two fields a sweep varies take comma-separated values here (the last flag of a name wins).
     sweep.add_argument("--learning-rate", dest="learning_rate", metavar="R1,R2,...",
