@@ -283,3 +283,10 @@ def test_sweep_help_lists_no_flag_a_sweep_refuses_and_refuses_it_saying_what_to_
     assert "--promote-best-as" in text and "--learning-rate" in text
     assert cli_exit(["sweep", "sft", "--learning-rate", "1e-3,1e-2", "--run-id", "x"]) == 2
     assert "--run-id: a sweep names its runs <sweep-id>-NN: use --sweep-id" in capsys.readouterr().err
+
+
+def test_discover_of_nothing_is_bad_input_exit_2_in_one_line(capsys, cli_env, tmp_path):
+    """As every command: 2 on bad input (1 is kept for what discover exists to say: an incomplete artifact)."""
+    assert cli_exit(["discover", str(tmp_path / "no-such-root")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("txflow: Nothing was found under"), err

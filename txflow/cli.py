@@ -567,14 +567,16 @@ def cluster_cmd(args) -> int:
 
 
 def discover_cmd(args) -> int:
+    """`txflow discover URL`: 0 when every artifact is complete, 1 when one is not, 2 on bad input (nothing
+    there, a URL or storage option that does not serve), as every command."""
     from txflow.checkpoints.discovery import discover
 
     try:
         artifacts = discover(args.url, _command_storage_options(args.storage_option),
                              require_commit=args.require_commit)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
-        return 1
+        return 2
     if args.json:
         json.dump([a.model_dump() for a in artifacts], sys.stdout, indent=2)
         print()
