@@ -290,3 +290,22 @@ def test_discover_of_nothing_is_bad_input_exit_2_in_one_line(capsys, cli_env, tm
     assert cli_exit(["discover", str(tmp_path / "no-such-root")]) == 2
     err = capsys.readouterr().err
     assert len(err.splitlines()) == 1 and err.startswith("txflow: Nothing was found under"), err
+
+
+def test_runs_lists_each_run_newest_first_with_its_end_and_adapter(capsys, cli_env, tmp_path):
+    for run_id, report in (("old", {"status": "passed", "mode": "sft", "base_model": "tiny", "finished_at": 1.0e9,
+                                    "metrics": [{}] * 3, "export": {"passed": True, "peft_url": "X/old/export/peft"}}),
+                           ("new", {"status": "failed", "mode": "rl", "finished_at": 2.0e9, "error": "checks failed: "
+                                    "reward\nmore", "export": None})):
+        (tmp_path / run_id).mkdir()
+        (tmp_path / run_id / "report.json").write_text(json.dumps(report))
+    (tmp_path / "died" / "m1" / "step-000002").mkdir(parents=True)  # no report, no lease: unfinished
+    assert cli_exit(["runs", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["run_id"], r["status"], r["adapter"], r["error"]) for r in rows] == [
+        ("new", "failed", None, "checks failed: reward"), ("old", "passed", "X/old/export/peft", None),
+        ("died", "unfinished", None, None)]
+    assert cli_exit(["runs", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[1].startswith("old") and "3 steps" in lines[1] and "X/old/export/peft" in lines[1]
+    assert cli_exit(["runs", str(tmp_path / "nothing")]) == 2

@@ -158,6 +158,14 @@ def test_a_run_that_fails_its_checks_leaves_the_promotion_and_names_the_check(tm
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("txflow: run life-c failed (checks failed: "), last
     assert re.search(r"SFT held-out gain -?0\.00\d nats < 0\.05 required", last), last
+    # `txflow runs` lists the three, newest first: how each ended, the adapter of those that passed.
+    listed = run_txflow(["runs", ROOT, "--json"], s3_env, tmp_path)
+    assert listed.returncode == 0, listed.stderr
+    rows = {r["run_id"]: r for r in json.loads(listed.stdout)}
+    assert [r["run_id"] for r in json.loads(listed.stdout)][0] == "life-c"
+    assert rows["life-c"]["status"] == "failed" and rows["life-c"]["error"].startswith("checks failed: ")
+    assert rows["life-a"]["status"] == "passed" and rows["life-a"]["adapter"] == f"{ROOT}/life-a/export/peft"
+    assert rows["life-c"]["adapter"] is None and rows["life-a"]["mode"] == "sft"
     assert "the trained model's greedy tokens are the base model's" in last
     report = json.loads(boto3.client("s3").get_object(Bucket=BUCKET, Key="life/life-c/report.json")["Body"].read())
     assert report["status"] == "failed" and report["error"].startswith("checks failed: ")

@@ -157,6 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     discover.add_argument("--no-require-commit", dest="require_commit", action="store_false",
                           help="do not treat checkpoints without a txflow commit marker as incomplete "
                                "(for directories SkyRL-tx wrote without txflow)")
+    runs = sub.add_parser("runs", help="the runs under a checkpoints root, newest first: how each ended, its adapter")
+    runs.add_argument("root", help="the checkpoints root (the --checkpoints of the runs), any fsspec URL")
+    runs.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    runs.add_argument("--json", action="store_true")
     prune = sub.add_parser("prune", help="delete the periodic state checkpoints runs no longer need")
     prune.add_argument("root", help="the checkpoints root (the --checkpoints of the runs), any fsspec URL")
     prune.add_argument("--keep-last", type=int, metavar="K", help="keep each run's newest K periodic states")
@@ -566,6 +570,19 @@ def cluster_cmd(args) -> int:
     return 0 if not handle.monitor.failures else 1
 
 
+def runs_cmd(args) -> int:
+    """`txflow runs ROOT`: 0 with one line per run, 2 on bad input (no run there)."""
+    from txflow.reporting.runs import list_runs, table
+
+    try:
+        rows = list_runs(args.root, _command_storage_options(args.storage_option))
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
+        return 2
+    print(json.dumps(rows, indent=2) if args.json else table(rows))
+    return 0
+
+
 def discover_cmd(args) -> int:
     """`txflow discover URL`: 0 when every artifact is complete, 1 when one is not, 2 on bad input (nothing
     there, a URL or storage option that does not serve), as every command."""
@@ -653,7 +670,7 @@ def main(argv: list[str] | None = None) -> int:
     # they contend for its SQLite file under load: "database is locked").
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     return {"run": run, "export": export_cmd, "discover": discover_cmd, "prune": prune_cmd,
-            "promoted": promoted_cmd, "cluster": cluster_cmd, "sweep": sweep_cmd}[args.command](args)
+            "promoted": promoted_cmd, "cluster": cluster_cmd, "sweep": sweep_cmd, "runs": runs_cmd}[args.command](args)
 
 
 def entry() -> None:
