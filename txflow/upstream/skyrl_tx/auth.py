@@ -146,9 +146,6 @@ class RunKeys:
         digest = key_digest(key)
         return digest if digest in self._owners else None
 
-    def run_of(self, owner: str) -> str:
-        return self._owners.get(owner, "a released run")
-
     def current(self) -> set[str]:
         """The digests the file holds now (read again when it changed)."""
         try:
