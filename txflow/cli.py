@@ -304,6 +304,8 @@ def _command_storage_options(pairs: list[str]) -> dict[str, str]:
     return options | _storage_options(pairs)
 
 
+NESTED_MODELS = {name for name, info in RunConfig.model_fields.items()
+                 if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)}
 CONFIG_HELP = ("a YAML, TOML or JSON file of these options (field names, nested as `mesh: {tp: 2}`); a flag given "
                "as well wins")
 
@@ -332,10 +334,11 @@ def load_config_file(path: str | None) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: holds a {type(data).__name__}, not a table of options")
 
-    def names(value):
-        return {str(k).replace("-", "_"): names(v) for k, v in value.items()} if isinstance(value, dict) else value
+    def names(table: dict) -> dict:
+        return {str(k).replace("-", "_"): v for k, v in table.items()}
 
-    return names(data)
+    # Option names as flags spell them are read as fields; the keys of a dict option (storage_options) stay.
+    return {k: names(v) if k in NESTED_MODELS and isinstance(v, dict) else v for k, v in names(data).items()}
 
 
 def _merged(base: dict, over: dict) -> dict:
