@@ -225,7 +225,7 @@ def test_a_fault_during_save_checkpoint_is_checked_against_the_live_model(tmp_pa
 
 def test_a_run_whose_lease_is_taken_over_stops_at_its_next_step_and_writes_nothing_more(tmp_path, txflow_env,
                                                                                         reaper):
-    """Issue 41's third finding, end to end: a run paused longer than the lease's TTL is taken over (here the
+    """End to end: a run paused longer than the lease's TTL is taken over (here the
     takeover is written while the run is held after step 1); at its next step the run stops, fails in one line
     naming the run that holds the lease now, is not retried, writes no report into the run root, and leaves
     the other run's lease and no process behind."""

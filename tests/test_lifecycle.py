@@ -125,7 +125,7 @@ def test_a_deletion_stopped_after_the_data_is_finished_too(tmp_path):
 
 @pytest.mark.parametrize("planted", ["m1", "m1/step-000004.tar.gz", "m1/step-000006.tar.gz"])
 def test_a_planted_pruning_file_deletes_nothing(tmp_path, planted, caplog):
-    """Issue 41's fourth finding: any `X.txflow-pruning` file was taken for an interrupted prune, and `prune
+    """The attack: any `X.txflow-pruning` file was taken for an interrupted prune, and `prune
     --keep-last 5` deleted X, a whole model directory (final state included). Only a sidecar a deletion of
     exactly that state checkpoint wrote (its path and step) is finished; any other is named and left."""
     urls = passed_run(tmp_path, "r", (2, 4, 6))
@@ -267,7 +267,7 @@ def test_a_dead_holders_lease_is_taken_over_with_a_log_line(run_root, caplog):
 
 
 def test_a_live_holder_on_this_host_keeps_its_lease_whatever_the_clocks_say(run_root, monkeypatch):
-    """Issue 41's third finding: with the reader's clock 601 s ahead of the holder's, the same-host holder's
+    """The attack: with the reader's clock 601 s ahead of the holder's, the same-host holder's
     lease looked expired and a second run took it over while the first went on. A live process of this host
     holding it now refuses the second run, whatever the timestamps say."""
     with lease.held(run_root, "r"):
@@ -429,7 +429,7 @@ KEY = "signing-key-of-the-promotions-0123"
 
 
 def test_what_serving_reads_names_only_the_promotions_own_files(tmp_path):
-    """Issue 41's second finding, without a key: a bucket writer pointed `current.json` at `../` paths and
+    """Without a key: a bucket writer pointed `current.json` at `../` paths and
     `promotion.json` at another bucket, and `current()` returned them. Now either is refused in one line."""
     checkpoints = str(tmp_path / "ckpt")
     url, files = committed_export(tmp_path, "good")

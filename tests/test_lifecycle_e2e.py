@@ -275,7 +275,7 @@ def test_a_holder_taken_over_on_s3_learns_it_at_its_next_renewal_and_leaves_the_
 
 
 def test_txflow_prune_on_s3_deletes_nothing_for_a_planted_pruning_file(s3_env, tmp_path):
-    """Issue 41's fourth finding on a real S3 API, through `txflow prune`: a `<model dir>.txflow-pruning` that
+    """The attack on a real S3 API, through `txflow prune`: a `<model dir>.txflow-pruning` that
     a bucket writer put there is named and left; the model directory and every state in it stay."""
     from txflow.checkpoints import storage
     from txflow.checkpoints.markers import PRUNING_SUFFIX

@@ -1,4 +1,4 @@
-"""Names are checked where they become paths (issue 41, item 5): a cluster's name, a promotion's name and a
+"""Names are checked where they become paths: a cluster's name, a promotion's name and a
 sweep's, from the CLI, from a flow's parameters and in the code that makes the path, before anything acts."""
 
 from __future__ import annotations

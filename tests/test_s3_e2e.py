@@ -458,7 +458,7 @@ def test_a_key_a_bucket_writer_adds_under_a_committed_state_is_never_downloaded(
     assert json.loads(second.stdout)["resumed_from_step"] == 2  # the state before the changed one
     assert sorted(p.name for p in tmp_path.rglob("PWNED*")) == []
 
-    # Issue 41's first finding: state names repeat across runs, and a signature that bound only the last name
+    # The attack: state names repeat across runs, and a signature that bound only the last name
     # let one run's checkpoint, copied with its marker over another's of the same name, be read as that run's.
     # w-second's step 4 replaces w-first's, byte for byte and marker included: a resume from it is refused
     # before anything starts, in one line naming both runs' paths.
@@ -513,7 +513,7 @@ def test_a_second_run_with_a_live_runs_id_exits_2_before_starting_anything(tmp_p
 
 def test_txflow_promoted_on_s3_refuses_a_pointer_a_record_or_an_adapter_not_signed_for_where_it_is(
         tmp_path, s3_env, monkeypatch):
-    """Issue 41's second finding on a real S3 API, through the CLI that serving scripts call: with a signing
+    """The attack on a real S3 API, through the CLI that serving scripts call: with a signing
     key, `txflow promoted` shows the genuine promotion; a pointer aimed at another bucket, an unsigned pointer,
     and the previous promotion's adapter copied over the current one's each make it exit 2 in one line."""
     key = "signing-key-of-the-promotion-e2e-1c"

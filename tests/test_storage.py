@@ -198,7 +198,7 @@ def run_checkpoints(checkpoints: str, tmp_path: Path, run_id: str) -> dict[str, 
 @pytest.mark.parametrize("artifact", ["peft", "state"])
 def test_a_signed_checkpoint_copied_over_another_runs_same_name_is_refused_naming_both(tmp_path, memory_root,
                                                                                       monkeypatch, artifact):
-    """The reproduction of issue 41's first finding: every export ends in `peft` and state names repeat across
+    """The attack reproduced: every export ends in `peft` and state names repeat across
     runs, so a signature that bound only the last name let run B's export, copied with its marker over run A's,
     be read as A's. Signed for `<run id>/export/peft`, it is refused there, in one line naming both paths; the
     whole checkpoint root copied elsewhere still reads back."""
