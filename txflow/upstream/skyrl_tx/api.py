@@ -23,7 +23,7 @@ def serve_api(argv: list[str]) -> None:
 
     from txflow.processes import ports
     from txflow.upstream import wake
-    from txflow.upstream.skyrl_tx import auth, lora_config, losses, rest, tinker_compat
+    from txflow.upstream.skyrl_tx import auth, lora_config, losses, rest, served, tinker_compat
 
     parser = argparse.ArgumentParser(description="SkyRL-tx Tinker API without its engine spawn")
     add_model(parser, EngineConfig)
@@ -57,6 +57,7 @@ def serve_api(argv: list[str]) -> None:
     tinker_compat.install(api.app)
     losses.install_api(api.app)  # (13.)
     lora_config.install_api(api.app)  # (14.)
+    served.install(api.app, served.ServedModel.from_env(engine_config.base_model))
     signer = auth.DownloadSigner()
     rest.install(api.app, signer)  # (20.)
     # (15.) last added, so it runs first; a shared cluster also lets in its attached runs' keys, each scoped

@@ -12,6 +12,7 @@ from txflow.config import RunConfig
 from txflow.upstream import wake
 from txflow.upstream.skyrl_tx import TINKER_DEFAULT_RANK
 from txflow.upstream.skyrl_tx.auth import API_KEY_ENV, LIMITS_ENV, RUN_KEYS_ENV
+from txflow.upstream.skyrl_tx.served import ServedModel
 
 ENTRY = "txflow.upstream.skyrl_tx"
 
@@ -72,6 +73,15 @@ def api_limits_env(cfg) -> dict[str, str]:
                                     "tokens": cfg.api_max_tokens, "batch": cfg.api_max_batch,
                                     "sessions": cfg.api_max_sessions_per_key,
                                     "models": cfg.api_max_models_per_key})}
+
+
+def served_model_env(cfg, base_model_path: str) -> dict[str, str]:
+    """Environment for the API: the names its model is served under (`served`): the Hugging Face id of a
+    named model, the name the run gave, the path the engine loads."""
+    from txflow.config import NAMED_MODELS
+
+    named = NAMED_MODELS.get(cfg.base_model)
+    return ServedModel.of(cfg.base_model, base_model_path, named.hf_id if named else None).env()
 
 
 def run_keys_env(path: str) -> dict[str, str]:

@@ -31,6 +31,8 @@ from uuid import uuid4
 from fastapi import Request
 from pydantic import BaseModel, Field, ValidationError
 
+from txflow.upstream.skyrl_tx import served
+
 
 class LoraRequest(BaseModel):
     """A create_model request's LoRA config, as every Tinker SDK sends it (they send all three flags)."""
@@ -96,6 +98,7 @@ async def create_model(request: dict, req: Request):
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
     lora = parsed.lora_config
+    served.served(req).check(parsed.base_model)
     reason = problem(lora, req.app.state.engine_config.base_model)
     if reason:
         raise HTTPException(status_code=400, detail=reason)

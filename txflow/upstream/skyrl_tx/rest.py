@@ -35,7 +35,7 @@ from fastapi import HTTPException, Request, Response
 from fastapi.responses import RedirectResponse
 from fastapi.routing import APIRoute
 
-from txflow.upstream.skyrl_tx import layout
+from txflow.upstream.skyrl_tx import layout, served
 
 RUNS = "/api/v1/training_runs"
 KINDS = {"weights": "state", "sampler_weights": "sampler"}
@@ -475,4 +475,5 @@ async def get_info(request: dict, req: Request):
     return {"type": "get_info", "model_id": model.model_id, "status": model.status, "is_lora": rank > 0,
             "lora_rank": rank, "model_name": model.base_model,
             "model_data": {"base_model": model.base_model, "model_name": model.base_model,
+                           "tokenizer_id": served.served(req).tokenizer_id(model.base_model),
                            "lora_config": {"rank": rank}}}

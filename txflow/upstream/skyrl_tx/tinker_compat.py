@@ -72,7 +72,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 
-from txflow.upstream.skyrl_tx import rest
+from txflow.upstream.skyrl_tx import rest, served
 from txflow.upstream.skyrl_tx.protobuf import (
     encode_forward_backward_output,
     encode_sample_output,
@@ -215,6 +215,7 @@ async def asample(request: dict, req: Request):
     from tx.tinker import api
 
     sample = sample_request(request)
+    sample.base_model = served.served(req).loaded(sample.base_model)
     async with _db(req) as session:
         future = await api.asample(sample, req, session)
     ids = [f"{future.request_id}-{i}" for i in range(sample.num_samples)]
@@ -239,6 +240,8 @@ async def get_sampler(sampler_id: str, req: Request):
             if path is None:
                 raise HTTPException(status_code=500, detail=f"Sampler {sampler_id} has no usable model path")
             base_model = (await api.get_model(session, path.primary_id)).base_model
+    # The SDK loads the tokenizer by this name alone: the loaded directory, for any name of the served model.
+    base_model = served.served(req).tokenizer_id(base_model)
     return {"sampler_id": sampler_id, "base_model": base_model, "model_path": sampler.model_path}
 
 
