@@ -93,8 +93,10 @@ def provision(cfg: RunConfig, launcher: Launcher, api_env: dict[str, str] | None
         # engine waits for the tables itself after its imports (adapter point 8). Both use the database;
         # the API alone gets the run's key, which it checks on every request (adapter point 15).
         database = {DATABASE_URL_ENV: db_url}
+        api_env = (env | launch.api_limits_env(cfg) | launch.served_model_env(cfg, cluster.base_model_path)
+                   | (api_env or {}))
         api = launcher.start(cluster, "api", None, launch.api_command(engine_argv, cluster.host, cluster.api_port),
-                             env | launch.api_limits_env(cfg) | launch.served_model_env(cfg, cluster.base_model_path) | (api_env or {}), {"http": cluster.api_port}, "api",
+                             api_env, {"http": cluster.api_port}, "api",
                              secret_env=database | launch.api_key_env(cluster.api_key.get_secret_value()))
         log.info(f"Tinker API server pid {api.pid} on {cluster.base_url}, log {api.log}")
         ports = {"coordinator": cluster.coordinator_port} if cluster.coordinator_port else {}
