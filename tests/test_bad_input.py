@@ -121,6 +121,16 @@ CLI_CASES = {
     "missing local model": (lambda t: ["--base-model", str(t / "no-model")], "no such directory"),
     "invalid fsspec URL": (lambda t: ["--checkpoints", "nosuchproto://bucket/x"], "not a usable fsspec URL"),
     "root not writable": (lambda t: ["--checkpoints", write(t / "a-file", "x") + "/sub"], "cannot write under"),
+    "a conversation on a model without a chat template": (
+        lambda t: ["--dataset", write(t / "chat.jsonl", json.dumps(
+            {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")],
+        "chat.jsonl line 1: a messages row needs a model with a chat template"),
+    "a conversation with no reply": (
+        lambda t: ["--dataset", write(t / "chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]})
+                                      + "\n")], "chat.jsonl line 1: the conversation has no assistant message"),
+    "a missing eval dataset": (lambda t: ["--eval-dataset", str(t / "held.jsonl")], "held.jsonl does not exist"),
+    "an eval dataset on rl": (lambda t: ["--eval-dataset", str(t / "held.jsonl")],
+                              "eval_dataset applies to sft (rl evaluates on the prompts of its dataset)"),
     "reward that cannot be imported": (lambda t: ["--reward", "nowhere_xyz:fn"], "cannot import module"),
     "resume from an incomplete checkpoint": (
         lambda t: ["--resume-from", orbax_state(t / "old", "m1/step-000004.tar.gz", committed=False)],
@@ -159,7 +169,8 @@ def test_bad_input_through_txflow_run_exits_2_within_seconds_with_one_line(case,
     from tests.helpers import txflow_cmd
 
     options, message = CLI_CASES[case]
-    mode = "rl" if case.startswith("reward") or "loss" in case else "custom" if "client" in case else "sft"
+    rl = case.startswith("reward") or "loss" in case or case.endswith("on rl")
+    mode = "rl" if rl else "custom" if "client" in case else "sft"
     home = tmp_path / "empty-prefect-home"
     home.mkdir()
     env = {k: v for k, v in txflow_env.items() if k != "RAY_ADDRESS"} | {"PREFECT_HOME": str(home)}

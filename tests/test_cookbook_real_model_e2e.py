@@ -123,3 +123,35 @@ def test_a_client_that_knows_the_model_by_its_hub_id_or_txflows_name_trains_offl
     refused = next(line for line in log.splitlines() if "refused HuggingFaceTB/SmolLM2-360M-Instruct" in line)
     assert "is not served by this cluster; it serves" in refused and hub_id in refused
     assert alive_pids(state) == []
+
+
+def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model(tmp_path, txflow_env, reaper):
+    """txflow's own SFT on `{"messages": [...]}` rows (a system prompt, a question, the reply) rendered with
+    SmolLM2's chat template, evaluated on a separate `--eval-dataset` of conversations: the held-out loss falls
+    and the report shows the eval rows' questions with both models' answers."""
+    from txflow.training.datasets import bundled_dataset
+
+    arithmetic = [json.loads(line) for line in open(bundled_dataset("sft", SMOLLM2_MODEL))]
+
+    def conversation(row: dict) -> dict:
+        return {"messages": [{"role": "system", "content": "You are a calculator."},
+                             {"role": "user", "content": row["prompt"]},
+                             {"role": "assistant", "content": row["completion"]}], "answer": row["answer"]}
+
+    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train.write_text("".join(json.dumps(conversation(r)) + "\n" for r in arithmetic[:64]))
+    held.write_text("".join(json.dumps(conversation(r)) + "\n" for r in arithmetic[-6:]))
+    state = reaper.watch(tmp_path / "state")
+    result = run_txflow(["run", "sft", "--base-model", SMOLLM2_MODEL, "--run-id", "chat", "--state-dir", str(state),
+                         "--checkpoints", str(tmp_path / "ckpt"), "--dataset", str(train), "--eval-dataset", str(held),
+                         "--steps", "4", "--processes", "1", "--no-export", "--json"], txflow_env, tmp_path,
+                        timeout=1200)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["status"] == "passed" and report["eval_dataset"] == str(held)
+    restore = report["restore"]
+    assert restore["passed"] and restore["eval_loss_gain"] > 0.05
+    # The answers are the held-out conversations' questions, not rows of the training set.
+    assert [a["prompt"] for a in restore["answers"]] == [r["prompt"] for r in arithmetic[-6:]]
+    assert [a["expected"] for a in restore["answers"]] == [r["answer"] for r in arithmetic[-6:]]
+    assert alive_pids(state) == []

@@ -144,6 +144,66 @@ def test_the_chat_rendering_is_transformers_own(smollm2):
             messages, tokenize=False, add_generation_prompt=generation_prompt)
 
 
+CONVERSATION = {"messages": [{"role": "system", "content": "Answer with the number only."},
+                             {"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "4"},
+                             {"role": "user", "content": "And 3 + 3?"}, {"role": "assistant", "content": "6"}]}
+
+
+def test_a_conversation_is_the_chat_templates_tokens_with_loss_on_every_assistant_reply(smollm2):
+    from transformers import AutoTokenizer
+
+    from txflow.config import SMOLLM2_MODEL
+    from txflow.upstream.tiny_model import resolve_base_model
+
+    tokens, weights = sft.encode(CONVERSATION, smollm2, 8192, "test")
+    reference = AutoTokenizer.from_pretrained(resolve_base_model(SMOLLM2_MODEL))
+    rendered = reference.apply_chat_template(CONVERSATION["messages"], tokenize=False)
+    # The template's own text, up to the last reply's end of turn (its trailing newline opens no turn to learn).
+    assert decoded(smollm2, tokens) == rendered[: rendered.rindex("<|im_end|>") + len("<|im_end|>")]
+    trained = [t for t, w in zip(tokens, weights) if w == 1.0]
+    assert decoded(smollm2, trained) == "4<|im_end|>6<|im_end|>"  # each reply through its end of turn
+    assert set(weights) == {0.0, 1.0}
+    runs = [w for i, w in enumerate(weights) if i == 0 or w != weights[i - 1]]
+    assert runs == [0.0, 1.0, 0.0, 1.0]  # system + user, reply, (newline) user, reply
+
+
+def test_a_prompt_completion_row_is_the_two_message_conversation(smollm2):
+    row = {"prompt": "What is 12 + 7?", "completion": "19"}
+    as_messages = {"messages": [{"role": "user", "content": row["prompt"]},
+                                {"role": "assistant", "content": row["completion"]}]}
+    assert sft.encode(row, smollm2, 8192, "test") == sft.encode(as_messages, smollm2, 8192, "test")
+
+
+def test_a_conversation_needs_a_chat_template(tokenizer):
+    with pytest.raises(ValueError, match=r"^c\.jsonl line 2: a messages row needs a model with a chat template"):
+        sft.encode(CONVERSATION, tokenizer, 512, "c.jsonl line 2")
+
+
+@pytest.mark.parametrize(("messages", "says"), [
+    ([], "'messages' must be a non-empty list"),
+    ("hi", "'messages' must be a non-empty list"),
+    ([{"role": "user", "content": "hi"}], "has no assistant message to train on"),
+    ([{"role": "assistant", "content": "hi"}], "opens with an assistant message"),
+    ([{"role": "bot", "content": "hi"}, {"role": "assistant", "content": "x"}], "message 1 must be {\"role\""),
+    ([{"role": "user", "content": 3}, {"role": "assistant", "content": "x"}], "message 1 must be"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "message 2 must be"),
+])
+def test_a_malformed_conversation_names_its_line_and_what_is_wrong(tmp_path, messages, says):
+    url = tmp_path / "conversations.jsonl"
+    url.write_text(json.dumps(CONVERSATION) + "\n" + json.dumps({"messages": messages}) + "\n")
+    with pytest.raises(DatasetError, match=r"conversations\.jsonl line 2: ") as info:
+        load_jsonl(str(url), REQUIRED_KEYS["sft"], messages=True)
+    assert says in str(info.value)
+
+
+def test_conversations_and_prompt_completion_rows_mix_in_one_sft_dataset(tmp_path):
+    url = tmp_path / "mixed.jsonl"
+    url.write_text(json.dumps(CONVERSATION) + "\n" + json.dumps(ROW) + "\n")
+    assert load_jsonl(str(url), REQUIRED_KEYS["sft"], messages=True) == [CONVERSATION, ROW]
+    with pytest.raises(DatasetError, match="line 1: needs a non-empty string field 'prompt'"):
+        load_jsonl(str(url), REQUIRED_KEYS["rl"])  # rl reads prompts only
+
+
 def test_the_tiny_model_has_no_chat_template_and_keeps_its_plain_rendering(tokenizer):
     from txflow.training.tokenizer import chat_template
 
@@ -165,6 +225,27 @@ def test_prepare_holds_out_the_last_tenth_at_least_one(tokenizer, n):
 def test_prepare_of_a_single_row_trains_and_evaluates_on_it(tokenizer):
     data = sft.prepare([ROW], tokenizer, 512, "one.jsonl")
     assert len(data.train) == 1 and data.eval == data.train
+
+
+def test_an_eval_dataset_is_held_out_instead_of_the_last_tenth_and_every_row_trains(tokenizer):
+    held = [{"prompt": "English: ten\nFrench:", "completion": " dix\n", "answer": "dix"}]
+    data = sft.prepare(rows(20), tokenizer, 512, "train.jsonl", held, "eval.jsonl")
+    assert data.train == [sft.encode(r, tokenizer, 512, "") for r in rows(20)]
+    assert data.eval == [sft.encode(held[0], tokenizer, 512, "")] and data.eval_rows == held
+
+
+def test_a_conversations_held_out_row_shows_the_message_its_answers_continue(smollm2):
+    data = sft.prepare([CONVERSATION] * 3, smollm2, 8192, "c.jsonl", [{**CONVERSATION, "answer": "4"}], "e.jsonl")
+    assert data.eval_rows == [{"prompt": "What is 2 + 2?", "answer": "4"}]
+    # The greedy answers continue the conversation up to its first reply (evaluation.prompt_of).
+    from txflow.training.evaluation import prompt_of
+
+    assert decoded(smollm2, prompt_of(data.eval[0])).endswith("What is 2 + 2?<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_prepare_names_the_line_of_an_eval_row_that_is_too_long(tokenizer):
+    with pytest.raises(ValueError, match=r"^eval\.jsonl line 1: "):
+        sft.prepare(rows(5), tokenizer, 512, "ds.jsonl", [{"prompt": "E:", "completion": " deux" * 400}], "eval.jsonl")
 
 
 def test_prepare_names_the_line_of_a_row_that_is_too_long(tokenizer):

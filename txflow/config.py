@@ -220,8 +220,15 @@ class RunConfig(BaseModel, extra="forbid"):
         "environment). Default: SQLite in the run's state directory."
     )
     dataset: str | None = Field(
-        default=None, description="JSONL dataset URL (any fsspec URL). Default: the bundled dataset of the mode: "
-        "the arithmetic task for a real model, toy data for the tiny one."
+        default=None, description="JSONL dataset URL (any fsspec URL: a path, s3://, hf://datasets/...). Rows: "
+        "sft {\"prompt\", \"completion\"} or {\"messages\": [{\"role\", \"content\"}, ...]} (rendered with the "
+        "model's chat template, loss on the assistant replies); rl {\"prompt\"} and what the reward reads. "
+        "Default: the bundled dataset of the mode: the arithmetic task for a real model, toy data for the tiny one."
+    )
+    eval_dataset: str | None = Field(
+        default=None, description="sft: JSONL of held-out rows, in --dataset's formats, that the run evaluates the "
+        "base and the trained model on (loss, answers, accuracy); every row of --dataset then trains. Default: "
+        "the last tenth of --dataset, held out from training."
     )
     steps: int = Field(default=20, description="Optimizer steps.")
     batch_size: int | None = Field(
@@ -332,7 +339,7 @@ class RunConfig(BaseModel, extra="forbid"):
             )
         return value
 
-    @field_validator("dataset", "checkpoints", "resume_from")
+    @field_validator("dataset", "eval_dataset", "checkpoints", "resume_from")
     @classmethod
     def _no_credentials_inside(cls, value: str | None, info) -> str | None:
         # A URL is stored and shown as it is (Prefect keeps flow parameters as given; logs and reports name
@@ -383,6 +390,8 @@ class RunConfig(BaseModel, extra="forbid"):
                              f"rewards minus the group mean, so a group of one has no signal")
         if self.mode == "custom" and not self.client:
             raise ValueError("custom mode needs --client PATH_OR_MODULE: the Tinker client program to run")
+        if self.eval_dataset and self.mode != "sft":
+            raise ValueError(f"eval_dataset applies to sft ({self.mode} evaluates on the prompts of its dataset)")
         if self.mode != "custom" and self.client_python:
             raise ValueError("client_python only applies to custom mode (the interpreter of --client)")
         if self.cluster and self.mode == "custom":

@@ -86,7 +86,7 @@ def register_run_secrets(cfg) -> None:
         register_secret(cfg.api_key.get_secret_value())
     if cfg.database_url is not None:
         register_secret(make_url(cfg.database_url.get_secret_value()).password)
-    for url in (cfg.dataset, cfg.checkpoints, cfg.resume_from):
+    for url in (cfg.dataset, cfg.eval_dataset, cfg.checkpoints, cfg.resume_from):
         try:
             register_secret(urlsplit(url or "").password)
         except ValueError:

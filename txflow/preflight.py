@@ -298,9 +298,11 @@ def _prepare(cfg: RunConfig):
             data = custom.CustomData(command=command, probe=probe.eval)
         else:
             url = cfg.dataset or bundled_dataset(cfg.mode, cfg.base_model)
-            rows = load_jsonl(url, REQUIRED_KEYS[cfg.mode], cfg.plain_storage_options())
+            rows = load_jsonl(url, REQUIRED_KEYS[cfg.mode], cfg.plain_storage_options(), messages=cfg.mode == "sft")
             if cfg.mode == "sft":
-                data = sft.prepare(rows, tokenizer, max_len, url)
+                eval_rows = (load_jsonl(cfg.eval_dataset, REQUIRED_KEYS["sft"], cfg.plain_storage_options(),
+                                        messages=True) if cfg.eval_dataset else None)
+                data = sft.prepare(rows, tokenizer, max_len, url, eval_rows, cfg.eval_dataset or "")
             else:
                 data = rl.prepare(rows, tokenizer, max_len, cfg.max_tokens, url, load_reward(cfg.reward), cfg.reward)
         if cfg.resume_from:

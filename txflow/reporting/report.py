@@ -31,6 +31,8 @@ class RunReport(BaseModel):
     launcher: str
     base_model: str
     dataset: str | None
+    eval_dataset: str | None = Field(default=None, description="The held-out rows' dataset (sft); None: the last "
+                                     "tenth of `dataset`")
     learning_rate: float | None = Field(default=None, description="The Adam learning rate the run trained with "
                                         "(given, or derived from the model)")
     checkpoint_root: str
@@ -99,6 +101,7 @@ def build(cfg: RunConfig, progress: Progress, error: str | None) -> RunReport:
         launcher=cfg.launcher,
         base_model=cfg.base_model,
         dataset=cfg.dataset,
+        eval_dataset=cfg.eval_dataset,
         learning_rate=cfg.learning_rate,
         checkpoint_root=cfg.run_root,
         state_dir=cfg.state_dir,
@@ -197,7 +200,8 @@ def markdown(report: RunReport) -> str:
         f"# txflow run `{report.run_id}`: {report.status}",
         "",
         f"- mode: **{report.mode}**, {report.num_processes} processes, base model `{report.base_model}`",
-        f"- dataset: `{report.dataset or 'bundled'}`",
+        f"- dataset: `{report.dataset or 'bundled'}`"
+        + (f", evaluated on `{report.eval_dataset}`" if report.eval_dataset else ""),
         f"- steps: {len(metrics)}" + (f", learning rate {report.learning_rate:g}" if report.learning_rate else "")
         + (f", resumed from step {report.resumed_from_step}" if report.resumed_from_step else ""),
     ]

@@ -20,45 +20,78 @@ class SFTData:
 
 
 def encode(row: dict, tokenizer, max_len: int, where: str) -> Example:
-    """Prompt then completion (+ EOS); only completion tokens carry loss. A model with a chat template sees
-    the row as a user turn (with the template's generation prompt, weight 0) and the assistant's reply up to
-    and including its end-of-turn token (weight 1), as the tinker-cookbook's renderers weight it."""
-    if chat_template(tokenizer) is None:
-        prompt = tokenizer.encode(row["prompt"], add_special_tokens=False)
-        completion = tokenizer.encode(row["completion"], add_special_tokens=False) + [tokenizer.eos_token_id]
+    """A row's tokens and per-token loss weights.
+
+    A `{"prompt", "completion"}` row is the prompt then the completion (+ EOS); only completion tokens carry
+    loss. With a chat template it is a user turn and the assistant's reply, as a `{"messages"}` row of those
+    two. A `{"messages": [...]}` row (the cookbook's chat recipes' and hosted fine-tuning's format) is rendered
+    with the model's chat template: each assistant reply, up to and including its end-of-turn token, carries
+    loss (weight 1), everything else (system, user, the template's generation prompts) none, as the
+    tinker-cookbook's renderers weight all assistant messages."""
+    if "messages" in row:
+        if chat_template(tokenizer) is None:
+            raise ValueError(f"{where}: a messages row needs a model with a chat template; this one has none "
+                             f"(use prompt/completion rows)")
+        pieces = _chat_pieces(row["messages"], tokenizer, where)
+    elif chat_template(tokenizer) is None:
+        pieces = [(tokenizer.encode(row["prompt"], add_special_tokens=False), 0.0),
+                  (tokenizer.encode(row["completion"], add_special_tokens=False) + [tokenizer.eos_token_id], 1.0)]
     else:
-        prompt, completion = _chat_example(row, tokenizer, where)
-    tokens = prompt + completion
+        pieces = _chat_pieces([{"role": "user", "content": row["prompt"]},
+                               {"role": "assistant", "content": row["completion"]}], tokenizer, where)
+    tokens = [t for ids, _ in pieces for t in ids]
     if len(tokens) > max_len:
         raise ValueError(f"{where}: {len(tokens)} tokens, longer than the model's context of {max_len}")
-    return tokens, [0.0] * len(prompt) + [1.0] * len(completion)
+    return tokens, [w for ids, w in pieces for _ in ids]
 
 
-def _chat_example(row: dict, tokenizer, where: str) -> tuple[list[int], list[int]]:
-    user = [{"role": "user", "content": row["prompt"]}]
-    prompt_text = render_chat(tokenizer, user, add_generation_prompt=True)
-    full_text = render_chat(tokenizer, user + [{"role": "assistant", "content": row["completion"]}],
-                            add_generation_prompt=False)
-    if not full_text.startswith(prompt_text):
-        raise ValueError(f"{where}: the model's chat template renders the reply so that the prompt is not its "
-                         f"prefix; txflow cannot tell prompt tokens from reply tokens with it")
-    prompt = tokenizer.encode(prompt_text, add_special_tokens=False)
-    completion = tokenizer.encode(full_text[len(prompt_text):], add_special_tokens=False)
+def _chat_pieces(messages: list[dict], tokenizer, where: str) -> list[tuple[list[int], float]]:
+    """(tokens, weight) pieces of a conversation rendered with the chat template: the text before each
+    assistant reply (its generation prompt included) at weight 0, the reply through its end-of-turn token at
+    weight 1. What follows an end of turn (ChatML's newline) opens the next turn: not the reply's to learn,
+    and after the last reply not trained at all."""
     eos = tokenizer.eos_token_id
-    if eos in completion:
-        # What follows the end of turn (ChatML's newline) opens the next turn: not the reply's to learn.
-        completion = completion[: len(completion) - completion[::-1].index(eos)]
-    else:
-        completion.append(eos)
-    return prompt, completion
+    eos_text = tokenizer.decode([eos], skip_special_tokens=False) if eos is not None else None
+    pieces, covered = [], ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render_chat(tokenizer, messages[:i], add_generation_prompt=True)
+        after = render_chat(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not (before.startswith(covered) and after.startswith(before)):
+            raise ValueError(f"{where}: the model's chat template renders message {i + 1} so that what precedes "
+                             f"it is not its prefix; txflow cannot tell prompt tokens from reply tokens with it")
+        reply = after[len(before):]
+        end = reply.rfind(eos_text) + len(eos_text) if eos_text and eos_text in reply else None
+        reply_ids = tokenizer.encode(reply[:end] if end else reply, add_special_tokens=False)
+        pieces += [(tokenizer.encode(before[len(covered):], add_special_tokens=False), 0.0),
+                   (reply_ids if end else reply_ids + [eos], 1.0)]
+        covered = before + (reply[:end] if end else reply)
+    return pieces
 
 
-def prepare(rows: list[dict], tokenizer, max_len: int, url: str) -> SFTData:
-    """Tokenize every row; the last tenth is held out for evaluation (`split`)."""
+def prepare(rows: list[dict], tokenizer, max_len: int, url: str, eval_rows: list[dict] | None = None,
+            eval_url: str = "") -> SFTData:
+    """Tokenize every row. Held out for evaluation: `eval_rows` (`--eval-dataset`) when given, else the last
+    tenth of `rows` (`split`)."""
     examples = [encode(row, tokenizer, max_len, f"{url} line {i + 1}") for i, row in enumerate(rows)]
+    if eval_rows is not None:
+        held_out = [encode(row, tokenizer, max_len, f"{eval_url} line {i + 1}") for i, row in enumerate(eval_rows)]
+        return SFTData(train=examples, eval=held_out, eval_rows=[shown(r) for r in eval_rows], tokenizer=tokenizer)
     train, held_out = split(examples)
     held_rows = split(rows)[1] or rows[:1]
-    return SFTData(train=train, eval=held_out or train[:1], eval_rows=held_rows, tokenizer=tokenizer)
+    return SFTData(train=train, eval=held_out or train[:1], eval_rows=[shown(r) for r in held_rows],
+                   tokenizer=tokenizer)
+
+
+def shown(row: dict) -> dict:
+    """A row as the report shows it beside the models' answers: its prompt (of a conversation, the message
+    before the first reply, the one the greedy answers continue) and its expected `answer` if it has one."""
+    if "messages" not in row:
+        return row
+    first_reply = next(i for i, m in enumerate(row["messages"]) if m["role"] == "assistant")
+    prompt = row["messages"][first_reply - 1]["content"] if first_reply else ""
+    return {"prompt": prompt, **({"answer": row["answer"]} if "answer" in row else {})}
 
 
 def split(items: list) -> tuple[list, list]:
