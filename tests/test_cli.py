@@ -310,3 +310,24 @@ def test_runs_lists_each_run_newest_first_with_its_end_and_adapter(capsys, cli_e
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and lines[1].startswith("old") and "3 steps" in lines[1] and "X/old/export/peft" in lines[1]
     assert cli_exit(["runs", str(tmp_path / "nothing")]) == 2
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("30m", 1800), ("8h", 28800), ("2d", 172800), ("90", 90),
+                                               ("1.5h", 5400), ("45s", 45)])
+def test_a_key_lifetime_reads_as_people_write_it(text, seconds):
+    assert cli.duration_s(text) == seconds
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["cluster", "key", "nowhere"], "cluster nowhere is not up; start it with `txflow cluster up nowhere`"),
+    (["cluster", "key", "nowhere", "--ttl", "soon"], "--ttl 'soon': give a duration such as 30m, 8h, 2d"),
+    (["cluster", "key", "nowhere", "--label", "../x"], "--label '../x' must be 1-64 letters"),
+    (["cluster", "keys", "nowhere"], "no cluster named nowhere under"),
+    (["cluster", "keys", "nowhere", "--revoke", "nb"], "no cluster named nowhere under"),
+])
+def test_a_key_for_a_cluster_that_is_not_there_or_a_bad_ttl_or_label_exits_2_in_one_line(
+        capsys, tmp_path, monkeypatch, argv, says):
+    monkeypatch.setenv("TXFLOW_CLUSTERS_DIR", str(tmp_path / "clusters"))
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert says in err and len(err.strip().splitlines()) == 1

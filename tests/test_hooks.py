@@ -88,7 +88,9 @@ def test_the_hook_of_a_run_that_fell_back_to_its_own_cluster_stops_it_and_revoke
     monkeypatch.setenv("TXFLOW_CLUSTERS_DIR", str(tmp_path / "clusters"))
     (tmp_path / "clusters" / "warm").mkdir(parents=True)
     keys = tmp_path / "clusters" / "warm" / "run-keys.json"
-    keys.write_text(json.dumps({"digest-of-its-key": "hooked", "digest-of-another": "neighbour"}))
+    neighbour = {"owner": "neighbour", "kind": "run", "pid": None}
+    keys.write_text(json.dumps({"digest-of-its-key": {"owner": "hooked", "kind": "run"},
+                                "digest-of-another": neighbour}))
     flow_run = FlowRun(id=uuid.uuid4(), flow_id=uuid.uuid4(), name="fell-back-run",
                        parameters={"config": {"mode": "sft", "run_id": "hooked", "state_dir": str(state),
                                               "cluster": "warm", "cluster_fallback": "own"}})
@@ -96,4 +98,4 @@ def test_the_hook_of_a_run_that_fell_back_to_its_own_cluster_stops_it_and_revoke
     with temporary_settings(updates={PREFECT_LOGGING_TO_API_ENABLED: False}):
         _stop_cluster_hook(train_flow, flow_run, Cancelling())
     assert not any(is_alive(r["pid"], r["start_time"]) for r in records)
-    assert json.loads(keys.read_text()) == {"digest-of-another": "neighbour"}
+    assert json.loads(keys.read_text()) == {"digest-of-another": neighbour}

@@ -231,3 +231,32 @@ def test_each_bound_is_refused_in_one_line_naming_its_limit_and_its_flag(tmp_pat
         second_model = a("/api/v1/create_model", {"session_id": session})
         assert second_model.status_code == 429 and "(--api-max-models-per-key)" in second_model.json()["detail"]
         assert as_run(client, CLUSTER_KEY)("/api/v1/create_session").status_code == 200  # the cluster's own key
+
+
+def test_a_runs_key_is_told_what_it_holds_and_nothing_of_anothers(served):
+    """`/api/v1/txflow/owned`: what a run's teardown unloads and a custom run commits on a shared cluster."""
+    client, _ = served
+    session_a, model_a = model_of(client, KEY_A)
+    session_b, model_b = model_of(client, KEY_B)
+    owned = client.get(auth.OWNED_PATH, headers={"X-API-Key": KEY_A})
+    assert owned.status_code == 200 and owned.json() == {"sessions": [session_a], "models": [model_a]}
+    assert client.get(auth.OWNED_PATH, headers={"X-API-Key": KEY_B}).json() == {"sessions": [session_b],
+                                                                                "models": [model_b]}
+    assert client.get(auth.OWNED_PATH, headers={"X-API-Key": KEY_A2}).json() == {"sessions": [], "models": []}
+    assert client.get(auth.OWNED_PATH, headers={"X-API-Key": CLUSTER_KEY}).status_code == 400  # owns everything
+    assert client.get(auth.OWNED_PATH).status_code == 401
+
+
+def test_a_key_given_out_opens_until_it_expires(tmp_path):
+    keys, clock = tmp_path / "run-keys.json", [1000.0]
+    keys.write_text(json.dumps({auth.key_digest("tml-nb"): {"owner": "nb", "kind": "key", "expires": 1060.0},
+                                auth.key_digest("tml-run"): {"owner": "run-a", "kind": "run"},
+                                auth.key_digest("tml-old"): "run-b"}))  # a file of an earlier txflow: no expiry
+    run_keys = auth.RunKeys(keys, clock=lambda: clock[0])
+    assert run_keys.owner(b"tml-nb") == auth.key_digest("tml-nb")
+    clock[0] = 1059.9
+    assert run_keys.owner(b"tml-nb") is not None
+    clock[0] = 1060.0
+    assert run_keys.owner(b"tml-nb") is None  # expired: refused as if revoked
+    assert run_keys.current() == {auth.key_digest("tml-run"), auth.key_digest("tml-old")}
+    assert run_keys.owner(b"tml-unknown") is None

@@ -326,6 +326,86 @@ def test_an_interrupted_sweep_stops_its_runs_and_leaves_the_cluster_serving(shar
     assert log.count("the run's key revoked; the cluster stays up") == 2, log[-3000:]
 
 
+SFT_CLIENT = Path(__file__).parent / "clients" / "sft_client.py"
+
+
+def test_two_custom_runs_and_a_notebook_key_train_side_by_side_each_reaching_only_its_own(shared):
+    """`txflow run custom --cluster` twice at once, each client training and saving with its run's key, each run
+    committing and verifying only its own client's checkpoints; beside them a notebook's process with a key
+    from `txflow cluster key`: it trains, is listed, reaches nothing of the runs', and once revoked gets 401.
+    A second run with an attached run id is refused while the first holds it."""
+    import sys
+
+    work, env = shared["work"], shared["env"]
+    issued = run_txflow(["cluster", "key", NAME, "--label", "nb", "--ttl", "1h"], env, work, timeout=60)
+    assert issued.returncode == 0, issued.stderr
+    exported = dict(line.removeprefix("export ").split("=", 1) for line in issued.stdout.splitlines())
+    assert set(exported) == {"TINKER_BASE_URL", "TINKER_API_KEY"} and exported["TINKER_API_KEY"].startswith("tml-")
+    again = run_txflow(["cluster", "key", NAME, "--label", "nb"], env, work, timeout=60)
+    assert again.returncode == 2 and "has a key labelled nb already" in again.stderr
+
+    def custom(run_id: str, hold_at: str = "") -> subprocess.Popen:
+        holds = work / f"{run_id}-holds"
+        holds.mkdir(exist_ok=True)
+        run_env = env | {"TXFLOW_HOLD_AT": hold_at, "TXFLOW_HOLD_DIR": str(holds)}
+        with open(work / f"{run_id}.log", "w") as log:
+            return subprocess.Popen(txflow_cmd(
+                "run", "custom", "--base-model", "tiny", "--cluster", NAME, "--run-id", run_id, "--client",
+                str(SFT_CLIENT), "--client-arg=--base-url", "--client-arg={base_url}", "--client-arg=--model-name",
+                "--client-arg={base_model}", "--checkpoints", str(work / "ckpt"), "--state-dir", str(work / run_id),
+                "--no-export", "--json"), env=run_env, cwd=work, stdout=subprocess.PIPE, stderr=log, text=True)
+
+    runs = {"custom-a": custom("custom-a", hold_at="evaluate-restore"), "custom-b": custom("custom-b")}
+    try:
+        # The notebook's process: any Tinker client, the exported variables its only configuration.
+        model_path = json.loads((shared["dir"] / "serves.json").read_text())["base_model_path"]
+        notebook = subprocess.run([sys.executable, str(SFT_CLIENT), "--base-url", exported["TINKER_BASE_URL"],
+                                   "--model-name", model_path, "--steps", "2"], env=env | exported,
+                                  capture_output=True, text=True, timeout=600)
+        assert notebook.returncode == 0, notebook.stderr[-3000:]
+        notebook_model = notebook.stdout.split("saved state tinker://")[1].split("/")[0]
+        # Held while attached (its client done, its checkpoints committed): the same run id elsewhere (another
+        # checkpoints root, so no lease stops it first) is refused at attach.
+        wait_for(lambda: (work / "custom-a-holds" / "evaluate-restore.held").exists(), 600, "custom-a held")
+        twin = run_txflow(["run", "custom", "--base-model", "tiny", "--cluster", NAME, "--run-id", "custom-a",
+                           "--client", str(SFT_CLIENT), "--checkpoints", str(work / "ckpt-twin"), "--state-dir",
+                           str(work / "custom-a-twin"), "--no-export"], env, work, timeout=300)
+        (work / "custom-a-holds" / "evaluate-restore.release").touch()
+        reports = {}
+        for run_id, run in runs.items():
+            out, _ = run.communicate(timeout=900)
+            assert run.returncode == 0, (work / f"{run_id}.log").read_text()[-4000:]
+            reports[run_id] = json.loads(out)
+    finally:
+        stop_if_running(*runs.values())
+    assert twin.returncode != 0 and "run id custom-a is attached to cluster shared already" in twin.stderr
+    models = {}
+    for run_id, report in reports.items():
+        assert report["status"] == "passed" and report["restore"]["passed"]
+        committed = {c["tinker_path"] for c in report["checkpoints"]["all"]}
+        client = (work / run_id / "logs" / "client.log").read_text()
+        saved = {line.split("saved ")[1].split()[-1] for line in client.splitlines() if "saved " in line}
+        assert committed == saved  # its client's two checkpoints, nothing of the other run's or the notebook's
+        models[run_id] = {p.removeprefix("tinker://").split("/")[0] for p in committed}
+    assert len(models["custom-a"] | models["custom-b"] | {notebook_model}) == 3
+    listed = run_txflow(["cluster", "keys", NAME, "--json"], env, work, timeout=60)
+    rows = json.loads(listed.stdout)
+    assert [(r["label"], r["kind"], r["expired"]) for r in rows] == [("nb", "key", False)]  # both runs released
+    base, key = exported["TINKER_BASE_URL"], exported["TINKER_API_KEY"]
+    [run_model] = models["custom-a"]
+    assert httpx.post(f"{base}/api/v1/get_info", json={"model_id": run_model, "type": "get_info"},
+                      headers={"X-API-Key": key}, timeout=30).status_code in (401, 403)
+    own = httpx.post(f"{base}/api/v1/get_info", json={"model_id": notebook_model, "type": "get_info"},
+                     headers={"X-API-Key": key}, timeout=30)
+    assert own.status_code == 200
+    revoked = run_txflow(["cluster", "keys", NAME, "--revoke", "nb"], env, work, timeout=60)
+    assert revoked.returncode == 0 and "revoked" in revoked.stderr
+    after = httpx.post(f"{base}/api/v1/get_info", json={"model_id": notebook_model, "type": "get_info"},
+                       headers={"X-API-Key": key}, timeout=30)
+    assert after.status_code == 401
+    assert json.loads(run_txflow(["cluster", "keys", NAME, "--json"], env, work, timeout=60).stdout) == []
+
+
 def test_a_killed_cluster_is_named_and_each_run_retries_where_it_was_told(shared, reaper):
     """The cluster is killed under two attached runs. Each names it within seconds. The one told to fall back
     to a cluster of its own (`--cluster-fallback own`) resumes from its last committed state on a fresh cluster

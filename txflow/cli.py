@@ -200,6 +200,15 @@ def _parser() -> argparse.ArgumentParser:
         sub_action = actions.add_parser(action, help=text)
         sub_action.add_argument("name")
         sub_action.add_argument("--json", action="store_true", default=False)
+    key = actions.add_parser("key", help="a key of its own for a notebook or any Tinker client: prints "
+                             "TINKER_BASE_URL and TINKER_API_KEY to export; it reaches only what it creates")
+    key.add_argument("name")
+    key.add_argument("--label", default="notebook", help="what `txflow cluster keys` lists it as (default: notebook)")
+    key.add_argument("--ttl", default="8h", help="how long it is valid: 30m, 8h, 2d or seconds (default: 8h)")
+    keys = actions.add_parser("keys", help="the keys given out and the runs attached; --revoke LABEL revokes a key")
+    keys.add_argument("name")
+    keys.add_argument("--revoke", metavar="LABEL", help="revoke the key given out as LABEL (401 from its next call)")
+    keys.add_argument("--json", action="store_true", default=False)
     promoted = sub.add_parser("promoted", help="what is promoted under a name, with its figures and history")
     promoted.add_argument("root", help="the checkpoints root the runs promoted into")
     promoted.add_argument("name")
@@ -524,12 +533,54 @@ def sweep_cmd(args) -> int:
     return 0 if not result["failed"] else 1
 
 
+def duration_s(text: str) -> float:
+    """`30m`, `8h`, `2d`, `90s` or plain seconds, in seconds; ValueError in one line otherwise."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*", text)
+    if not match:
+        raise ValueError(f"--ttl {text!r}: give a duration such as 30m, 8h, 2d or a number of seconds")
+    return float(match[1]) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[match[2]]
+
+
+def cluster_keys_cmd(args) -> int:
+    """`txflow cluster key NAME` gives out a key; `txflow cluster keys NAME [--revoke LABEL]` lists or revokes."""
+    from datetime import datetime
+
+    from txflow.cluster import named
+
+    if args.action == "key":
+        key, serves = named.issue_key(args.name, args.label, duration_s(args.ttl))
+        expires = datetime.fromtimestamp(time.time() + duration_s(args.ttl)).isoformat(timespec="minutes")
+        print(f"export TINKER_BASE_URL={serves.base_url}\nexport TINKER_API_KEY={key}")
+        print(f"txflow: key {args.label!r} on cluster {args.name} until {expires}: it reaches only what it creates; "
+              f"base_model {serves.base_model}; revoke it with `txflow cluster keys {args.name} --revoke "
+              f"{args.label}`", file=sys.stderr)
+        return 0
+    if args.revoke:
+        if not named.revoke_key(args.name, args.revoke):
+            print(f"txflow: cluster {args.name} has no key labelled {args.revoke}", file=sys.stderr)
+            return 2
+        print(f"txflow: key {args.revoke!r} revoked on cluster {args.name}", file=sys.stderr)
+        return 0
+    rows = named.list_keys(args.name)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    for row in rows:
+        when = (f"expires {datetime.fromtimestamp(row['expires']).isoformat(timespec='minutes')}"
+                + (" (expired)" if row["expired"] else "") if row["expires"] else "until the run releases it")
+        print(f"{row['kind']:4} {row['label']:24} {when}")
+    return 0
+
+
 def cluster_cmd(args) -> int:
-    """`txflow cluster up|status|down NAME`: 0 when done (status: when healthy), 1 when not, 2 on bad input."""
+    """`txflow cluster up|status|down|key|keys NAME`: 0 when done (status: when healthy), 1 when not, 2 on bad
+    input."""
     from txflow.cluster import named
 
     os.umask(umask.PRIVATE)
     try:
+        if args.action in ("key", "keys"):
+            return cluster_keys_cmd(args)
         if args.action == "status":
             found = named.status(args.name)
             if args.json:

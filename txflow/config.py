@@ -394,9 +394,6 @@ class RunConfig(BaseModel, extra="forbid"):
             raise ValueError(f"eval_dataset applies to sft ({self.mode} evaluates on the prompts of its dataset)")
         if self.mode != "custom" and self.client_python:
             raise ValueError("client_python only applies to custom mode (the interpreter of --client)")
-        if self.cluster and self.mode == "custom":
-            raise ValueError("custom mode cannot attach to a shared cluster (--cluster): its client's checkpoints "
-                             "could not be told apart from other runs' there; run it on a cluster of its own")
         if self.cluster_fallback == "own" and not self.cluster:
             raise ValueError("cluster_fallback own applies to a run attached to a shared cluster (--cluster NAME); "
                              "a run without one always retries on a fresh cluster of its own")

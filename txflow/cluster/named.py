@@ -17,6 +17,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import secrets
 import signal
 import threading
@@ -30,7 +31,7 @@ from pydantic import BaseModel, SecretStr
 from txflow.cluster.handle import ClusterHandle
 from txflow.cluster.launcher import LostProcess
 from txflow.cluster.records import Cluster, ProcessRecord
-from txflow.config import RunConfig, checked_cluster_name
+from txflow.config import RUN_ID_PATTERN, RunConfig, checked_cluster_name
 from txflow.log import get_logger, register_secret
 from txflow.processes import procfs
 from txflow.upstream.skyrl_tx.auth import key_digest
@@ -41,7 +42,8 @@ RUN_KEYS = "run-keys.json"
 # The RunConfig fields that shape a cluster (`txflow cluster up` takes these); the rest belong to runs.
 CLUSTER_FIELDS = ("base_model", "processes", "devices_per_process", "launcher", "ray_address", "ray_cpus_per_rank",
                   "ray_gpus_per_rank", "ray_placement", "host", "mesh", "database_url", "max_lora_rank",
-                  "lora_adapters", "startup_timeout_s", "concurrency_limit")
+                  "lora_adapters", "startup_timeout_s", "concurrency_limit", "api_max_body_mb", "api_max_samples",
+                  "api_max_tokens", "api_max_batch", "api_max_sessions_per_key", "api_max_models_per_key")
 
 
 class AttachFailed(RuntimeError):
@@ -288,7 +290,8 @@ def status(name: str) -> dict:
     out = serves.model_dump(exclude={"sqlite"})
     out["healthy"] = ok
     out["free_slots"] = free_slots(serves, database_url(serves)) if ok and serves.sqlite else None
-    out["attached_runs"] = sorted(set(_read_keys(cluster_dir(name)).values())) if ok else []
+    out["attached_runs"] = sorted({r["owner"] for r in _read_keys(cluster_dir(name)).values()
+                                   if r.get("kind", "run") == "run"}) if ok else []
     return out
 
 
@@ -305,11 +308,19 @@ def _locked_keys(directory: Path):
         _write_private(directory / RUN_KEYS, json.dumps(keys))
 
 
-def _read_keys(directory: Path) -> dict[str, str]:
+def _read_keys(directory: Path) -> dict[str, dict]:
+    """`{digest: record}`: a run's key (`kind` run: `owner` its run id, `pid`/`start` the process that
+    attached) or a key given out (`kind` key: `owner` its label, `expires`); the API reads `expires` too."""
     try:
-        return json.loads((directory / RUN_KEYS).read_text() or "{}")
+        keys = json.loads((directory / RUN_KEYS).read_text() or "{}")
     except (FileNotFoundError, ValueError):
         return {}
+    return {digest: record if isinstance(record, dict) else {"owner": record, "kind": "run"}
+            for digest, record in keys.items()}
+
+
+def _holder_alive(record: dict) -> bool:
+    return record.get("pid") is not None and procfs.is_alive(record["pid"], record.get("start"))
 
 
 def revoke(name: str, run_id: str) -> None:
@@ -318,8 +329,57 @@ def revoke(name: str, run_id: str) -> None:
     if not directory.exists():
         return
     with _locked_keys(directory) as keys:
-        for digest in [d for d, owner in keys.items() if owner == run_id]:
+        for digest in [d for d, r in keys.items() if r.get("kind", "run") == "run" and r["owner"] == run_id]:
             del keys[digest]
+
+
+# --- keys given out: a notebook's, any process's ---------------------------------------------------------
+
+
+def issue_key(name: str, label: str, ttl_s: float) -> tuple[str, Serves]:
+    """A key for `label` on the named cluster, valid `ttl_s` seconds: scoped as a run's is (it reaches only
+    what it creates), revocable (`revoke_key`). Returns the key (shown once; the cluster keeps its digest)."""
+    if not re.fullmatch(RUN_ID_PATTERN, label):  # shown and typed as a name is
+        raise AttachFailed(f"--label {label!r} must be 1-64 letters, digits, '-' or '_'")
+    if ttl_s <= 0:
+        raise AttachFailed(f"--ttl must be positive, got {ttl_s:g} s")
+    serves = load_serves(name)
+    if serves is None or not healthy(serves):
+        raise AttachFailed(f"cluster {name} is not up; start it with `txflow cluster up {name}`")
+    key = "tml-" + secrets.token_hex(16)
+    now = time.time()
+    with _locked_keys(cluster_dir(name)) as keys:
+        for digest, record in list(keys.items()):
+            if record.get("kind") == "key" and record.get("expires", now) <= now:
+                del keys[digest]  # expired: the API refuses it already
+        if any(r.get("kind") == "key" and r["owner"] == label for r in keys.values()):
+            raise AttachFailed(f"cluster {name} has a key labelled {label} already; revoke it first "
+                               f"(`txflow cluster keys {name} --revoke {label}`) or pick another --label")
+        keys[key_digest(key)] = {"owner": label, "kind": "key", "created": now, "expires": now + ttl_s}
+    return key, serves
+
+
+def list_keys(name: str) -> list[dict]:
+    """The keys given out on the named cluster (label, created, expires, expired) and the runs attached."""
+    if load_serves(name) is None:
+        raise AttachFailed(f"no cluster named {name} under {clusters_dir()}")
+    now = time.time()
+    rows = [{"label": r["owner"], "kind": r.get("kind", "run"), "created": r.get("created"),
+             "expires": r.get("expires"), "expired": r.get("expires") is not None and r["expires"] <= now}
+            for r in _read_keys(cluster_dir(name)).values()]
+    return sorted(rows, key=lambda r: (r["kind"], r["label"]))
+
+
+def revoke_key(name: str, label: str) -> bool:
+    """Revoke the key given out as `label`: the API refuses it from its next request (401); its models'
+    adapter slots free when their session's heartbeats stop. False when no such key."""
+    if load_serves(name) is None:
+        raise AttachFailed(f"no cluster named {name} under {clusters_dir()}")
+    with _locked_keys(cluster_dir(name)) as keys:
+        found = [d for d, r in keys.items() if r.get("kind") == "key" and r["owner"] == label]
+        for digest in found:
+            del keys[digest]
+    return bool(found)
 
 
 def attached_config(cfg: RunConfig) -> RunConfig:
@@ -407,7 +467,15 @@ def attach(cfg: RunConfig) -> ClusterHandle:
     register_secret(key)
     cluster.api_key = SecretStr(key)
     with _locked_keys(cluster_dir(cfg.cluster)) as keys:
-        keys[key_digest(key)] = cfg.run_id
+        for digest, record in list(keys.items()):
+            if record.get("kind", "run") != "run" or record["owner"] != cfg.run_id:
+                continue
+            if record.get("pid") != os.getpid() and _holder_alive(record):
+                raise AttachFailed(f"run id {cfg.run_id} is attached to cluster {cfg.cluster} already (pid "
+                                   f"{record['pid']}); give this run another --run-id")
+            del keys[digest]  # this process's earlier attach, or a run that died without releasing
+        keys[key_digest(key)] = {"owner": cfg.run_id, "kind": "run", "pid": os.getpid(),
+                                 "start": procfs.start_time(os.getpid()), "created": time.time()}
     handle = ClusterHandle.watch(cluster, _Watch(serves, get_launcher(cluster=cluster)))
     handle.compiles.skip_past()
     handle.shared, handle.release = cfg.cluster, release
@@ -441,11 +509,27 @@ def verify(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
     return handle
 
 
+def owned(handle: ClusterHandle) -> dict[str, list[str]]:
+    """What the run's key holds on the shared cluster, as its API recorded it: `sessions` and `models`, its
+    own clients' and those of a custom client it started with that key."""
+    from txflow.upstream.skyrl_tx.auth import OWNED_PATH
+
+    response = httpx.get(f"{handle.cluster.base_url}{OWNED_PATH}",
+                         headers={"X-API-Key": handle.cluster.api_key.get_secret_value()}, timeout=10)
+    response.raise_for_status()
+    return response.json()
+
+
 def release(handle: ClusterHandle, db_url: str | None = None) -> list[ProcessRecord]:
     """Teardown of an attached run: unload its models, drop their staging, revoke its key; the cluster stays."""
     log = get_logger()
     name = handle.shared
-    sessions = list(handle.sessions)
+    sessions = set(handle.sessions)
+    try:  # a custom client's sessions too: it used the run's key, not txflow's clients
+        sessions |= set(owned(handle)["sessions"])
+    except (httpx.HTTPError, ValueError, KeyError) as exc:  # a dead cluster: its adapters went with it
+        log.warning(f"cluster {name}: could not list what the run's key holds ({exc})")
+    sessions = sorted(sessions)
     handle.close_clients()
     handle.monitor.stop()
     if handle.waiters is not None:

@@ -9,6 +9,7 @@ from pathlib import Path
 from txflow.checkpoints import storage
 from txflow.checkpoints.discovery import discover
 from txflow.checkpoints.names import checkpoint_name
+from txflow.cluster import named
 from txflow.cluster.handle import ClusterHandle
 from txflow.config import RunConfig
 from txflow.log import get_logger
@@ -23,9 +24,13 @@ def save_client_checkpoints(cfg: RunConfig, handle: ClusterHandle) -> Saved:
     attempt's: the staging directory is emptied for every cluster)."""
     checkpoints = []
     base = handle.cluster.checkpoints_base
+    # On a shared cluster the staging holds every run's saves: only the models the run's key created are its.
+    mine = set(named.owned(handle)["models"]) if handle.shared else None
     for artifact in discover(base):
         path = layout.tinker_path_for(artifact.path)
         if artifact.kind not in ("state", "sampler") or not path or layout.is_ephemeral_sampler(artifact.path):
+            continue
+        if mine is not None and layout.parse_tinker_path(path)[0] not in mine:
             continue
         if not artifact.complete:  # a save the client did not finish (staging is fresh for every attempt)
             get_logger().warning(f"not committing {path}: {artifact.reason}")

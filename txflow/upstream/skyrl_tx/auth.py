@@ -133,21 +133,21 @@ def key_digest(key: str | bytes) -> str:
 
 
 class RunKeys:
-    """The run-keys file (`{sha256 of key: run id}`), read again whenever its modification time or size
-    changes; a missing or unreadable file lets no run key in."""
+    """The run-keys file (`{sha256 of key: {"owner": ..., "expires": unix time or null, ...}}`), read again
+    whenever its modification time or size changes; a missing or unreadable file lets no run key in, and a key
+    past its `expires` is refused as if revoked."""
 
-    def __init__(self, path: str | Path):
-        self.path, self._seen, self._owners = Path(path), None, {}
+    def __init__(self, path: str | Path, clock=time.time):
+        self.path, self._seen, self._owners, self._clock = Path(path), None, {}, clock
 
     def owner(self, key: bytes) -> str | None:
         """The key's owner: its digest (one attach of one run; a second attach of the same run id is another
         owner), or None when no attached run holds it."""
-        self.current()
         digest = key_digest(key)
-        return digest if digest in self._owners else None
+        return digest if digest in self.current() else None
 
     def current(self) -> set[str]:
-        """The digests the file holds now (read again when it changed)."""
+        """The digests the file holds now (read again when it changed) that have not expired."""
         try:
             st = os.stat(self.path)
             seen = (st.st_mtime_ns, st.st_size, st.st_ino)
@@ -155,9 +155,14 @@ class RunKeys:
                 self._owners, self._seen = json.loads(self.path.read_text() or "{}"), seen
         except (OSError, ValueError):
             self._owners, self._seen = {}, None
-        return set(self._owners)
+        now = self._clock()
+        return {digest for digest, record in self._owners.items()
+                if not (isinstance(record, dict) and isinstance(record.get("expires"), int | float)
+                        and now >= record["expires"])}
 
 
+# txflow's own route, answered by the key check: the sessions and models the presented run key owns.
+OWNED_PATH = "/api/v1/txflow/owned"
 # What a run's key may call without naming anything it owns: nothing there touches another run's work.
 UNSCOPED = frozenset({"/api/v1/create_session", "/api/v1/get_server_capabilities", "/api/v1/telemetry",
                       "/api/v1/client/config"})
@@ -296,6 +301,19 @@ class Owners:
             if isinstance(answer.get(key), str | int):
                 self.futures.setdefault(str(answer[key]), owner)
 
+    async def owned(self, app, owner: str) -> dict[str, list[str]]:
+        """The sessions `owner` created and the models in them (those it created, however it created them)."""
+        from sqlalchemy import bindparam, text
+
+        sessions = sorted(s for s, o in self.sessions.items() if o == owner)
+        models = {m for m, o in self.models.items() if o == owner}
+        if sessions:
+            query = text("SELECT model_id FROM models WHERE session_id IN :ids").bindparams(
+                bindparam("ids", expanding=True))
+            async with app.state.db_engine.connect() as conn:
+                models |= {row[0] for row in (await conn.execute(query, {"ids": sessions})).all()}
+        return {"sessions": sessions, "models": sorted(models)}
+
     def forget_all_but(self, owners: set[str]) -> None:
         """Forget what keys no longer in the run-keys file (released, revoked) created."""
         self.sessions = {k: v for k, v in self.sessions.items() if v in owners}
@@ -331,6 +349,11 @@ class KeyCheck:
             self.owners.forget_all_but(self._run_keys.current())
         else:
             return await _refuse(send, 401, REFUSED)
+        if scope["path"] == OWNED_PATH:  # what a run's own key holds: what its teardown frees and commits
+            if owner is None:
+                return await _refuse(send, 400, json.dumps({"detail": "the cluster's own key is not scoped: it "
+                                                                      "owns everything"}).encode())
+            return await _answer(send, 200, await self.owners.owned(scope.get("app") or self.app, owner))
         raw = await self._body(receive)
         if raw is None:
             return await _refuse(send, 413, json.dumps({"detail": f"the request body is above this cluster's limit "
@@ -411,6 +434,10 @@ def _replaying(raw: bytes, receive):
         return await receive()
 
     return replay
+
+
+async def _answer(send, status: int, answer: dict) -> None:
+    await _refuse(send, status, json.dumps(answer).encode())
 
 
 async def _refuse(send, status: int, body: bytes) -> None:
