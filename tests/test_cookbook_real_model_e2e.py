@@ -1,28 +1,78 @@
-"""The tinker-cookbook's recipes on a real chat model (issue 31 item 9): `chat_sl` and `math_rl` (arithmetic)
-unchanged on SmolLM2-135M-Instruct, with the cookbook renderer that writes SmolLM2's ChatML chat template. They do
-not train yet: see TIED_HEAD_REFUSED.
-
-Each refused run starts a real-model cluster (one process) and ends at the recipe's first call: 35-45 s here. The
-recipes' tiny-model runs, which train, are in tests/test_sdk_matrix_e2e.py."""
+"""Tinker clients on the real chat model, SmolLM2-135M-Instruct, all on one warm cluster of it (`txflow cluster up`,
+one process) with a key from `txflow cluster key`, as a user's notebook would hold one:
+- the tinker-cookbook's recipes `chat_sl` and `math_rl` (arithmetic), unchanged, with the cookbook renderer that
+  writes SmolLM2's ChatML chat template. They do not train yet: see TIED_HEAD_REFUSED. (Their tiny-model runs,
+  which train, are in tests/test_sdk_matrix_e2e.py.)
+- a client written for another Tinker server, knowing the model by its hub id or txflow's name, offline;
+- txflow's own SFT on conversations with an eval dataset, attached to the cluster (`--cluster`).
+One cluster instead of one per test: each started cluster cost 25-45 s here."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import alive_pids, run_txflow
+from tests.helpers import alive_pids, new_prefect_home, run_txflow, txflow_cmd
 from tests.sdk_envs import sdk_env
-from tests.test_sdk_matrix_e2e import COOKBOOK_ENV, COOKBOOK_STEPS, client_lines, run_cookbook
+from tests.test_sdk_matrix_e2e import COOKBOOK_ENV, COOKBOOK_STEPS
 from txflow.config import NAMED_MODELS, SMOLLM2_MODEL
 from txflow.processes.ports import free_port
 
 CLIENTS = Path(__file__).parent / "clients"
+NAME = "smollm2"
 
-pytestmark = [pytest.mark.e2e, pytest.mark.heavy(1)]
+pytestmark = [pytest.mark.e2e, pytest.mark.together, pytest.mark.heavy(1)]
+
+
+@pytest.fixture(scope="module")
+def warm(tmp_path_factory, prefect_db):
+    """A warm SmolLM2 cluster and a key of its own for the clients (what `eval "$(txflow cluster key ...)"`
+    exports), offline: Hugging Face reads only local files, and https goes to a closed port on loopback."""
+    from txflow.cluster.launchers import stop_cluster
+
+    work = tmp_path_factory.mktemp("smollm2")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(PREFECT_HOME=str(new_prefect_home(work / "prefect-home", prefect_db)), DO_NOT_TRACK="1",
+               TINKER_TELEMETRY="0", PREFECT_SERVER_ANALYTICS_ENABLED="false", PYTHONUNBUFFERED="1",
+               TXFLOW_CLUSTERS_DIR=str(work / "clusters"), HF_HUB_OFFLINE="1",
+               https_proxy=f"http://127.0.0.1:{free_port()}", no_proxy="127.0.0.1,localhost")
+    log = work / "up.log"
+    holder = subprocess.Popen(txflow_cmd("cluster", "up", NAME, "--base-model", SMOLLM2_MODEL, "--processes", "1",
+                                         "--lora-adapters", "8"), env=env, cwd=work, stdout=subprocess.DEVNULL,
+                              stderr=open(log, "w"))
+    try:
+        serves_file = work / "clusters" / NAME / "serves.json"
+        deadline = time.monotonic() + 600
+        while not (serves_file.exists() and json.loads(serves_file.read_text())["state"] == "up"):
+            assert holder.poll() is None, f"cluster up exited {holder.returncode}: {log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"cluster not up in 600 s: {log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        issued = run_txflow(["cluster", "key", NAME, "--label", "clients", "--ttl", "2h"], env, work, timeout=60)
+        assert issued.returncode == 0, issued.stderr
+        exported = dict(line.removeprefix("export ").split("=", 1) for line in issued.stdout.splitlines())
+        yield {"env": env, "work": work, "exported": exported, "serves": json.loads(serves_file.read_text())}
+    finally:
+        run_txflow(["cluster", "down", NAME], env, work, timeout=60)
+        if holder.poll() is None:
+            holder.kill()
+        holder.wait(timeout=30)
+        stop_cluster(work / "clusters" / NAME, grace_s=1.0)
+    assert alive_pids(work / "clusters" / NAME) == []
+
+
+def run_client(warm, name: str, command: list[str], timeout: int = 600) -> subprocess.CompletedProcess:
+    """A client process with the warm cluster's exported key and URL; its output in `<work>/<name>.log`."""
+    done = subprocess.run(command, env=warm["env"] | warm["exported"], cwd=warm["work"], capture_output=True,
+                          text=True, timeout=timeout)
+    (warm["work"] / f"{name}.log").write_text(done.stdout + done.stderr)
+    return done
+
 
 # SmolLM2's template is ChatML (`<|im_start|>role\\ncontent<|im_end|>\\n`) with a default system prompt when a
 # conversation has none; the cookbook's `qwen3_instruct` renderer writes the same ChatML, without a default
@@ -77,58 +127,52 @@ def test_the_renderer_writes_smollm2s_chat_template():
 TIED_HEAD_REFUSED = "train_unembed=True cannot be trained on .*tie_word_embeddings"
 
 
-def test_the_cookbook_supervised_trainer_on_smollm2_is_refused_at_its_tied_head(tmp_path, txflow_env, reaper):
-    data = tmp_path / "conversations.jsonl"
+def run_recipe(warm, name: str, module: str, *options: str) -> subprocess.CompletedProcess:
+    python = sdk_env("0.38.0", COOKBOOK_STEPS, name=COOKBOOK_ENV) / "bin" / "python"
+    return run_client(warm, name, [str(python), "-m", module, f"base_url={warm['exported']['TINKER_BASE_URL']}",
+                                   f"model_name={warm['serves']['base_model_path']}", f"renderer_name={RENDERER}",
+                                   f"log_path={warm['work'] / name}", *options])
+
+
+def test_the_cookbook_supervised_trainer_on_smollm2_is_refused_at_its_tied_head(warm):
+    data = warm["work"] / "conversations.jsonl"
     data.write_text("".join(json.dumps({"messages": [SYSTEM, {"role": "user", "content": q},
                                                      {"role": "assistant", "content": a}]}) + "\n"
                             for q, a in CONVERSATIONS))
-    with pytest.raises(AssertionError, match=TIED_HEAD_REFUSED):
-        run_cookbook(tmp_path, txflow_env, reaper, "cookbook-sl-smollm2", "tinker_cookbook.recipes.chat_sl.train",
-                     f"dataset={data}", "batch_size=2", "max_length=128", "lora_rank=8", "learning_rate=0.0005",
-                     base_model=SMOLLM2_MODEL, renderer=RENDERER)
+    done = run_recipe(warm, "cookbook-sl", "tinker_cookbook.recipes.chat_sl.train", f"dataset={data}", "batch_size=2",
+                      "max_length=128", "lora_rank=8", "learning_rate=0.0005")
+    assert done.returncode != 0 and re.search(TIED_HEAD_REFUSED, done.stdout + done.stderr), done.stderr[-3000:]
 
 
-def test_the_cookbook_rl_recipe_on_smollm2_is_refused_at_its_tied_head(tmp_path, txflow_env, reaper):
-    with pytest.raises(AssertionError, match=TIED_HEAD_REFUSED):
-        run_cookbook(tmp_path, txflow_env, reaper, "cookbook-rl-smollm2", "tinker_cookbook.recipes.math_rl.train",
-                     "env=arithmetic", "loss_fn=cispo", "groups_per_batch=4", "group_size=4", "max_tokens=5",
-                     "max_steps=3", "lora_rank=8", "learning_rate=0.0001", "eval_every=0",
-                     base_model=SMOLLM2_MODEL, renderer=RENDERER)
+def test_the_cookbook_rl_recipe_on_smollm2_is_refused_at_its_tied_head(warm):
+    done = run_recipe(warm, "cookbook-rl", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", "loss_fn=cispo",
+                      "groups_per_batch=4", "group_size=4", "max_tokens=5", "max_steps=3", "lora_rank=8",
+                      "learning_rate=0.0001", "eval_every=0")
+    assert done.returncode != 0 and re.search(TIED_HEAD_REFUSED, done.stdout + done.stderr), done.stderr[-3000:]
 
 
-def test_a_client_that_knows_the_model_by_its_hub_id_or_txflows_name_trains_offline(tmp_path, txflow_env, reaper):
+def test_a_client_that_knows_the_model_by_its_hub_id_or_txflows_name_trains_offline(warm):
     """A client written for another Tinker server checks the served names, trains with each name of SmolLM2 and
-    loads its tokenizer through the SDK (training and sampling clients) with no network; another model is
-    refused in one line. The run verifies the adapter it saved (restore check; no export: the nightly proves
-    SmolLM2's)."""
-    python = sdk_env("0.38.0") / "bin" / "python"
+    loads its tokenizer through the SDK (training client, and a sampler of its saved weights) with no network;
+    another model is refused in one line."""
     hub_id = NAMED_MODELS[SMOLLM2_MODEL].hf_id
-    env = {**txflow_env, "HF_HUB_OFFLINE": "1", "https_proxy": f"http://127.0.0.1:{free_port()}",
-           "no_proxy": "127.0.0.1,localhost"}
-    state = reaper.watch(tmp_path / "state")
-    result = run_txflow(["run", "custom", "--base-model", SMOLLM2_MODEL, "--run-id", "names", "--state-dir",
-                         str(state), "--checkpoints", str(tmp_path / "ckpt"), "--client",
-                         str(CLIENTS / "names_client.py"), "--client-python", str(python), "--processes", "1",
-                         f"--client-arg={hub_id}", f"--client-arg={SMOLLM2_MODEL}", "--no-export", "--json"],
-                        env, tmp_path, timeout=1200)
-    log = "\n".join(client_lines(state)) if (state / "logs" / "client.log").exists() else ""
-    assert result.returncode == 0, result.stderr[-3000:] + "\n--- client.log ---\n" + log[-3000:]
-    report = json.loads(result.stdout)
-    assert report["status"] == "passed" and report["restore"]["passed"]
-    served = next(line for line in log.splitlines() if "served [" in line)
-    assert f"'{hub_id}', '{SMOLLM2_MODEL}'" in served  # the hub id first: the most portable name
+    done = run_client(warm, "names", [str(sdk_env("0.38.0") / "bin" / "python"), str(CLIENTS / "names_client.py"),
+                                      hub_id, SMOLLM2_MODEL])
+    log = done.stdout + done.stderr
+    assert done.returncode == 0, log[-3000:]
+    served = next(line for line in log.splitlines() if line.startswith("served ["))
+    assert f"['{hub_id}', '{SMOLLM2_MODEL}', " in served  # the hub id first: the most portable name
     # Each name trained, and get_info answers with the name the client passed.
     assert f"trained {hub_id}: get_info names {hub_id}, loss" in log
     assert f"trained {SMOLLM2_MODEL}: get_info names {SMOLLM2_MODEL}, loss" in log
-    refused = next(line for line in log.splitlines() if "refused HuggingFaceTB/SmolLM2-360M-Instruct" in line)
+    refused = next(line for line in log.splitlines() if line.startswith("refused HuggingFaceTB/SmolLM2-360M"))
     assert "is not served by this cluster; it serves" in refused and hub_id in refused
-    assert alive_pids(state) == []
 
 
-def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model(tmp_path, txflow_env, reaper):
+def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model(tmp_path, warm, reaper):
     """txflow's own SFT on `{"messages": [...]}` rows (a system prompt, a question, the reply) rendered with
-    SmolLM2's chat template, evaluated on a separate `--eval-dataset` of conversations: the held-out loss falls
-    and the report shows the eval rows' questions with both models' answers."""
+    SmolLM2's chat template, evaluated on a separate `--eval-dataset` of conversations, attached to the warm
+    cluster: the held-out loss falls and the report shows the eval rows' questions with both models' answers."""
     from txflow.training.datasets import bundled_dataset
 
     arithmetic = [json.loads(line) for line in open(bundled_dataset("sft", SMOLLM2_MODEL))]
@@ -144,7 +188,7 @@ def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model(tmp_pat
     state = reaper.watch(tmp_path / "state")
     result = run_txflow(["run", "sft", "--base-model", SMOLLM2_MODEL, "--run-id", "chat", "--state-dir", str(state),
                          "--checkpoints", str(tmp_path / "ckpt"), "--dataset", str(train), "--eval-dataset", str(held),
-                         "--steps", "4", "--processes", "1", "--no-export", "--json"], txflow_env, tmp_path,
+                         "--steps", "4", "--cluster", NAME, "--no-export", "--json"], warm["env"], tmp_path,
                         timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
@@ -154,4 +198,4 @@ def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model(tmp_pat
     # The answers are the held-out conversations' questions, not rows of the training set.
     assert [a["prompt"] for a in restore["answers"]] == [r["prompt"] for r in arithmetic[-6:]]
     assert [a["expected"] for a in restore["answers"]] == [r["answer"] for r in arithmetic[-6:]]
-    assert alive_pids(state) == []
+    assert report["cluster"]["ranks"] == []  # attached: it started and stopped nothing (the fixture checks the rest)
