@@ -1,8 +1,8 @@
 """Tinker clients on the real chat model, SmolLM2-135M-Instruct, all on one warm cluster of it (`txflow cluster up`,
 one process) with a key from `txflow cluster key`, as a user's notebook would hold one:
-- the tinker-cookbook's recipes `chat_sl` and `math_rl` (arithmetic), unchanged, with the cookbook renderer that
-  writes SmolLM2's ChatML chat template. They do not train yet: see TIED_HEAD_REFUSED. (Their tiny-model runs,
-  which train, are in tests/test_sdk_matrix_e2e.py.)
+- the tinker-cookbook's recipes `chat_sl` and `math_rl` (arithmetic), unchanged and with the SDK's LoRA defaults
+  (the unembedding of a tied model included), through `txflow run custom --cluster`, with the cookbook renderer
+  that writes SmolLM2's ChatML chat template (their tiny-model runs: tests/test_sdk_matrix_e2e.py);
 - a client written for another Tinker server, knowing the model by its hub id or txflow's name, offline;
 - txflow's own SFT on conversations with an eval dataset, attached to the cluster (`--cluster`).
 One cluster instead of one per test: each started cluster cost 25-45 s here."""
@@ -10,8 +10,8 @@ One cluster instead of one per test: each started cluster cost 25-45 s here."""
 from __future__ import annotations
 
 import json
+import math
 import os
-import re
 import subprocess
 import time
 from pathlib import Path
@@ -120,35 +120,56 @@ def test_the_renderer_writes_smollm2s_chat_template():
     assert got["stop"] == [got["im_end"]]
 
 
-# The recipes never pass the LoRA flags, so they ask for the SDK's default train_unembed=True; SmolLM2 ties its head
-# to its embedding and SkyRL-tx 0.3.0 trains no LoRA on a tied head (adapter point 13: refused in one line rather
-# than trained without it). Until a tied head trains (upstream) or the lead decides how txflow answers this, both
-# recipes stop at their first call with that line; these tests hold them to it.
-TIED_HEAD_REFUSED = "train_unembed=True cannot be trained on .*tie_word_embeddings"
+# The recipes never pass the LoRA flags, so they ask for the SDK's default train_unembed=True on a model that ties
+# its head to its embedding: SkyRL-tx 0.3.0 refuses that; txflow trains the shared matrix's LoRA (adapter point 26).
 
 
-def run_recipe(warm, name: str, module: str, *options: str) -> subprocess.CompletedProcess:
+def run_recipe(warm, run_id: str, module: str, *options: str) -> tuple[dict, str, Path]:
+    """`txflow run custom --cluster` with a cookbook recipe, unchanged, in the cookbook's environment, attached to
+    the warm SmolLM2 cluster: (the report, the client's log, its log_path)."""
     python = sdk_env("0.38.0", COOKBOOK_STEPS, name=COOKBOOK_ENV) / "bin" / "python"
-    return run_client(warm, name, [str(python), "-m", module, f"base_url={warm['exported']['TINKER_BASE_URL']}",
-                                   f"model_name={warm['serves']['base_model_path']}", f"renderer_name={RENDERER}",
-                                   f"log_path={warm['work'] / name}", *options])
+    work = warm["work"]
+    log_path = work / f"{run_id}-log"
+    result = run_txflow(["run", "custom", "--base-model", SMOLLM2_MODEL, "--cluster", NAME, "--run-id", run_id,
+                         "--state-dir", str(work / run_id), "--checkpoints", str(work / "ckpt"), "--client", module,
+                         "--client-python", str(python), "--client-arg=base_url={base_url}",
+                         "--client-arg=model_name={base_model}", f"--client-arg=renderer_name={RENDERER}",
+                         f"--client-arg=log_path={log_path}", *[f"--client-arg={option}" for option in options],
+                         "--json"], warm["env"], work, timeout=1500)
+    client_log = work / run_id / "logs" / "client.log"
+    log = client_log.read_text() if client_log.exists() else ""
+    assert result.returncode == 0, result.stderr[-3000:] + "\n--- client.log ---\n" + log[-3000:]
+    report = json.loads(result.stdout)
+    # Every checkpoint the recipe saved, committed and verified; the last sampler exported and proven against
+    # SkyRL-tx's own float32 forward, the unembedding (the tied matrix's LoRA, at both ends) included.
+    assert report["status"] == "passed" and report["restore"]["passed"]
+    assert all(check["passed"] for check in report["restore"]["checks"])
+    export = report["export"]
+    assert export["passed"] and export["greedy_tokens_match"]
+    assert export["max_abs_logprob_diff"] <= export["logprob_bound"]
+    assert {"embed_tokens", "lm_head"} <= set(export["target_modules"])
+    return report, log, log_path
 
 
-def test_the_cookbook_supervised_trainer_on_smollm2_is_refused_at_its_tied_head(warm):
+def test_the_cookbook_supervised_trainer_trains_smollm2_with_its_defaults(warm):
     data = warm["work"] / "conversations.jsonl"
     data.write_text("".join(json.dumps({"messages": [SYSTEM, {"role": "user", "content": q},
                                                      {"role": "assistant", "content": a}]}) + "\n"
                             for q, a in CONVERSATIONS))
-    done = run_recipe(warm, "cookbook-sl", "tinker_cookbook.recipes.chat_sl.train", f"dataset={data}", "batch_size=2",
-                      "max_length=128", "lora_rank=8", "learning_rate=0.0005")
-    assert done.returncode != 0 and re.search(TIED_HEAD_REFUSED, done.stdout + done.stderr), done.stderr[-3000:]
+    _, log, log_path = run_recipe(warm, "cookbook-sl", "tinker_cookbook.recipes.chat_sl.train", f"dataset={data}",
+                                  "batch_size=2", "max_length=128", "lora_rank=8", "learning_rate=0.0005")
+    assert "Training completed successfully" in log
+    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [0, 1] and all(math.isfinite(m["train_mean_nll"]) for m in metrics)
 
 
-def test_the_cookbook_rl_recipe_on_smollm2_is_refused_at_its_tied_head(warm):
-    done = run_recipe(warm, "cookbook-rl", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", "loss_fn=cispo",
-                      "groups_per_batch=4", "group_size=4", "max_tokens=5", "max_steps=3", "lora_rank=8",
-                      "learning_rate=0.0001", "eval_every=0")
-    assert done.returncode != 0 and re.search(TIED_HEAD_REFUSED, done.stdout + done.stderr), done.stderr[-3000:]
+def test_the_cookbook_rl_recipe_trains_smollm2_with_its_defaults(warm):
+    _, _, log_path = run_recipe(warm, "cookbook-rl", "tinker_cookbook.recipes.math_rl.train", "env=arithmetic",
+                                "loss_fn=cispo", "groups_per_batch=4", "group_size=4", "max_tokens=5", "max_steps=3",
+                                "lora_rank=8", "learning_rate=0.0001", "eval_every=0")
+    metrics = [json.loads(line) for line in (log_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [m for m in metrics if "env/all/reward/total" in m]
+    assert len(steps) == 3 and all(math.isfinite(m["env/all/reward/total"]) for m in steps), metrics
 
 
 def test_a_client_that_knows_the_model_by_its_hub_id_or_txflows_name_trains_offline(warm):

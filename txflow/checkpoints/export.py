@@ -139,11 +139,16 @@ def extract_sampler(tarball: Path, into: Path) -> Path:
     return into
 
 
-def peft_adapter(sampler_dir: Path, out: Path, base_model: str) -> dict:
+def peft_adapter(sampler_dir: Path, out: Path, base_model: str, tied: bool = False) -> dict:
     """Write the PEFT adapter of the sampler checkpoint unpacked in `sampler_dir` into `out`; returns its
     adapter_config. Linear LoRA weights are already in PEFT's orientation, (r, in) and (out, r); SkyRL's
     embedding LoRA is (vocab, r) and (r, hidden), PEFT's is `lora_embedding_A` (r, vocab) and
-    `lora_embedding_B` (hidden, r)."""
+    `lora_embedding_B` (hidden, r).
+
+    `tied`: the base model ties its output head to its embedding, and the cluster applied the embedding's LoRA
+    at both ends (the head's logits h (E + s A B)^T). PEFT applies an embedding's LoRA to the lookup only, so
+    the head gets the same product as a LoRA of its own: `lm_head.lora_A` is B (r, hidden), `lora_B` is A
+    (vocab, r). A merge adds that shared delta once (`export.proof.merge`)."""
     from safetensors.torch import load_file, save_file
 
     upstream = json.loads((sampler_dir / "adapter_config.json").read_text())
@@ -159,6 +164,9 @@ def peft_adapter(sampler_dir: Path, out: Path, base_model: str) -> dict:
         modules.add(leaf)
         if leaf == "embed_tokens":
             converted[f"base_model.model.{module}.lora_embedding_{which}"] = value.T.contiguous()
+            if tied:
+                converted[f"base_model.model.lm_head.lora_{'B' if which == 'A' else 'A'}.weight"] = value.contiguous()
+                modules.add("lm_head")
         else:
             if (value.shape[0] if which == "A" else value.shape[1]) != rank:
                 raise ExportError(f"{key} has shape {list(value.shape)}, not of rank {rank}")
@@ -207,6 +215,12 @@ def serving_notes(config: dict, base_model: str, base_model_path: str) -> list[s
         notes.append(f"the base model is a local path only ({base_model}): vLLM and SGLang do not read it from "
                      f"the adapter; serve the same weights from that path or a copy of it.")
     return notes
+
+
+def ties_embeddings(base_model_path: str) -> bool:
+    """Whether the base model's config.json ties its output head to its input embedding."""
+    config = Path(base_model_path) / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
 
 
 def compute_dtype(base_model_path: str) -> str:

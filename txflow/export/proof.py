@@ -94,9 +94,13 @@ def merge(peft_model, base_model_path: str, out: Path, config: dict) -> None:
     from transformers import AutoTokenizer
 
     if peft_model.config.tie_word_embeddings and {"embed_tokens", "lm_head"} & set(config["target_modules"]):
-        # Merging into a tied matrix would change the embeddings and the output head at once.
-        raise ExportError("the base model ties its embeddings to its output head, and the adapter trains one of "
-                          "them: a merged model cannot keep both; export the PEFT adapter only")
+        if set(config["target_modules"]) & {"embed_tokens", "lm_head"} != {"embed_tokens", "lm_head"}:
+            raise ExportError("the base model ties its embeddings to its output head, and the adapter trains one of "
+                              "them alone: a merged model cannot keep both; export the PEFT adapter only")
+        # One matrix, one delta (`peft_adapter`'s `tied`): merged through the embedding, which the head shares;
+        # merging the head's copy of it as well would add it twice.
+        inner = peft_model.base_model.model
+        inner.lm_head = inner.lm_head.get_base_layer()
     merged = peft_model.merge_and_unload()
     merged.save_pretrained(str(out), safe_serialization=True)
     AutoTokenizer.from_pretrained(base_model_path).save_pretrained(str(out))

@@ -24,6 +24,7 @@ from txflow.checkpoints.export import (
     peft_adapter,
     prepare_destination,
     serving_notes,
+    ties_embeddings,
 )
 from txflow.export.proof import figures, load_base, merge, prove
 
@@ -44,7 +45,8 @@ def export(reference: ExportReference, dest: str, options: dict, base_model_path
         tarball = staging / "sampler.tar.gz"
         storage.download(reference.sampler_url, tarball, options, directory=False)
         peft_dir = staging / PEFT_DIR
-        config = peft_adapter(extract_sampler(tarball, staging / "sampler"), peft_dir, reference.base_model)
+        config = peft_adapter(extract_sampler(tarball, staging / "sampler"), peft_dir, reference.base_model,
+                              tied=ties_embeddings(base_model_path))
         found, model = prove(base_model_path, peft_dir, reference, tarball)
         result = ExportResult(
             sampler_url=reference.sampler_url, base_model=reference.base_model,

@@ -217,7 +217,11 @@ workaround can go:
     (tests/test_scanned_layers.py). Can go when upstream scans its layers.
 25. Sampling buckets (`ranks`): each sampling prompt length bucket (32, 48, 64, ...) is a program of its own;
     prompts shorter than 64 tokens share one bucket. Can go when upstream compiles fewer sampling shapes.
-26. Served names (`served`): upstream lists its model by the path it loaded and stores any `base_model` a
+26. Tied unembedding (`models`): upstream's tied output head (`LoRAEmbed.T`) drops the adapter and its
+    `init_lora_adapter` refuses `train_unembed` on a tied model, the Tinker SDK's default. The head applies
+    the embedding's LoRA (`tied_head`: the one shared matrix `E + s A B` at both ends) and the check is passed
+    by. Can go when upstream applies LoRA to a tied head.
+27. Served names (`served`): upstream lists its model by the path it loaded and stores any `base_model` a
     client sends; a client written for another server passes the Hugging Face id and loads the tokenizer by
     the name the server answers, which needs the network. The cluster lists and accepts the model's Hugging
     Face id, txflow's name and its path, refuses any other name in one line, and answers the loaded directory

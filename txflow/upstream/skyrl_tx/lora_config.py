@@ -7,25 +7,19 @@ by default). The engine honours the flags once they reach it (`filter_lora`, on 
 travels with the create_model broadcast), so `install_api` serves create_model with them, and weights_info
 answers them with the rank: SDKs up to 0.25 recreate a checkpoint's adapter from that answer
 (`create_training_client_from_state`) and take True for every flag it leaves out. What the
-engine cannot train is refused with one line instead: an adapter with no module, or `train_unembed` on
-a base model whose output head is its input embedding (`tie_word_embeddings`: SmolLM2, Llama-3.2, the
-small Qwen3s). Can go when upstream's create_model passes the flags on.
+engine cannot train is refused with one line instead: an adapter with no module. Can go when upstream's
+create_model passes the flags on.
 
-Why a tied model cannot train the unembedding in SkyRL-tx 0.3.0 (Tinker can): `tx/models/llama3.py`
-(line 268) and `tx/models/qwen3.py` (line 386) make a tied model's head `self.model.embed_tokens.T`, and
-`LoRAEmbed.T` (`tx/layers/lora.py`, lines 167-170, "TODO: Apply lora adapters here as well") returns
-`hidden_states @ embedding.T`, dropping the adapter indices: no LoRA reaches the output head, so an
-embedding LoRA would train the input side only, which is not what `train_unembed` asks. `init_lora_adapter`
-(`tx/layers/lora.py`, line 327) therefore raises "train_unembed=True is incompatible with
-tie_word_embeddings=True" in the engine; txflow refuses the request at the API with the flag to pass
-instead, before an adapter slot is taken.
+`train_unembed` on a base model whose output head is its input embedding (`tie_word_embeddings`: SmolLM2,
+Llama-3.2, the small Qwen3s) trains the LoRA of that one shared matrix, on both ends (point 26,
+`models.tied_head`): SkyRL-tx 0.3.0 applies no LoRA to a tied head (`LoRAEmbed.T`, "TODO: Apply lora adapters
+here as well") and its `init_lora_adapter` refuses the flag on such a model; the Tinker SDK asks for it by
+default.
 """
 
 from __future__ import annotations
 
-import json
 import random
-from pathlib import Path
 from uuid import uuid4
 
 from fastapi import Request
@@ -50,29 +44,11 @@ class CreateModelRequest(BaseModel):
     lora_config: LoraRequest
 
 
-def problem(lora: LoraRequest, base_model_path: str) -> str | None:
+def problem(lora: LoraRequest) -> str | None:
     """Why the engine cannot train this adapter on this base model, in one line; None when it can."""
     if not (lora.train_attn or lora.train_mlp or lora.train_unembed):
         return "train_attn, train_mlp and train_unembed are all False: the adapter would train nothing"
-    if lora.train_unembed and ties_embeddings(base_model_path):
-        return (f"train_unembed=True cannot be trained on {base_model_path}: it ties its output head to its input "
-                f"embedding (tie_word_embeddings), and SkyRL-tx 0.3.0 applies no LoRA to a tied head (its "
-                f"LoRAEmbed.T). Pass train_unembed=False to create_lora_training_client (the Tinker SDK's default "
-                f"is True)")
     return None
-
-
-def ties_embeddings(base_model_path: str) -> bool:
-    """Whether the base model's config.json (a local directory, or the Hugging Face cache) ties them."""
-    config = Path(base_model_path) / "config.json"
-    if not config.is_file():
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = try_to_load_from_cache(base_model_path, "config.json")
-        config = Path(cached) if isinstance(cached, str) else None
-    if config is None:
-        return False  # unknown here: the engine's own check answers when the model is created
-    return bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
 
 
 def install_api(app) -> None:
@@ -99,7 +75,7 @@ async def create_model(request: dict, req: Request):
         raise RequestValidationError(exc.errors()) from None
     lora = parsed.lora_config
     served.served(req).check(parsed.base_model)
-    reason = problem(lora, req.app.state.engine_config.base_model)
+    reason = problem(lora)
     if reason:
         raise HTTPException(status_code=400, detail=reason)
     async with AsyncSession(req.app.state.db_engine) as session:

@@ -4,22 +4,55 @@ model computes as it was (tests/test_scanned_layers.py); they change what XLA is
 
 from __future__ import annotations
 
+import functools
+
+
+def tied_head(embed):
+    """The output head of a model that ties it to its embedding `embed` (a LoRAEmbed), with the embedding's
+    LoRA (26.): logits = h (E + s A B)^T = h E^T + s (h B^T) A^T, for each example its own adapter's A (vocab x r),
+    B (r x hidden) and scale s. The same matrix as the input side's `E[token] + s A[token] B`: an adapter that
+    trains the unembedding of a tied model trains the one matrix both ends share, which is what its merged
+    model holds. Upstream's `LoRAEmbed.T` drops the adapter.
+
+    Every adapter slot's LoRA in one product, each example's other slots masked to zero (a gather of A per
+    example would be vocab x r per token); computed only when an example's adapter trains the embedding (a
+    nonzero scale), so the programs of adapters that do not pay nothing for it."""
+    import jax
+    import jax.numpy as jnp
+
+    def head(hidden_states, adapter_indices=None):
+        logits = hidden_states @ embed.embedding[...].T
+        if adapter_indices is None or embed.max_lora_adapters == 0:
+            return logits
+        scale = embed.lora_scaling[...][adapter_indices]  # (batch,): 0 for an adapter without the embedding
+
+        def with_lora(logits):
+            lora_a, lora_b = embed.lora_A[...], embed.lora_B[...]  # (slots, vocab, r), (slots, r, hidden)
+            inner = jnp.einsum("bth,nrh->btnr", hidden_states, lora_b.astype(hidden_states.dtype))
+            own = jax.nn.one_hot(adapter_indices, lora_a.shape[0], dtype=inner.dtype) * scale[:, None]
+            delta = jnp.einsum("btnr,nvr->btv", inner * own[:, None, :, None], lora_a.astype(inner.dtype))
+            return logits + delta.astype(logits.dtype)
+
+        return jax.lax.cond(jnp.any(scale != 0), with_lora, lambda logits: logits, logits)
+
+    return head
+
 
 def tied_head_reads_its_arguments() -> None:
-    """The tied output head multiplies by the embedding of the model it is called on (23.).
+    """The tied output head multiplies by the embedding of the model it is called on (23.), with its LoRA (26.).
 
     Upstream stores `self.lm_head = self.model.embed_tokens.T` at construction: a lambda bound to the
     embedding module the model was built with. A jitted program rebuilds the model from its arguments
     (`nnx.merge`), but that lambda still reads the original module's concrete array, so XLA received the
     49,152 x 576 embedding as a constant and folded it ("slow_operation_alarm: Constant folding ...
     f32[576,49152]") into every program that computes logits. Can go when upstream resolves the head on
-    the module it is called on."""
+    the module it is called on, with its adapter."""
     from tx.models.llama3 import Llama3ForCausalLM
     from tx.models.qwen3 import Qwen3ForCausalLM
 
     def replacing(upstream_head):
         def get_lm_head(self):
-            return self.model.embed_tokens.T if self.config.tie_word_embeddings else self.lm_head
+            return tied_head(self.model.embed_tokens) if self.config.tie_word_embeddings else self.lm_head
 
         get_lm_head.upstream = upstream_head  # what it replaced, which a test puts back
         return get_lm_head
@@ -85,7 +118,36 @@ def decoder_layers_scanned() -> None:
             model_class.__call__ = scanned(model_class.__call__)
 
 
+def tied_models_train_the_unembedding() -> None:
+    """`init_lora_adapter` initialises the embedding's LoRA of a tied model for `train_unembed` (26.).
+
+    Upstream refuses it ("train_unembed=True is incompatible with tie_word_embeddings=True") because its
+    tied head drops the adapter; `tied_head` applies it. Its check reads the model's config and nothing else
+    does inside it: the config says untied for the length of the call. Can go with `tied_head`."""
+    from tx.layers import lora
+    from tx.tinker.backends import jax as backend
+
+    upstream = lora.init_lora_adapter
+    if hasattr(upstream, "upstream"):
+        return
+
+    @functools.wraps(upstream)
+    def init_lora_adapter(model, adapter_index, lora_config):
+        config = model.config
+        if not (lora_config.train_unembed and getattr(config, "tie_word_embeddings", False)):
+            return upstream(model, adapter_index, lora_config)
+        config.tie_word_embeddings = False
+        try:
+            return upstream(model, adapter_index, lora_config)
+        finally:
+            config.tie_word_embeddings = True
+
+    init_lora_adapter.upstream = upstream
+    lora.init_lora_adapter = backend.init_lora_adapter = init_lora_adapter
+
+
 def install() -> None:
-    """Both changes, in this process, before a model is built."""
+    """Every change, in this process, before a model is built."""
     tied_head_reads_its_arguments()
     decoder_layers_scanned()
+    tied_models_train_the_unembedding()
