@@ -548,8 +548,9 @@ def cluster_keys_cmd(args) -> int:
     from txflow.cluster import named
 
     if args.action == "key":
-        key, serves = named.issue_key(args.name, args.label, duration_s(args.ttl))
-        expires = datetime.fromtimestamp(time.time() + duration_s(args.ttl)).isoformat(timespec="minutes")
+        ttl_s = duration_s(args.ttl)
+        key, serves = named.issue_key(args.name, args.label, ttl_s)
+        expires = datetime.fromtimestamp(time.time() + ttl_s).isoformat(timespec="minutes")
         print(f"export TINKER_BASE_URL={serves.base_url}\nexport TINKER_API_KEY={key}")
         print(f"txflow: key {args.label!r} on cluster {args.name} until {expires}: it reaches only what it creates; "
               f"base_model {serves.base_model}; revoke it with `txflow cluster keys {args.name} --revoke "
