@@ -330,6 +330,12 @@ def test_a_placed_api_socket_that_was_never_started_is_closed_by_stop(local_clus
 
 
 def environ_of(pid: int) -> dict[str, str]:
+    # Until the child has exec'd, /proc shows the environment it forked with (the parent's), so wait
+    # for the program's own command line first.
+    deadline = time.monotonic() + 10
+    while b"time.sleep(300)" not in Path(f"/proc/{pid}/cmdline").read_bytes():
+        assert time.monotonic() < deadline, f"pid {pid} never exec'd its program"
+        time.sleep(0.02)
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
 
