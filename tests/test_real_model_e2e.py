@@ -29,11 +29,12 @@ def run_args(config: dict) -> list[str]:
     return ["run", config["mode"], *(f"{flag_of(k)}={v}" for k, v in config.items() if k != "mode")]
 
 
-def run_nightly_config(config: dict, name: str, tmp_path, txflow_env, reaper) -> tuple[dict, str]:
+def run_nightly_config(config: dict, name: str, tmp_path, txflow_env, reaper, export: bool = True) -> tuple[dict, str]:
     assert config["base_model"] == SMOLLM2_MODEL  # what the schedule validates is what a user runs
     state = reaper.watch(tmp_path / "state")
     result = run_txflow([*run_args(config), "--run-id", name, "--state-dir", str(state), "--checkpoints",
-                         str(tmp_path / "ckpt"), "--json"], txflow_env, tmp_path, timeout=RUN_LIMIT_S)
+                         str(tmp_path / "ckpt"), "--json", *([] if export else ["--no-export"])],
+                        txflow_env, tmp_path, timeout=RUN_LIMIT_S)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)
     assert report["status"] == "passed" and report["base_model"] == SMOLLM2_MODEL
@@ -43,12 +44,15 @@ def run_nightly_config(config: dict, name: str, tmp_path, txflow_env, reaper) ->
     timings = report["timings_s"]  # each program's seconds, from rank 0's log
     assert "compile optimizer" in timings and any(name.startswith("compile train ") for name in timings)
     # The export of a bf16 model is proven against SkyRL-tx's float32 forward of the same checkpoint.
-    block = report["export"]
-    assert block["passed"] and block["greedy_tokens_match"]
-    assert block["max_abs_logprob_diff"] <= block["logprob_bound"]
-    assert block["compared_against"].startswith("SkyRL-tx's forward of the checkpoint in float32 (the cluster "
-                                                "computed in bfloat16)")
-    assert block["cluster_mean_abs_logprob_diff"] < 0.5  # bfloat16's noise, reported (measured 0.08-0.13)
+    block = report.get("export")
+    if export:
+        assert block["passed"] and block["greedy_tokens_match"]
+        assert block["max_abs_logprob_diff"] <= block["logprob_bound"]
+        assert block["compared_against"].startswith("SkyRL-tx's forward of the checkpoint in float32 (the cluster "
+                                                    "computed in bfloat16)")
+        assert block["cluster_mean_abs_logprob_diff"] < 0.5  # bfloat16's noise, reported (measured 0.08-0.13)
+    else:
+        assert not block
     # The user sees what was learned: held-out prompts answered by the base model and by the trained one.
     # (`--json` puts them in the report; without it the CLI prints them.)
     restore = report["restore"]
@@ -70,7 +74,9 @@ def test_the_nightly_sft_run_of_the_real_model_learns(tmp_path, txflow_env, reap
 
 
 def test_the_nightly_rl_run_of_the_real_model_raises_its_reward_beyond_chance(tmp_path, txflow_env, reaper):
-    report, _ = run_nightly_config(NIGHTLY_RL, "real-rl", tmp_path, txflow_env, reaper)
+    # Without the export: it is the SFT test's, the same code on the same model and adapter modules (the export
+    # never sees the mode), and it took 73 s of this run's 517 alone.
+    report, _ = run_nightly_config(NIGHTLY_RL, "real-rl", tmp_path, txflow_env, reaper, export=False)
     restore = report["restore"]
     # The flow's own check, asserted on its figures: the saved sampler against the base model, same prompts and
     # seeds, a gain beyond the sign-flip test's chance.

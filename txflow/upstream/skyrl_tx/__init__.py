@@ -226,6 +226,11 @@ workaround can go:
     the name the server answers, which needs the network. The cluster lists and accepts the model's Hugging
     Face id, txflow's name and its path, refuses any other name in one line, and answers the loaded directory
     as the tokenizer (`tokenizer_id`, the sampler's base model). Can go when upstream serves aliases.
+28. One prefill per prompt (`models`): a request for `num_samples` completions (an RL group) is that many rows
+    of a sampling batch, and upstream's program prefilled each. The program prefills the batch's distinct
+    (prompt, adapter) rows, padded to a power of two, and hands each row its prompt's hidden states and KV
+    cache; decoding stays per row (tests/test_prefill_once.py). An 8-row batch of two RL groups of SmolLM2 at
+    96 tokens: 1.8 s instead of 2.9 s. Can go when upstream shares a request's prefill across its samples.
 
 Guarded: the adapter patches exactly the upstream version it was written
 against (`UPSTREAM_VERSION`); another one is refused at pre-flight and by the

@@ -1,6 +1,8 @@
 """SkyRL-tx's model code as every rank and the export's reference run it: a tied output head that reads the
-weights it is given (point 23) and the decoder layers under one scan (point 24). Both leave every number the
-model computes as it was (tests/test_scanned_layers.py); they change what XLA is asked to compile."""
+weights it is given (point 23), the decoder layers under one scan (point 24), the tied head's LoRA (point 26)
+and one prefill per distinct prompt of a sampling batch (point 28). Points 23, 24 and 28 leave every number the
+model computes as it was (tests/test_scanned_layers.py, tests/test_prefill_once.py); they change what XLA is asked
+to compile."""
 
 from __future__ import annotations
 
@@ -146,8 +148,93 @@ def tied_models_train_the_unembedding() -> None:
     lora.init_lora_adapter = backend.init_lora_adapter = init_lora_adapter
 
 
+def shared_prompts(input_ids, attention_mask, adapter_indices) -> tuple | None:
+    """For a sampling batch whose rows repeat a prompt (the same tokens for the same adapter): the rows to
+    prefill, padded to a power of two (each count is a program of its own), and for every row the index of its
+    prompt among them. None when that saves nothing, or in a job of several processes, whose batch is not all
+    on this host."""
+    import jax
+    import numpy as np
+
+    if jax.process_count() > 1:
+        return None
+    ids, mask = np.asarray(input_ids), np.asarray(attention_mask)
+    adapters = np.zeros(len(ids), np.int32) if adapter_indices is None else np.asarray(adapter_indices)
+    first: dict[tuple, int] = {}
+    row_of = [first.setdefault((int(adapters[i]), ids[i][mask[i] == 1].tobytes()), len(first))
+              for i in range(len(ids))]
+    unique_rows = [row_of.index(k) for k in range(len(first))]
+    rows = 1 << (len(unique_rows) - 1).bit_length()
+    if rows >= len(ids):
+        return None
+    return (np.asarray(unique_rows + [unique_rows[0]] * (rows - len(unique_rows)), np.int32),
+            np.asarray(row_of, np.int32))
+
+
+class PrefillOnce:
+    """The model as the sampling program sees it, but its prefill (the call without a KV cache) runs on the
+    batch's distinct prompts only and hands every row its prompt's hidden states and KV cache."""
+
+    def __init__(self, model, unique_rows, row_of):
+        self._model, self._unique_rows, self._row_of = model, unique_rows, row_of
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, input_ids, *, attention_mask, adapter_indices=None, kv_cache=None, **kwargs):
+        import jax
+
+        if kv_cache is not None:
+            return self._model(input_ids, attention_mask=attention_mask, adapter_indices=adapter_indices,
+                               kv_cache=kv_cache, **kwargs)
+        rows = self._unique_rows
+        out = self._model(input_ids[rows], attention_mask=attention_mask[rows],
+                          adapter_indices=None if adapter_indices is None else adapter_indices[rows], **kwargs)
+        return jax.tree.map(lambda x: x[self._row_of], out)  # every array of it has the batch first
+
+
+def prefill_once_per_prompt() -> None:
+    """A sampling batch's rows that share a prompt are prefilled once (28.).
+
+    A request for `num_samples` completions (an RL group) becomes that many rows of the batch, and upstream's
+    sampling program prefills each: for the nightly's RL groups of 4, three quarters of every prefill computed
+    what the row before it had computed (an 8-row batch of 96 tokens: ~1.7 s of its ~2.9 s on 2 cores). The
+    program prefills the batch's distinct (prompt, adapter) rows and gives each row its prompt's hidden states
+    and KV cache; the decode is upstream's, per row, with its own seed. Same figures
+    (tests/test_prefill_once.py). Can go when upstream shares a request's prefill across its samples."""
+    import jax
+    from tx.utils.generator import GeneratorMixin
+
+    upstream = GeneratorMixin._prefill_and_decode
+    if hasattr(upstream, "upstream"):
+        return
+    static = ("max_length", "max_new_tokens", "max_top_k", "use_top_p", "prompt_logprobs")
+
+    @functools.partial(jax.jit, static_argnames=static)
+    def deduplicated(model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices, temperatures,
+                     rngs, stop_tokens, top_k_values, top_p_values, max_top_k, use_top_p, prompt_logprobs=False, *,
+                     unique_rows, row_of):
+        return upstream.__wrapped__(PrefillOnce(model, unique_rows, row_of), input_ids, attention_mask, max_length,
+                                    max_new_tokens, adapter_indices, temperatures, rngs, stop_tokens, top_k_values,
+                                    top_p_values, max_top_k, use_top_p, prompt_logprobs=prompt_logprobs)
+
+    def _prefill_and_decode(model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices,
+                            temperatures, rngs, stop_tokens, top_k_values, top_p_values, max_top_k, use_top_p,
+                            prompt_logprobs=False):
+        args = (model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices, temperatures, rngs,
+                stop_tokens, top_k_values, top_p_values, max_top_k, use_top_p)
+        plan = shared_prompts(input_ids, attention_mask, adapter_indices)
+        if plan is None:
+            return upstream(*args, prompt_logprobs=prompt_logprobs)
+        return deduplicated(*args, prompt_logprobs=prompt_logprobs, unique_rows=plan[0], row_of=plan[1])
+
+    _prefill_and_decode.upstream, _prefill_and_decode.deduplicated = upstream, deduplicated
+    GeneratorMixin._prefill_and_decode = staticmethod(_prefill_and_decode)
+
+
 def install() -> None:
     """Every change, in this process, before a model is built."""
     tied_head_reads_its_arguments()
     decoder_layers_scanned()
     tied_models_train_the_unembedding()
+    prefill_once_per_prompt()
