@@ -166,7 +166,7 @@ def run_cookbook(tmp_path, txflow_env, reaper, run_id: str, module: str, *option
     """`txflow run custom` with a cookbook recipe (its module, `key=value` options) in the cookbook's environment:
     the report, the client's log and its log_path. Offline: Hugging Face reads only the local model; the
     cookbook's price lookup (https) goes to a closed port on loopback and fails as it does without a network.
-    The cluster serves none of the shims the README says the recipe does not need."""
+    The cluster serves none of the shims the SDK matrix says the recipe does not need."""
     python = sdk_env("0.38.0", COOKBOOK_STEPS, name=COOKBOOK_ENV) / "bin" / "python"
     env = {**txflow_env, "HF_HUB_OFFLINE": "1", "https_proxy": f"http://127.0.0.1:{free_port()}",
            "no_proxy": "127.0.0.1,localhost", SKIP_ENV: unneeded_shims(module)}
@@ -210,7 +210,7 @@ def test_the_tinker_cookbook_supervised_trainer_runs_as_a_client(tmp_path, txflo
 def test_the_tinker_cookbook_rl_recipe_runs_as_a_client_with_cispo(tmp_path, txflow_env, reaper):
     """The cookbook's RL recipe (`tinker_cookbook.recipes.math_rl.train`, its synthetic arithmetic environment)
     for 3 steps with loss_fn=cispo: sampling, the cookbook's RL datums and its loss through the cluster. Its
-    default loss, stable_reinforce, is refused with one line (see the 0.38 client above and the README)."""
+    default loss, stable_reinforce, is refused with one line (see the 0.38 client above and docs/tinker-api.md)."""
     report, _, log_path = run_cookbook(tmp_path, txflow_env, reaper, "cookbook-rl",
                                        "tinker_cookbook.recipes.math_rl.train", "env=arithmetic", "loss_fn=cispo",
                                        "groups_per_batch=4", "group_size=4", "max_tokens=5", "max_steps=3",
@@ -240,25 +240,17 @@ WITHOUT_SHIM = {
 SHIMS = set(WITHOUT_SHIM)
 
 
-def readme_needs_shims() -> dict[str, set[int]]:
-    """The README's "needs shims" column ("none", "1, 2, 3", "1-7", "1-3, 7"): by SDK version, and for the
-    cookbook's rows by the module their client runs."""
-    needs = {}
-    readme = (Path(__file__).parents[1] / "README.md").read_text()
-    for sdk, client, cell in re.findall(r"^\| `(tinker[^`]*)`[^|]*\| ([^|]+) \|.*\| ([^|]+) \|$", readme, re.M):
-        key = sdk.split("==")[1] if sdk.startswith("tinker==") else re.search(r"python -m (\S+?)`", client)[1]
-        numbers = set()
-        for part in cell.replace("none", "").split(","):
-            if part.strip():
-                low, _, high = part.strip().partition("-")
-                numbers |= set(range(int(low), int(high or low) + 1))
-        needs[key] = numbers
-    return needs
+def matrix_needs_shims() -> dict[str, set[int]]:
+    """The shims each row of the SDK matrix needs (docs/sdk-matrix.json, which the docs render): by SDK
+    version, and for the cookbook's rows by the module their client runs."""
+    rows = json.loads((Path(__file__).parents[1] / "docs" / "sdk-matrix.json").read_text())
+    return {row["module"] if row.get("module") else row["sdk"].split("==")[1]: set(row["needs_shims"])
+            for row in rows}
 
 
 def unneeded_shims(key: str) -> str:
-    """`TXFLOW_TINKER_COMPAT_SKIP` for what the README says `key` does not need ("0": none left out)."""
-    return ",".join(map(str, sorted(SHIMS - readme_needs_shims()[key]))) or "0"
+    """`TXFLOW_TINKER_COMPAT_SKIP` for what the SDK matrix says `key` does not need ("0": none left out)."""
+    return ",".join(map(str, sorted(SHIMS - matrix_needs_shims()[key]))) or "0"
 
 
 class ShimlessApis:
@@ -330,11 +322,11 @@ def probe(cluster, version: str, apis: ShimlessApis, skip: str, out: Path) -> tu
     return code, out.read_text().splitlines(), api_log.read_text()[logged_before:]
 
 
-def test_each_sdk_needs_exactly_the_shims_the_readme_names(tmp_path, reaper):
-    """The README's "needs shims" column, proven: each SDK's client runs with every shim it is not said
-    to need left out, and fails, at the call that shim serves, with any one it is said to need left out.
-    One cluster serves every probe through extra API processes, one per set of shims left out."""
-    needs = {v: n for v, n in readme_needs_shims().items() if v in SDK_VERSIONS}
+def test_each_sdk_needs_exactly_the_shims_the_matrix_names(tmp_path, reaper):
+    """The SDK matrix's "needs shims" (docs/sdk-matrix.json), proven: each SDK's client runs with every shim
+    it is not said to need left out, and fails, at the call that shim serves, with any one it is said to need
+    left out. One cluster serves every probe through extra API processes, one per set of shims left out."""
+    needs = {v: n for v, n in matrix_needs_shims().items() if v in SDK_VERSIONS}
     assert set(needs) == set(SDK_VERSIONS), needs
     # Every probe leaves its models behind until its session times out: room for all of them.
     cfg = RunConfig(base_model="tiny", processes=1, lora_adapters=64, run_id="shims", state_dir=str(tmp_path / "state"),
