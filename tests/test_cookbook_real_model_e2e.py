@@ -194,10 +194,13 @@ def test_a_client_that_knows_the_model_by_its_hub_id_or_txflows_name_trains_offl
     assert "is not served by this cluster; it serves" in refused and hub_id in refused
 
 
-def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model(tmp_path, warm, reaper):
+def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model_and_chats_through_txflow_serve(
+        tmp_path, warm, reaper):
     """txflow's own SFT on `{"messages": [...]}` rows (a system prompt, a question, the reply) rendered with
     SmolLM2's chat template, evaluated on a separate `--eval-dataset` of conversations, attached to the warm
-    cluster: the held-out loss falls and the report shows the eval rows' questions with both models' answers."""
+    cluster: the held-out loss falls and the report shows the eval rows' questions with both models' answers.
+    Then `txflow serve` serves the adapter, and the `openai` client chats with it: its answer is the sampler's
+    greedy continuation of the conversation as the model's chat template renders it."""
     from txflow.training.datasets import bundled_dataset
 
     arithmetic = [json.loads(line) for line in open(bundled_dataset("sft", SMOLLM2_MODEL))]
@@ -224,3 +227,46 @@ def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model(tmp_pat
     assert [a["prompt"] for a in restore["answers"]] == [r["prompt"] for r in arithmetic[-6:]]
     assert [a["expected"] for a in restore["answers"]] == [r["answer"] for r in arithmetic[-6:]]
     assert report["cluster"]["ranks"] == []  # attached: it started and stopped nothing (the fixture checks the rest)
+    chat_through_serve(warm, report["checkpoint_root"], conversation(arithmetic[-1])["messages"][:-1])
+
+
+def chat_through_serve(warm, root: str, messages: list[dict]) -> None:
+    import openai
+
+    from txflow.checkpoints import export
+    from txflow.training.tokenizer import load_tokenizer, render_chat
+
+    reference = export.read_reference(root, {})
+    tokenizer = load_tokenizer(reference.base_model)
+    with open(warm["work"] / "serve.log", "w") as log:
+        server = subprocess.Popen(txflow_cmd("serve", "--cluster", NAME, "--adapter", f"calc={root}", "--port", "0"),
+                                  env=warm["env"], cwd=warm["work"], stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        exported = dict(server.stdout.readline().strip().removeprefix("export ").split("=", 1) for _ in range(2))
+        assert set(exported) == {"OPENAI_BASE_URL", "OPENAI_API_KEY"}, (warm["work"] / "serve.log").read_text()
+        client = openai.OpenAI(base_url=exported["OPENAI_BASE_URL"], api_key=exported["OPENAI_API_KEY"],
+                               max_retries=0)
+        assert [m.id for m in client.models.list().data] == [SMOLLM2_MODEL, "calc"]
+        # The adapter's greedy tokens on the run's reference prompts, as evaluate-restore recorded them.
+        eos = tokenizer.eos_token_id
+        for prompt, greedy in zip(reference.prompts[:2], reference.greedy_tokens[:2]):
+            want = greedy[:greedy.index(eos)] if eos in greedy else greedy
+            done = client.completions.create(model="calc", prompt=prompt, max_tokens=len(greedy), temperature=0)
+            assert done.choices[0].text == tokenizer.decode(want)
+        # A chat is that conversation rendered with the template, continued greedily up to the end of the turn.
+        rendered = tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt=True))
+        chat = client.chat.completions.create(model="calc", messages=messages, temperature=0, max_tokens=8)
+        plain = client.completions.create(model="calc", prompt=rendered, temperature=0, max_tokens=8)
+        assert chat.choices[0].message.content == plain.choices[0].text and plain.choices[0].text.strip()
+        assert chat.usage.prompt_tokens == len(rendered)
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model="calc", messages=messages, temperature=0, max_tokens=8, stream=True))
+        assert streamed == chat.choices[0].message.content
+        with pytest.raises(openai.AuthenticationError):
+            client.with_options(api_key="sk-not-this-one").chat.completions.create(model="calc", messages=messages)
+        server.terminate()
+        assert server.wait(timeout=60) == 0, (warm["work"] / "serve.log").read_text()[-3000:]
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=30)

@@ -27,6 +27,7 @@ FLOORS: list[tuple[str, ...]] = [
     ("txflow.reporting",),  # report.json, metrics, the training bar, the nightly history
     # the loop, the checkpoints it saves, the restore check and the verdict; what becomes of a run's artifacts
     ("txflow.training", "txflow.lifecycle"),
+    ("txflow.serving",),  # `txflow serve`: OpenAI's text API over what a run trained, on a warm cluster
     ("txflow.preflight",),
     ("tasks.*",),
     ("flows",),
@@ -205,8 +206,8 @@ def test_the_check_finds_an_upward_import_a_sideways_one_a_step_borrowing_from_a
            "floor" in problems
     assert "txflow.results (room txflow.results, floor 6) imports txflow.reporting.report, on a higher floor" \
            in problems
-    assert "deployments.nightly (room deployments, floor 12) imports txflow.cli, on its own floor" in problems
-    assert "tasks.save_checkpoint (room tasks.save_checkpoint, floor 10) imports tasks.train, on its own floor" \
+    assert "deployments.nightly (room deployments, floor 13) imports txflow.cli, on its own floor" in problems
+    assert "tasks.save_checkpoint (room tasks.save_checkpoint, floor 11) imports tasks.train, on its own floor" \
            in problems
     assert "import circle: txflow.cluster.handle -> txflow.processes.groups" in problems
     assert "txflow.stray is on no floor" in problems

@@ -406,6 +406,63 @@ def test_two_custom_runs_and_a_notebook_key_train_side_by_side_each_reaching_onl
     assert json.loads(run_txflow(["cluster", "keys", NAME, "--json"], env, work, timeout=60).stdout) == []
 
 
+def test_txflow_serve_answers_the_openai_client_with_what_the_runs_sampler_computes(shared):
+    """A run trains on the cluster; `txflow serve` serves its checked sampler as `mine` beside the base model.
+    The official `openai` client's greedy completion of each of the run's reference prompts is the sampler's
+    greedy tokens as evaluate-restore recorded them; a wrong key gets 401; SIGTERM unloads the adapter and
+    gives the key back, and the cluster stays up with every slot free."""
+    import openai
+
+    from txflow.checkpoints import export
+    from txflow.training.tokenizer import load_tokenizer
+
+    work, env = shared["work"], shared["env"]
+    run = start_run(shared, "to-serve", "--steps", "3")
+    out, _ = run.communicate(timeout=600)
+    assert run.returncode == 0, (work / "to-serve.log").read_text()[-3000:]
+    root = json.loads(out)["checkpoint_root"]
+    reference = export.read_reference(root, {})
+    with open(work / "serve.log", "w") as log:
+        server = subprocess.Popen(txflow_cmd("serve", "--cluster", NAME, "--adapter", f"mine={root}", "--port", "0"),
+                                  env=env, cwd=work, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        exported = dict(server.stdout.readline().strip().removeprefix("export ").split("=", 1) for _ in range(2))
+        assert set(exported) == {"OPENAI_BASE_URL", "OPENAI_API_KEY"}, (work / "serve.log").read_text()[-3000:]
+        assert exported["OPENAI_BASE_URL"].startswith("http://127.0.0.1:")
+        client = openai.OpenAI(base_url=exported["OPENAI_BASE_URL"], api_key=exported["OPENAI_API_KEY"],
+                               max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["tiny", "mine"]
+        tokenizer = load_tokenizer(reference.base_model)
+        eos = tokenizer.eos_token_id
+        said = []
+        for prompt, greedy in zip(reference.prompts, reference.greedy_tokens):
+            want = greedy[:greedy.index(eos)] if eos in greedy else greedy
+            done = client.completions.create(model="mine", prompt=prompt, max_tokens=len(greedy), temperature=0,
+                                             logprobs=0)
+            [choice] = done.choices
+            assert choice.text == tokenizer.decode(want) and done.usage.completion_tokens == len(want)
+            assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in want]
+            said.append(choice.text)
+        assert any(said), "every reference prompt ends at once: the comparison would prove nothing"
+        # The base model answers under its own name, differently from the trained adapter.
+        base = [client.completions.create(model="tiny", prompt=p, max_tokens=len(g), temperature=0).choices[0].text
+                for p, g in zip(reference.prompts, reference.greedy_tokens)]
+        assert base != said
+        with pytest.raises(openai.AuthenticationError):
+            client.with_options(api_key="sk-someone-else").completions.create(model="mine", prompt="a")
+        assert "to-serve" not in status(shared)["attached_runs"]
+        assert any(r.startswith("serve-") for r in status(shared)["attached_runs"])
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=60) == 0, (work / "serve.log").read_text()[-3000:]
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=30)
+    assert exported["OPENAI_API_KEY"] not in (work / "serve.log").read_text()
+    found = wait_for(lambda: (s := status(shared))["free_slots"] == ADAPTERS - 1 and s, 60, "the adapter unloaded")
+    assert found["healthy"] and found["attached_runs"] == []
+
+
 def test_a_killed_cluster_is_named_and_each_run_retries_where_it_was_told(shared, reaper):
     """The cluster is killed under two attached runs. Each names it within seconds. The one told to fall back
     to a cluster of its own (`--cluster-fallback own`) resumes from its last committed state on a fresh cluster

@@ -38,7 +38,7 @@ from txflow.config import (
     RunConfig,
     storage_options_from_env,
 )
-from txflow.log import scrub
+from txflow.log import register_secret, scrub
 from txflow.processes import umask
 
 # Flags whose name is not the field's name with '-' for '_'.
@@ -209,6 +209,19 @@ def _parser() -> argparse.ArgumentParser:
     keys.add_argument("name")
     keys.add_argument("--revoke", metavar="LABEL", help="revoke the key given out as LABEL (401 from its next call)")
     keys.add_argument("--json", action="store_true", default=False)
+    serve = sub.add_parser("serve", help="OpenAI's text API (/v1/models, /v1/completions, /v1/chat/completions) over "
+                           "the base model and trained adapters, on a warm cluster; prints OPENAI_BASE_URL and "
+                           "OPENAI_API_KEY to export")
+    serve.add_argument("--cluster", required=True, metavar="NAME", help="the warm cluster to sample on "
+                       "(`txflow cluster up NAME`)")
+    serve.add_argument("--adapter", action="append", default=[], metavar="NAME=URL",
+                       help="serve a run's checked sampler as model NAME: URL is the run root (or that sampler "
+                            "checkpoint); repeat for several; the base model is always served by its name")
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="the port (default: 8000; 0: a free one)")
+    serve.add_argument("--timeout-s", type=float, default=300.0,
+                       help="deadline of a sample on the cluster, and of attaching to it (default: 300)")
+    serve.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
     promoted = sub.add_parser("promoted", help="what is promoted under a name, with its figures and history")
     promoted.add_argument("root", help="the checkpoints root the runs promoted into")
     promoted.add_argument("name")
@@ -695,6 +708,46 @@ def export_cmd(args) -> int:
     return 0
 
 
+def serve_cmd(args) -> int:
+    """`txflow serve --cluster NAME [--adapter NAME=URL ...]`: serves until SIGINT or SIGTERM, then unloads what
+    it loaded and gives its key back (0); 2 on bad input, before anything is loaded."""
+    import secrets
+    import socket
+    import tempfile
+
+    import uvicorn
+
+    from txflow.serving import models, openai_api
+
+    try:
+        options = _command_storage_options(args.storage_option)
+        references = models.references(models.parse_adapters(args.adapter), options)
+        sock = socket.create_server((args.host, args.port))
+    except (ValueError, OSError) as exc:
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
+        return 2
+    # A key of its own for the endpoint's clients (TXFLOW_SERVE_API_KEY to choose it), never the cluster's.
+    api_key = os.environ.get("TXFLOW_SERVE_API_KEY") or "sk-txflow-" + secrets.token_hex(16)
+    register_secret(api_key)
+    with tempfile.TemporaryDirectory(prefix="txflow-serve-") as state, sock:
+        try:
+            serving = models.attach(args.cluster, options, Path(state), args.timeout_s)
+        except Exception as exc:  # noqa: BLE001 (no such cluster, not up, no slot: one line)
+            print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
+            return 2
+        try:
+            models.load(serving, references)
+            host, port = sock.getsockname()[:2]
+            print(f"export OPENAI_BASE_URL=http://{host}:{port}/v1\nexport OPENAI_API_KEY={api_key}", flush=True)
+            print(f"txflow: serving {', '.join(serving.models)} from cluster {args.cluster} on http://{host}:{port}/v1 "
+                  f"until Ctrl-C", file=sys.stderr, flush=True)
+            # uvicorn ends `run` at SIGINT or SIGTERM; the release below runs then.
+            uvicorn.Server(uvicorn.Config(openai_api.app(serving, api_key), log_level="warning")).run(sockets=[sock])
+        finally:
+            models.release(serving)
+    return 0
+
+
 def _run_of(run_root: str, options: dict) -> dict:
     """What a run's report.json says of it, for the model card ({} without a report)."""
     import fsspec
@@ -725,7 +778,8 @@ def main(argv: list[str] | None = None) -> int:
     # they contend for its SQLite file under load: "database is locked").
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     return {"run": run, "export": export_cmd, "discover": discover_cmd, "prune": prune_cmd,
-            "promoted": promoted_cmd, "cluster": cluster_cmd, "sweep": sweep_cmd, "runs": runs_cmd}[args.command](args)
+            "promoted": promoted_cmd, "cluster": cluster_cmd, "sweep": sweep_cmd, "runs": runs_cmd,
+            "serve": serve_cmd}[args.command](args)
 
 
 def entry() -> None:

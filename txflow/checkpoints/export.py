@@ -31,6 +31,7 @@ import re
 import tarfile
 import time
 from pathlib import Path
+from typing import Any
 
 import fsspec
 from pydantic import BaseModel, Field
@@ -65,6 +66,9 @@ class ExportReference(BaseModel):
     logprobs: list[list[float]] = Field(description="Per sequence, the logprob of each token after the first")
     prompts: list[list[int]]
     greedy_tokens: list[list[int]] = Field(description="The sampler's greedy continuation of each prompt")
+    lora: dict[str, Any] | None = Field(default=None, description="The slot the sampler was restored into: `rank` "
+                                        "and the modules it trains (`train_attn`, `train_mlp`, `train_unembed`), "
+                                        "what a cluster that serves it must create")
 
 
 class Figures(BaseModel):
