@@ -463,6 +463,28 @@ def test_txflow_serve_answers_the_openai_client_with_what_the_runs_sampler_compu
     assert found["healthy"] and found["attached_runs"] == []
 
 
+def test_cluster_up_detach_returns_once_the_cluster_is_up_and_down_leaves_nothing(shared):
+    """`txflow cluster up --detach` hands the terminal back once the cluster serves (its holder in a session of
+    its own, out of reach of the terminal's Ctrl-C); `cluster down` stops it all."""
+    from txflow.cluster import named
+
+    work, env = shared["work"], shared["env"]
+    up = run_txflow(["cluster", "up", "detached", "--base-model", "tiny", "--processes", "1", "--lora-adapters", "2",
+                     "--detach"], env, work, timeout=400)
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert "cluster detached up on http://127.0.0.1:" in up.stderr
+        serves = named.load_serves("detached")
+        assert serves.state == "up" and named.healthy(serves)
+        assert os.getsid(serves.holder_pid) == serves.holder_pid  # a session of its own
+        again = run_txflow(["cluster", "up", "detached", "--base-model", "tiny", "--detach"], env, work, timeout=60)
+        assert again.returncode == 2 and "is up already" in again.stderr
+    finally:
+        run_txflow(["cluster", "down", "detached"], env, work, timeout=60)
+    wait_for(lambda: alive_pids(shared["dir"].parent / "detached") == [], 30, "the detached cluster gone")
+    assert not named.healthy(named.load_serves("detached"))
+
+
 def test_a_killed_cluster_is_named_and_each_run_retries_where_it_was_told(shared, reaper):
     """The cluster is killed under two attached runs. Each names it within seconds. The one told to fall back
     to a cluster of its own (`--cluster-fallback own`) resumes from its last committed state on a fresh cluster

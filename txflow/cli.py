@@ -195,6 +195,9 @@ def _parser() -> argparse.ArgumentParser:
 
     _run_options(RunConfig, up, only=CLUSTER_FIELDS)
     up.add_argument("--config", dest="config_file", metavar="FILE", help=CONFIG_HELP)
+    up.add_argument("--detach", action="store_true", default=False,
+                    help="return once the cluster is up, holding it from a process of its own (its log: "
+                         "<clusters dir>/NAME-holder.log); `txflow cluster down NAME` stops it")
     for action, text in (("status", "what the cluster serves, whether it is healthy, free adapter slots, attached "
                                     "runs"), ("down", "stop the cluster")):
         sub_action = actions.add_parser(action, help=text)
@@ -380,7 +383,7 @@ def config_values(args: argparse.Namespace) -> dict:
         raise ValueError(f"--config {args.config_file} says mode {from_file['mode']}, the command says {mode}")
     values: dict = {}
     for dest, value in vars(args).items():
-        if dest in ("command", "json", "action", "name", "config_file"):
+        if dest in ("command", "json", "action", "name", "config_file", "argv", "detach"):
             continue
         if dest == "storage_options":
             value = _storage_options(value)
@@ -623,6 +626,8 @@ def cluster_cmd(args) -> int:
     if not re.fullmatch(RUN_ID_PATTERN, args.name):
         print(f"txflow: cluster name {args.name!r} must be 1-64 letters, digits, '-' or '_'", file=sys.stderr)
         return 2
+    if getattr(args, "detach", False):
+        return _detached_up(args, config)
     from txflow.cluster.launcher import PlacementFailed
 
     try:
@@ -636,6 +641,39 @@ def cluster_cmd(args) -> int:
     print(f"txflow: cluster {args.name} stopped: " + ", ".join(f"{r.role} pid {r.pid} exit {r.exit_text}"
                                                               for r in records), file=sys.stderr)
     return 0 if not handle.monitor.failures else 1
+
+
+def _detached_up(args, config: RunConfig) -> int:
+    """`cluster up --detach`: the same `cluster up` without it, in a session of its own (no terminal's Ctrl-C or
+    hang-up reaches it), waited for until the cluster is up: 0 then; its exit code and the end of its log if it
+    ends first."""
+    import subprocess
+
+    from txflow.cluster import named
+
+    log_path = named.clusters_dir() / f"{args.name}-holder.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    argv = [a for a in args.argv if a != "--detach"]
+    with open(log_path, "w") as log:
+        holder = subprocess.Popen([sys.executable, "-c", "from txflow.cli import entry; entry()", *argv],
+                                  stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + config.startup_timeout_s + 60
+    while time.monotonic() < deadline:
+        code = holder.poll()
+        serves = named.load_serves(args.name)
+        if code is None and serves is not None and serves.holder_pid == holder.pid and serves.state == "up":
+            print(f"txflow: cluster {args.name} up on {serves.base_url} (held by pid {holder.pid}, log {log_path}); "
+                  f"attach runs with --cluster {args.name}, stop it with `txflow cluster down {args.name}`",
+                  file=sys.stderr)
+            return 0
+        if code is not None:
+            print(scrub(log_path.read_text()[-2000:]), end="", file=sys.stderr)
+            return code or 1
+        time.sleep(0.2)
+    holder.terminate()  # its own shutdown stops whatever it started
+    print(f"txflow: cluster {args.name} not up within {config.startup_timeout_s + 60:.0f} s; stopped it (log "
+          f"{log_path})", file=sys.stderr)
+    return 1
 
 
 def runs_cmd(args) -> int:
@@ -768,6 +806,7 @@ def _run_of(run_root: str, options: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)  # what a detached `cluster up` runs again
     # Logs go to stderr; stdout carries only the --json report.
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(name)s %(message)s")
     # One line per Prefect, Tinker and S3 request (and "Found credentials ...") otherwise.
