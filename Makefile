@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.txflow-installed
 
-.PHONY: demo test test-fast lint venv clean bench
+.PHONY: demo test test-fast lint docs venv clean bench
 
 venv: $(STAMP)
 
@@ -28,10 +28,10 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(BIN)/txflow run sft
 
-# Lint first (seconds; it fails the run), then two phases: the unit tests that assert on wall-clock
-# times, alone; then every other test on two pytest-xdist workers, end-to-end tests first (see
-# tests/conftest.py). Both phases run; the target fails if either did.
-test: $(STAMP) lint
+# Lint and the docs build first (seconds; either fails the run), then two phases: the unit tests that
+# assert on wall-clock times, alone; then every other test on two pytest-xdist workers, end-to-end tests
+# first (see tests/conftest.py). Both phases run; the target fails if either did.
+test: $(STAMP) lint docs
 	status=0; \
 	$(BIN)/python -m pytest -v -m timed || status=$$?; \
 	$(BIN)/python -m pytest -v -m "not timed" -n 2 --dist load --no-loadscope-reorder || status=$$?; \
@@ -39,6 +39,13 @@ test: $(STAMP) lint
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
+
+# The docs site (mkdocs.yml): the generated pages written afresh (scripts/gen_docs.py), then a strict build into
+# site/, in which a link to a page or an anchor that does not exist fails. NO_MKDOCS_2_WARNING quiets a notice
+# mkdocs-material prints on every build.
+docs: $(STAMP)
+	$(BIN)/python scripts/gen_docs.py
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 test-fast: $(STAMP) lint
 	$(BIN)/python -m pytest -v -m "not e2e"
