@@ -20,7 +20,7 @@ RL = {"mode": "rl"}
 # (its learning rate from the cookbook's rule, the bundled arithmetic task), whose checks tell a working learner
 # from a broken one. SFT: 6 steps; a save at step 3 exercises the periodic save_state. RL: 8 steps of 4 prompts x
 # 4 samples, 4 tokens each (an answer is at most 3 digits), importance sampling: the saved sampler's reward
-# against the base model's on the 24 prompts (scripts/learner_check.py, README "Telling a working learner ...").
+# against the base model's on the 24 prompts (scripts/learner_check.py, docs/modes.md, "Telling a working learner ...").
 NIGHTLY_SFT = {"mode": "sft", "base_model": SMOLLM2_MODEL, "steps": 6, "save_every": 3}
 NIGHTLY_RL = {"mode": "rl", "base_model": SMOLLM2_MODEL, "steps": 8, "save_every": 0, "batch_size": 4,
               "group_size": 4, "max_tokens": 4}

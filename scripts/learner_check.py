@@ -8,7 +8,7 @@ or deliberately broken in that subprocess only:
 - RL, advantages with the wrong sign (rewards negated before the update), or all zero.
 
 and records whether the run's quality check passed, with its figures. Prints a
-markdown table (the README's) and writes one JSON line per run to `--out`. The
+markdown table (docs/modes.md's) and writes one JSON line per run to `--out`. The
 check is right when it passes every working run and fails every broken one.
 Not part of `make test`: on the tiny model at 2 processes it took about an hour and a half; a real-model run
 takes 6-20 minutes here.
@@ -100,7 +100,7 @@ def run(config: dict, broken: str | None, work: Path, env: dict) -> dict:
 
 
 def print_table(rows: list[tuple[str, str, str | None, list[dict]]]) -> None:
-    """The README's table: one row per experiment (label, mode, how broken, results)."""
+    """The table of docs/modes.md: one row per experiment (label, mode, how broken, results)."""
     print("| configuration | learner | seeds | " + " / ".join(f for f, _ in FIGURES.values())
           + " (min ... max) | RL sign-flip p (max) | median run (s) | check passed | right |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

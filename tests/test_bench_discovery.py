@@ -1,5 +1,5 @@
 """The discovery benchmark runs end to end against its own S3 server, on a real run root's layout.
-Timing is the benchmark's business (README); here only a loose bound, so noise cannot flake it."""
+Timing is the benchmark's business (docs/performance.md); here only a loose bound, so noise cannot flake it."""
 
 import re
 import subprocess

@@ -153,7 +153,7 @@ def api(server: Server):
 
 @pytest.fixture(scope="module")
 def deployed(server):
-    """The work pool and every deployment of prefect.yaml, as the README says."""
+    """The work pool and every deployment of prefect.yaml, as docs/deployments-and-nightly.md says."""
     server.prefect("work-pool", "create", "txflow", "--type", "process")
     # `{{ $PWD }}` is the environment variable, as a shell in the repository root sets it.
     env = dict(server.env, PWD=str(REPO))
@@ -292,9 +292,9 @@ def test_deployments_on_the_server(server, deployed):
 
 
 def test_a_deployment_takes_its_database_url_from_a_prefect_secret_block(server, deployed):
-    """README, "Credentials": job variables name the block, `{{ prefect.blocks.secret.NAME }}`; the
-    worker resolves it into the flow run process's environment when it starts the run (Prefect stores and
-    shows the reference only), and the flow reads TXFLOW_DATABASE_URL there."""
+    """docs/deployments-and-nightly.md, "Credentials": job variables name the block,
+    `{{ prefect.blocks.secret.NAME }}`; the worker resolves it into the flow run process's environment when it
+    starts the run (Prefect stores and shows the reference only), and the flow reads TXFLOW_DATABASE_URL there."""
     import asyncio
 
     from prefect.blocks.system import Secret

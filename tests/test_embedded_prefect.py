@@ -143,7 +143,7 @@ def test_automations_are_off_in_the_embedded_server_unless_asked_for(tmp_path, o
     finally:
         server.stop()
     assert settings["server"]["services"]["triggers"]["enabled"] is enabled
-    assert listening == ["127.0.0.1"]  # loopback only (README, "Security")
+    assert listening == ["127.0.0.1"]  # loopback only (docs/security.md)
     assert not is_alive(server.proc.pid)
 
 

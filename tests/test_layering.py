@@ -1,7 +1,7 @@
 """The folders show the architecture: every module imports only its own room and the floors below it,
 and no modules import each other in a circle.
 
-The order of the rooms is written once, here (`FLOORS`); the README's Layout section is its map.
+The order of the rooms is written once, here (`FLOORS`); docs/development.md's Layout section is its map.
 Every import counts, those inside functions included (they run too, later).
 """
 

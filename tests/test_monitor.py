@@ -64,7 +64,7 @@ def test_monitor_reports_a_dead_rank_once_within_its_production_interval(two_ran
         time.sleep(1.2)
         assert monitor.failures == []
         # Kill just after a poll: the death waits a whole interval to be seen, which must still be within
-        # the README's 2 s (with margin for a busy machine).
+        # docs/clusters.md's 2 s (with margin for a busy machine).
         launcher.polled.clear()
         assert launcher.polled.wait(timeout=5)
         killed_at = time.time()

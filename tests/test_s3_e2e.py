@@ -168,7 +168,7 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
 
     # No secret reached a log, report, manifest, artifact, the Prefect store (its logs and artifacts) or the
     # command line of any process of the run, txflow's own included (but for the dataset URL the user typed
-    # there, which Prefect also keeps among the flow's parameters: README, "What a run protects against").
+    # there, which Prefect also keeps among the flow's parameters: docs/security.md, "What a run protects against").
     # The environment of each process holds the credentials it uses and no other: the API the key and the
     # database, rank 0 the database, rank 1 and the Prefect server none (AWS_* are the user's own
     # environment, which every process inherits).

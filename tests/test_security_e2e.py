@@ -1,4 +1,4 @@
-"""Only the run's own clients get in, and the run's files are its owner's (README, "Security").
+"""Only the run's own clients get in, and the run's files are its owner's (docs/security.md).
 
 One real custom run on the default cluster: its client probes the Tinker API without the key, with a
 wrong one and with the run's (tests/clients/auth_probe.py). Then every file and folder the run created

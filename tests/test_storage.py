@@ -221,7 +221,7 @@ def test_a_signed_checkpoint_copied_over_another_runs_same_name_is_refused_namin
     message = str(refused.value)
     assert "\n" not in message and f"signed for 'run-b/{below}'" in message and f"/run-a/{below}'" in message
     assert not (tmp_path / "refused").exists()
-    monkeypatch.delenv(SIGNING_KEY_ENV)  # without a key nothing can tell, as the README says
+    monkeypatch.delenv(SIGNING_KEY_ENV)  # without a key nothing can tell, as docs/storage-and-integrity.md says
     storage.download(a[artifact], tmp_path / "unsigned", {}, directory=True)
     assert (tmp_path / "unsigned" / file).read_bytes().startswith(b"run-b")
 

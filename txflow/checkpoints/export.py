@@ -45,7 +45,7 @@ PROVENANCE_NAME = "txflow-export.json"
 EXPORT_DIR, PEFT_DIR, MERGED_DIR = "export", "peft", "merged"  # <run_root>/export/{peft,merged}
 
 # Largest |logprob difference| the export may show against SkyRL's sampler, per token. Both sides compute
-# in float32; measured on the tiny model: at most 2e-6 (README, "Using the trained adapter"). A wrong
+# in float32; measured on the tiny model: at most 2e-6 (docs/exports-and-promotion.md). A wrong
 # export is off by far more: 0.2-0.6 nats with upstream's config (LoRA on 2 of 7 modules), a dropped
 # module or alpha wrong by 2x. The bound leaves 50x room for other models' reduction orders.
 LOGPROB_BOUND = 1e-4

@@ -11,7 +11,7 @@ from txflow.training.evaluation import sign_flip_p
 LOSS_TOLERANCE = 1e-6  # |held-out loss of the restored state - the live model's|: a restore is exact
 
 # The quality bar of each mode, from scripts/learner_check.py: 10 seeds of the nightly configuration with a
-# working learner and 10 with a broken one (README, "Telling a working learner from a broken one").
+# working learner and 10 with a broken one (docs/modes.md, "Telling a working learner from a broken one").
 SFT_MIN_LOSS_GAIN = 0.05  # nats of held-out loss, base model minus trained; working runs gained >= 0.22
 RL_MIN_REWARD_GAIN = 0.05  # eval reward, saved sampler minus base model, same prompts and seeds
 RL_MAX_P = 0.01  # one-sided exact sign-flip test over the per-prompt differences

@@ -40,7 +40,7 @@ class LocalLauncher(Launcher):
         cluster.host = host
         cluster.api_port = self._api_socket.getsockname()[1]
         # jax.distributed binds the coordinator's port itself: picked free here, it can be taken before
-        # rank 0 binds it (README, "What a run protects against").
+        # rank 0 binds it (docs/security.md, "What a run protects against").
         cluster.coordinator_port = free_port(host) if cluster.num_processes > 1 else None
         cluster.save()
 
