@@ -779,7 +779,10 @@ def serve_cmd(args) -> int:
             print(f"export OPENAI_BASE_URL=http://{host}:{port}/v1\nexport OPENAI_API_KEY={api_key}", flush=True)
             print(f"txflow: serving {', '.join(serving.models)} from cluster {args.cluster} on http://{host}:{port}/v1 "
                   f"until Ctrl-C", file=sys.stderr, flush=True)
-            # uvicorn ends `run` at SIGINT or SIGTERM; the release below runs then.
+            # uvicorn ends `run` at SIGINT or SIGTERM, then raises that signal again with the handler it found:
+            # one that does nothing, so that the release below runs and the command exits 0.
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, lambda *_: None)
             uvicorn.Server(uvicorn.Config(openai_api.app(serving, api_key), log_level="warning")).run(sockets=[sock])
         finally:
             models.release(serving)

@@ -270,7 +270,6 @@ def app(serving: Serving, api_key: str) -> FastAPI:
     api = FastAPI(title="txflow serve", docs_url=None, redoc_url=None, openapi_url=None)
 
     def route(handler, body_model: type[BaseModel] | None):
-        # Plain `def`: FastAPI runs it in its thread pool, where waiting on the cluster blocks no other request.
         def run(request: Request, body: bytes):
             try:
                 endpoint.check_key(request)
@@ -292,12 +291,16 @@ def app(serving: Serving, api_key: str) -> FastAPI:
                 "/v1/completions": (endpoint.completions, CompletionRequest, "POST"),
                 "/v1/chat/completions": (endpoint.chat, ChatRequest, "POST")}
     for path, (handler, model, method) in handlers.items():
-        run = route(handler, model)
-
-        async def receive(request: Request, run=run):
-            from starlette.concurrency import run_in_threadpool
-
-            return await run_in_threadpool(run, request, await request.body())
-
-        api.add_api_route(path, receive, methods=[method])
+        api.add_api_route(path, _receiving(route(handler, model)), methods=[method])
     return api
+
+
+def _receiving(run):
+    """The route's endpoint: reads the body, then answers in the thread pool (waiting on the cluster blocks no
+    other request)."""
+    from starlette.concurrency import run_in_threadpool
+
+    async def receive(request: Request):
+        return await run_in_threadpool(run, request, await request.body())
+
+    return receive
