@@ -468,7 +468,9 @@ def render_compatibility(compatibility) -> str:
             details: dict[str, list[str]] = {}
             for v in versions:
                 if name in rows[v]:
-                    details.setdefault(rows[v][name]["detail"].replace("|", "\\|"), []).append(v)
+                    # `<run>` and `<name>` would be read as HTML tags and dropped from the docs site.
+                    detail_text = rows[v][name]["detail"].replace("|", "\\|").replace("<", "&lt;").replace(">", "&gt;")
+                    details.setdefault(detail_text, []).append(v)
             if len(details) == 1:
                 detail = next(iter(details))
             else:
