@@ -3,7 +3,9 @@
 - `docs/options.md`: one row per flag of `txflow run` (flag, default, description), from the parser that
   `txflow.cli` builds out of `RunConfig`'s fields;
 - the SDK matrix of `docs/tinker-api.md` (between its two markers), from `docs/sdk-matrix.json`, the
-  data `tests/test_sdk_matrix_e2e.py` reads to know which shims each SDK needs.
+  data `tests/test_sdk_matrix_e2e.py` reads to know which shims each SDK needs;
+- the list of changes to SkyRL-tx in `docs/upstream-patches.md` (between its two markers), from the table
+  of `txflow/upstream/skyrl_tx/patches.py`.
 
 `make docs` runs it before building the site; `tests/test_docs.py` fails when a committed page differs
 from what it writes now. `--check` only says which page would change (exit 1).
@@ -18,6 +20,7 @@ from pathlib import Path
 
 from txflow import cli
 from txflow.config import RunConfig
+from txflow.upstream.skyrl_tx.patches import PATCHES
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 OPTIONS_PAGE = DOCS / "options.md"
@@ -25,6 +28,9 @@ SDK_MATRIX = DOCS / "sdk-matrix.json"
 SDK_PAGE = DOCS / "tinker-api.md"
 MATRIX_BEGIN = "<!-- sdk-matrix: rendered from docs/sdk-matrix.json by scripts/gen_docs.py; do not edit -->"
 MATRIX_END = "<!-- end of sdk-matrix -->"
+PATCHES_PAGE = DOCS / "upstream-patches.md"
+PATCHES_BEGIN = "<!-- patches: rendered from the table of patches.py by scripts/gen_docs.py; do not edit -->"
+PATCHES_END = "<!-- end of patches -->"
 REGENERATE = "regenerate with `make docs` (or `.venv/bin/python scripts/gen_docs.py`) and commit the result"
 
 OPTIONS_INTRO = """\
@@ -125,20 +131,40 @@ def sdk_matrix_table() -> str:
     return "\n".join([*lines, "", MATRIX_END])
 
 
+def _between(page: Path, begin_marker: str, end_marker: str, text: str, what: str) -> str:
+    """`page`'s text with what stands between its two markers replaced by `text` (markers included)."""
+    before, begin, rest = page.read_text().partition(begin_marker)
+    _, end, after = rest.partition(end_marker)
+    if not begin or not end:
+        raise SystemExit(f"{page}: the markers {begin_marker!r} and {end_marker!r} are missing; put them back "
+                         f"where {what} goes")
+    return before + text + after
+
+
 def sdk_page() -> str:
     """docs/tinker-api.md with its SDK matrix rendered from the data file now."""
-    page = SDK_PAGE.read_text()
-    before, begin, rest = page.partition(MATRIX_BEGIN)
-    _, end, after = rest.partition(MATRIX_END)
-    if not begin or not end:
-        raise SystemExit(f"{SDK_PAGE}: the markers {MATRIX_BEGIN!r} and {MATRIX_END!r} are missing; put them back "
-                         f"where the SDK table goes")
-    return before + sdk_matrix_table() + after
+    return _between(SDK_PAGE, MATRIX_BEGIN, MATRIX_END, sdk_matrix_table(), "the SDK table")
+
+
+def patches_list() -> str:
+    """One section per change to SkyRL-tx, in the order of the table, between its markers."""
+    lines = [PATCHES_BEGIN]
+    for patch in PATCHES:
+        modules = ", ".join(f"`{module.strip()}`" for module in patch.module.split(","))
+        lines += ["", f"### `{patch.slug}`", "", f"Where: {modules}.", "",
+                  f"- **Upstream:** {patch.why}", f"- **txflow:** {patch.what}",
+                  f"- **Can go when** {patch.until}"]
+    return "\n".join([*lines, "", PATCHES_END])
+
+
+def patches_page() -> str:
+    """docs/upstream-patches.md with its list of changes rendered from the table now."""
+    return _between(PATCHES_PAGE, PATCHES_BEGIN, PATCHES_END, patches_list(), "the list of changes")
 
 
 def pages() -> dict[Path, str]:
     """Every generated page and what it should hold now."""
-    return {OPTIONS_PAGE: options_page(), SDK_PAGE: sdk_page()}
+    return {OPTIONS_PAGE: options_page(), SDK_PAGE: sdk_page(), PATCHES_PAGE: patches_page()}
 
 
 def main(argv: list[str] | None = None) -> int:

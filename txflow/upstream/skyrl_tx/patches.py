@@ -1,0 +1,362 @@
+"""Every change txflow makes to SkyRL-tx 0.3.0, one record each, named by a slug.
+
+Code, comments, tests and docs name a change by its slug (the `scanned-layers` change), never by a
+position in a list. `scripts/gen_docs.py` renders this table as `docs/upstream-patches.md`, and
+`tests/test_patches.py` checks that every slug named in backticks exists here. The Tinker SDK shims of
+`tinker_compat` are a separate, numbered list (the `sdk-shims` change installs them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Patch:
+    """One change to SkyRL-tx's behaviour."""
+
+    slug: str
+    module: str  # the modules of txflow/upstream/skyrl_tx/ that make the change, comma-separated
+    what: str  # what txflow does instead
+    why: str  # what goes wrong upstream
+    until: str  # which upstream change makes it unnecessary
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        slug="external-engine",
+        module="api",
+        what="We serve the same FastAPI app with a lifespan that only prepares the database, and start the "
+             "engine ourselves with this interpreter (`api.serve_api`).",
+        why="`python -m tx.tinker.api` starts the engine itself with `uv run --extra tinker --extra jax -m "
+            "tx.tinker.engine ...` in its FastAPI lifespan. We install with pip, so `uv` and a uv project are "
+            "absent and the engine never starts.",
+        until="upstream lets the API attach to an external engine.",
+    ),
+    Patch(
+        slug="quiet-command-lines",
+        module="api",
+        what="Our lifespan logs nothing of the engine's command line, the engine gets the database URL through "
+             "`TX_DATABASE_URL` (not argv, which `ps` shows), and every command line we log goes through "
+             "`txflow.log.redact`.",
+        why="The upstream lifespan logs the whole engine command line, database URL (password included) and all.",
+        until="upstream's lifespan no longer logs the engine's command line (it goes with `external-engine`).",
+    ),
+    Patch(
+        slug="device-mesh",
+        module="launch",
+        what="`launch.backend_config` derives a mesh whose product equals the device count, and a sampling batch "
+             "that is a multiple of fsdp (sampling `num_samples=1` otherwise fails with fsdp > 1).",
+        why="The default device mesh (fsdp=ep=tp=1) is wrong for more than one process (\"Array has no "
+            "addressable shards\").",
+        until="upstream derives its mesh from the device count.",
+    ),
+    Patch(
+        slug="coordinator-bind",
+        module="launch",
+        what="Rank 0 gets `JAX_COORDINATOR_BIND_ADDRESS` (read by `jax.distributed.initialize`) so that it binds "
+             "only the configured interface (`launch.coordinator_env`).",
+        why="JAX's coordination service binds `[::]:<port>` (every interface) whatever host the coordinator "
+            "address names; SkyRL-tx offers no setting for it.",
+        until="upstream offers a bind address for the coordinator.",
+    ),
+    Patch(
+        slug="staged-checkpoints",
+        module="layout",
+        what="The engine always writes to local staging and txflow commits (`txflow.checkpoints.storage`); the "
+             "layout is named only in `layout` (`relative_checkpoint_path`, `tinker_path_for`). A checkpoint "
+             "copied back from durable storage is registered in the engine's database "
+             "(`layout.register_checkpoint`), the only way 0.3.0 serves a checkpoint it did not write itself.",
+        why="`save_state` writes a DIRECTORY named `<name>.tar.gz`, `save_weights_for_sampler` a real tarball "
+            "under `sampler_weights/`; on S3 the state never reaches the bucket.",
+        until="upstream writes its checkpoints to durable storage itself and serves checkpoints it did not write.",
+    ),
+    Patch(
+        slug="rank0-checkpoint-io",
+        module="checkpoint_io",
+        what="The engine and the workers run through this package (`engine`/`worker` entry points), which "
+             "replaces three backend methods (`checkpoint_io.install_checkpoint_io`): a state save gathers the "
+             "LoRA weights and their optimizer state to every host (a collective; LoRA state is megabytes, not "
+             "the model) and rank 0 alone writes ONE file, `txflow-state.msgpack`, into the checkpoint "
+             "directory; a state or sampler load reads the file on rank 0 and broadcasts its bytes. Every "
+             "checkpoint file therefore lives on rank 0's node, the coordinator node where txflow commits it "
+             "(`txflow.checkpoints.storage`) with fsspec. We gather and broadcast instead of teaching Orbax to "
+             "write to S3 from every rank because the upstream path through cloudpathlib never reaches the "
+             "bucket (see the notes), and one file per checkpoint is what the commit verifies cheaply.",
+        why="No filesystem is shared between ranks. Upstream saves the training state with "
+            "`flax...save_checkpoint_multiprocess` (Orbax): every rank writes its shards into a directory rank 0 "
+            "creates, so with node-local disks the other ranks wait for a directory they never see (600 s, then "
+            "\"Timed out waiting for array_metadatas base directory creation\"), and a restore needs every "
+            "rank's shards on every node. Sampler weights are written by every rank, but a sampler txflow "
+            "imports from durable storage exists only where the import ran.",
+        until="upstream saves without a shared disk.",
+    ),
+    Patch(
+        slug="default-sigterm",
+        module="ranks",
+        what="After initialize the engine and the workers get the default SIGTERM action back "
+             "(`ranks.default_sigterm_after_distributed_init`).",
+        why="SIGTERM does not stop a rank of a multi-process cluster: `jax.distributed.initialize` installs "
+            "TSL's preemption notifier, which catches SIGTERM and only logs \"SIGTERM caught\", so every "
+            "teardown waited out its grace period before SIGKILL. SkyRL-tx does nothing with preemption notices.",
+        until="upstream handles preemption or exits on it.",
+    ),
+    Patch(
+        slug="self-gated-startup",
+        module="engine, worker",
+        what="Every process starts at once and each entry point gates itself after its imports: a worker waits "
+             "until the coordinator accepts connections (`worker.gate_on_coordinator`), the engine's request "
+             "loop until the tables exist (`engine.waits_for_tables`).",
+        why="A worker started before rank 0's JAX coordinator listens would lean on JAX's connection retries, "
+            "and the engine polls database tables that only the API creates. Waiting for each in the "
+            "orchestrator serialises ~8 s of imports per rank.",
+        until="upstream orders its own start-up.",
+    ),
+    Patch(
+        slug="broadcast-delete-model",
+        module="engine",
+        what="The engine's backend broadcasts `delete_model` too (`engine.broadcast_delete_model`).",
+        why="Unloading a model frees its LoRA slot on rank 0 only: the distributed backend (`JaxBackend`) "
+            "broadcasts `create_model` to the workers but not `delete_model`. After an unload, the next model "
+            "gets one adapter index on rank 0 and another on the workers, and the first batched request that "
+            "uses it fails (\"passed to device_put is not the same on each process\"; seen when a restore check "
+            "loads sampler weights into a fresh slot).",
+        until="upstream's `JaxBackend` broadcasts it.",
+    ),
+    Patch(
+        slug="sdk-shims",
+        module="tinker_compat",
+        what="`api.serve_api` installs the shims of `tinker_compat`, which has its own numbered list (SDK shims "
+             "1-7).",
+        why="The API answers only what `tinker` 0.13 sends; newer SDKs (0.25, 0.38) call endpoints it lacks and "
+            "speak protobuf.",
+        until="upstream serves what the newer SDKs call (each shim says when it can go).",
+    ),
+    Patch(
+        slug="result-wait",
+        module="result_wait",
+        what="`result_wait.wait_for_result` (served by tinker_compat's `retrieve_future`) is upstream's loop "
+             "with sleeps of a tenth of the time waited so far, between 10 ms and 0.25 s: a result is noticed "
+             "at most ~10% late, for ~20 more looks at the database per second of waiting early on, fewer "
+             "later. With `wake-channel`, the schedule is only the fallback: a result is noticed when the "
+             "engine's wake comes, with a look every 0.25 s besides.",
+        why="`retrieve_future` long-polls the database with sleeps of 0.1 s growing by 1.5x up to 1 s, so it "
+            "looks at 0.1, 0.25, 0.475, 0.81, 1.32, ... s: a result is noticed up to ~50% late. A 0.26 s "
+            "training step came back at 0.3 or at 0.55 s, whichever side of a look it landed (the bimodal step "
+            "times of the benchmark), and a 5 s request can wait 1 s more.",
+        until="upstream's wait is tighter or notified.",
+    ),
+    Patch(
+        slug="wake-channel",
+        module="api, engine, txflow.upstream.wake",
+        what="With `launch.wake_env` in both environments, each end sends the other a wake after the commits "
+             "that matter (`txflow.upstream.wake`): the API after committing a new request (`create_future`'s "
+             "session), the engine after completing futures (`_complete_futures`). The engine's 0.1 s sleep "
+             "ends at a wake (after a 10 ms quiet spell, so that requests sent together are still batched "
+             "together), and `wait_for_result` looks at once. Requests a client sends together reach the API "
+             "together but are stored one after another (a few database round trips each, often more than "
+             "those 10 ms apart on a busy machine): 13 of 20 toy RL steps had their samples taken in two "
+             "passes. So the API's wake waits while another storing request is still being handled, and the "
+             "last one sends it (`api.Burst`). The database stays the only source of truth; without wakes both "
+             "ends poll as in `result-wait`.",
+        why="The API and the engine find each other's work only by polling the database: besides the result "
+            "wait (`result-wait`), the engine sleeps 0.1 s after every pass over its pending requests, so each "
+            "request that arrives while it sleeps (every training step's) waits up to 0.1 s before the engine "
+            "sees it; that was a third of a 0.3 s step.",
+        until="upstream's engine is notified of work.",
+    ),
+    Patch(
+        slug="tinker-losses",
+        module="losses",
+        what="The engine and the workers compute Tinker's losses and sums, with `loss:sum` in every result; the "
+             "API refuses what cannot be served (stable_reinforce among them) with one line.",
+        why="Upstream serves cross_entropy, importance_sampling and ppo (its clip hard-coded, `loss_fn_config` "
+            "ignored) as means over each sequence's weights and over sequences; Tinker documents sums, "
+            "configurable thresholds and beta, and cispo, dro and gspo.",
+        until="upstream serves Tinker's losses as sums.",
+    ),
+    Patch(
+        slug="lora-flags",
+        module="lora_config",
+        what="The API passes `train_attn`, `train_mlp` and `train_unembed` on, and refuses what the engine cannot "
+             "train (nothing at all; the unembedding of a base model that ties it to its embeddings is served "
+             "by `tied-head-lora`). It answers them in weights_info.",
+        why="Upstream's create_model drops the request's train_attn, train_mlp and train_unembed, so every "
+            "adapter trains attention and MLP whatever the client asked. Upstream's weights_info leaves them out "
+            "too, and SDKs up to 0.25 recreate a state's adapter from it (`create_training_client_from_state`) "
+            "with every flag True.",
+        until="upstream passes them on and answers them.",
+    ),
+    Patch(
+        slug="api-key-check",
+        module="auth",
+        what="`auth.install` puts a check in front of every route but the health check: a request must carry the "
+             "run's key in `X-API-Key` or as `Authorization: Bearer`, compared in constant time, else 401; the "
+             "key reaches the API through its environment, never a command line. A shared cluster also lets in "
+             "the keys of its attached runs, each scoped to what that run created (403 otherwise). A signed "
+             "checkpoint download (`rest-surface`) is the one other way in.",
+        why="SkyRL-tx 0.3.0's API checks no key: anyone who reaches its port can create sessions, sample, save "
+            "weights, load states and unload the run's model; and it has no owners, so keys cannot be scoped.",
+        until="upstream checks keys, scopes them and signs its download URLs.",
+    ),
+    Patch(
+        slug="compilation-cache",
+        module="ranks",
+        what="Every rank writes under JAX's own conditions; `startup.child_env` also caches programs that "
+             "compile in under 1 s (most of those 270).",
+        why="JAX 0.10.2 (which upstream pins) writes the persistent compilation cache from process 0 only, and "
+            "a rank's cache keys are its own, so rank 1 and up compiled every program again on every start: "
+            "~270 on a 2-process cluster of the tiny model, 27 s to ready and a 15 s first step against 12 s "
+            "and 4 s once they write their own entries.",
+        until="JAX writes the cache from every process (tests/test_compilation_cache.py's control then fails).",
+    ),
+    Patch(
+        slug="load-optimizer-flag",
+        module="tinker_compat, engine, checkpoint_io",
+        what="The API stores the flag with the request (`tinker_compat.load_weights`), the engine passes it on "
+             "(`engine.loads_optimizer_when_asked`) and every rank honours it (`checkpoint_io`: without it, the "
+             "model gets a new model's optimizer).",
+        why="Tinker's `load_state` (and `create_training_client_from_state`) loads the weights and starts the "
+            "optimizer afresh; `load_state_with_optimizer` (`..._from_state_with_optimizer`) restores Adam's "
+            "moments too. Every SDK sends that as load_weights' `optimizer` flag, but 0.3.0's "
+            "`LoadWeightsRequest` has no such field: the flag was dropped and every load restored both, so an "
+            "RL run started \"from the SFT weights\" carried the SFT optimizer.",
+        until="upstream honours the flag (current upstream SkyRL does).",
+    ),
+    Patch(
+        slug="tinker-sampler-paths",
+        module="engine, layout",
+        what="The engine answers Tinker's form (`engine.sampler_paths_as_tinkers`) and txflow names sampler "
+             "checkpoints so (`layout.tinker_path`); the old form is still accepted wherever a client sends a "
+             "path (upstream's asample and txflow's `layout`).",
+        why="`save_weights_for_sampler` answers `tinker://<model_id>/<name>` (`tx/tinker/engine.py`), where "
+            "Tinker answers `tinker://<run_id>/sampler_weights/<name>`; the SDK's "
+            "`ParsedCheckpointTinkerPath.from_tinker_path` refuses the former, so every SDK helper that takes a "
+            "checkpoint path (archive URL, weights info, delete, publish) failed in the client before sending "
+            "anything.",
+        until="upstream answers Tinker's form.",
+    ),
+    Patch(
+        slug="sampling-params",
+        module="tinker_compat",
+        what="`tinker_compat.sample_request` reads a lone string as a list and refuses each option it cannot "
+             "serve with one line (400).",
+        why="The SDKs type `stop` as a string, strings or token ids; upstream's `SamplingParams` takes only "
+            "lists, so a lone string got a 422. And upstream accepts `topk_prompt_logprobs` (0.38 adds "
+            "`topk_sample_logprobs`, `target_prompt_logprobs`, `prompt_alt_tokens_k`, `prompt_logprobs_last_n`, "
+            "`record_stability_info`) and answers without them.",
+        until="upstream reads the SDK's types and serves those options.",
+    ),
+    Patch(
+        slug="prompt-logprobs",
+        module="engine",
+        what="The engine puts the None first (`engine.prompt_logprobs_as_tinkers`).",
+        why="Tinker answers one prompt logprob per prompt token, None for the first (which has no context; the "
+            "SDKs document \"[len(tokens)], None at position 0\"); upstream answers len - 1, so entry i was the "
+            "logprob of token i + 1 and a client that indexes by position read its neighbour's.",
+        until="upstream does.",
+    ),
+    Patch(
+        slug="rest-surface",
+        module="rest, auth",
+        what="The archive URL is signed for that one checkpoint and expires (`auth.DownloadSigner`, a secret per "
+             "API process; the key check lets a valid signature through to that download alone, 403 "
+             "otherwise), in both path forms and for states too. `list_user_checkpoints`, the sessions, "
+             "`last_checkpoint` and get_info's `lora_rank` are served from the database. Delete, publish, TTLs "
+             "and `overwrite` are refused in one line naming the txflow command that does the job (txflow's "
+             "durable copy and its prune rules decide what goes). SDK 0.38's external weights (how its `tinker "
+             "checkpoint download` fetches a state) are served as sampler saves with files signed one by one; "
+             "the hosted service's routes (billing, audit, projects, traces, `copy_weights`, server-side custom "
+             "losses) are refused in one line instead of a bare 404.",
+        why="Upstream's archive URL redirects to a download that the key check (`api-key-check`) covers, so "
+            "`tinker checkpoint download` and the cookbook's urllib download, which send no key, got 401; and "
+            "with `tinker-sampler-paths` the SDK asks for `.../checkpoints/sampler_weights/<name>/archive`, "
+            "which no upstream route matched. `list_user_checkpoints`, the sessions, `last_checkpoint` and "
+            "get_info's `lora_rank` were 404 or empty.",
+        until="upstream serves these routes and signs its download URLs.",
+    ),
+    Patch(
+        slug="loss-chunks",
+        module="ranks",
+        what="Every rank sizes the chunks to the batch (`ranks.balanced_chunk`): as many chunks as the "
+             "configured size needs, as even as can be, never larger, so the memory bound stays and the padding "
+             "is below one token per chunk.",
+        why="Upstream computes a batch's logprobs in chunks of `loss_chunk_size` tokens (1024 by default) and "
+            "pads the batch's tokens to a multiple of it, so 4 sequences bucketed to 48 tokens (192 tokens) "
+            "computed the logits of 1024 rows over the whole vocabulary (49,152 for SmolLM2), and their "
+            "backward: the largest part of a small step on a real model.",
+        until="upstream sizes its chunks to the batch (or stops padding to a whole chunk).",
+    ),
+    Patch(
+        slug="lora-per-example",
+        module="ranks",
+        what="Every rank's LoRA linear layers gather each example's own A and B and multiply "
+             "(`ranks.lora_per_example`; same outputs and gradients, tests/test_step_patches.py). Embeddings "
+             "and experts keep upstream's path.",
+        why="A LoRA linear layer sorts the batch's tokens by adapter and runs `jax.lax.ragged_dot` against every "
+            "one of the `max_lora_adapters` slots; XLA on CPU computes it densely for all of them, so with "
+            "txflow's 8 slots every step did the LoRA work 8 times (measured on SmolLM2-135M, in-process, 4 "
+            "sequences: forward+backward 4.8 s with 8 slots, 2.7 s with 2).",
+        until="upstream's LoRA costs what the batch's adapters need.",
+    ),
+    Patch(
+        slug="tied-head-from-arguments",
+        module="models",
+        what="The tied output head is resolved on the model a program rebuilds from its arguments.",
+        why="Upstream stores the head of a model that ties it to its embeddings as a lambda bound to the "
+            "embedding module the model was built with, so every jitted program read that module's concrete "
+            "array: XLA got the 49,152 x 576 embedding of SmolLM2 as a constant and folded it "
+            "(\"slow_operation_alarm: Constant folding ...\").",
+        until="upstream does so.",
+    ),
+    Patch(
+        slug="scanned-layers",
+        module="models",
+        what="The layers run under `jax.lax.scan` over their weights, stacked inside the program (the engine's "
+             "state keeps upstream's per-layer layout). Same figures (tests/test_scanned_layers.py).",
+        why="Upstream's decoder stacks loop over their layers in Python, so every program (training and its "
+            "gradient, forward, the prefill and decode of sampling) traced and compiled each layer anew: 82-96 s "
+            "per SmolLM2 program on 2 cores.",
+        until="upstream scans its layers.",
+    ),
+    Patch(
+        slug="sampling-buckets",
+        module="ranks",
+        what="Prompts shorter than 64 tokens share one sampling bucket.",
+        why="Each sampling prompt length bucket (32, 48, 64, ...) is a program of its own.",
+        until="upstream compiles fewer sampling shapes.",
+    ),
+    Patch(
+        slug="tied-head-lora",
+        module="models, lora_config",
+        what="The head applies the embedding's LoRA (`tied_head`: the one shared matrix `E + s A B` at both "
+             "ends) and the check is passed by.",
+        why="Upstream's tied output head (`LoRAEmbed.T`) drops the adapter and its `init_lora_adapter` refuses "
+            "`train_unembed` on a tied model, the Tinker SDK's default.",
+        until="upstream applies LoRA to a tied head.",
+    ),
+    Patch(
+        slug="served-names",
+        module="served",
+        what="The cluster lists and accepts the model's Hugging Face id, txflow's name and its path, refuses any "
+             "other name in one line, and answers the loaded directory as the tokenizer (`tokenizer_id`, the "
+             "sampler's base model).",
+        why="Upstream lists its model by the path it loaded and stores any `base_model` a client sends; a client "
+            "written for another server passes the Hugging Face id and loads the tokenizer by the name the "
+            "server answers, which needs the network.",
+        until="upstream serves aliases.",
+    ),
+    Patch(
+        slug="prefill-once-per-prompt",
+        module="models",
+        what="The program prefills the batch's distinct (prompt, adapter) rows, padded to a power of two, and "
+             "hands each row its prompt's hidden states and KV cache; decoding stays per row "
+             "(tests/test_prefill_once.py). An 8-row batch of two RL groups of SmolLM2 at 96 tokens: 1.8 s "
+             "instead of 2.9 s.",
+        why="A request for `num_samples` completions (an RL group) is that many rows of a sampling batch, and "
+            "upstream's program prefilled each.",
+        until="upstream shares a request's prefill across its samples.",
+    ),
+)
+
+BY_SLUG: dict[str, Patch] = {patch.slug: patch for patch in PATCHES}
