@@ -61,8 +61,8 @@ RL_JOB = {"tiny": {"batch_size": 8, "learning_rate": 5e-2, "temperature": 0.25,
           "real": {"batch_size": 8, "learning_rate": 1e-3, "temperature": 1.0,
                    "reward": "txflow.training.rewards:exact_answer"}}
 RL_SHAPE = {"group_size": 8, "max_tokens": 8}
-# The same job gives nearly the same losses: txflow's engine computes LoRA per example (adapter point 22) where
-# upstream runs ragged_dot, another float32 summation order that Adam at 2e-2 grows to ~1e-2 in 20 toy steps
+# The same job gives nearly the same losses: txflow's engine computes LoRA per example (the `lora-per-example` change)
+# where upstream runs ragged_dot, another float32 summation order that Adam at 2e-2 grows to ~1e-2 in 20 toy steps
 # (another batch order moves a step's loss by tenths). bfloat16 differs more: reported, not checked.
 LOSS_TOLERANCE = {"tiny": 2e-2, "real": 0.05}
 
@@ -256,7 +256,7 @@ def table(label: str, hand: dict, txflow: dict, pair_ratios: list[float] | None 
               f"overhead {100 * step_overhead:+.1f}% (target <= 3%)",
               f"mean train step: by hand {means[0]:.3f} s, flow {means[1]:.3f} s, "
               f"overhead {100 * (means[1] / means[0] - 1):+.1f}% (by hand, steps take ~0.3 s or ~0.5 s: upstream's "
-              "result wait, adapter point 11)", "", "peak RSS (MiB):"]
+              "result wait, the `result-wait` change)", "", "peak RSS (MiB):"]
     roles = sorted(set(hand["rss"]) | set(txflow["rss"]))
     lines += [f"- {role}: by hand {hand['rss'].get(role, 0):.0f}, flow {txflow['rss'].get(role, 0):.0f}"
               for role in roles]
@@ -336,7 +336,7 @@ def main() -> int:
                 assert flows[-1]["restore_passed"]
                 gaps.append(loss_gap(hands[-1], flows[-1]))
                 # rl: the sides sample alike only as far as their numerics agree; bfloat16: reported, as
-                # the sides' rounding differs (points 21, 22) and Adam's early steps can amplify it.
+                # the sides' rounding differs (`loss-chunks`, `lora-per-example`) and Adam's early steps can amplify it.
                 if JOB["mode"] == "sft" and model_kind() == "tiny":
                     assert gaps[-1] <= tolerance, f"not the same job: per-step losses differ by up to {gaps[-1]:.3g}"
             hand, txflow = combine(hands), combine(flows)

@@ -6,7 +6,7 @@ configuration. Not part of txflow; `scripts/bench_engine_step.py` measures the s
         [--variant adapters=8,chunk=1024] [--variant adapters=2,chunk=0,dtype=float32] ...
 
 A variant sets `adapters` (max_lora_adapters), `chunk` (loss_chunk_size), `dtype` (the model's compute
-dtype), `lora` (`upstream`: ragged_dot over every slot; `txflow`: adapter point 22) and `pad`
+dtype), `lora` (`upstream`: ragged_dot over every slot; `txflow`: the `lora-per-example` change) and `pad`
 (`bucket`: upstream's sequence-length buckets; `exact`: the batch's own length).
 """
 

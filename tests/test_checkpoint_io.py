@@ -1,7 +1,7 @@
-"""txflow's state checkpoint I/O in the SkyRL-tx backend (txflow.upstream.skyrl_tx.checkpoint_io, point 6), in
-one process on the tiny model: exact round trip, one file, checkpoints of upstream's Orbax format still load,
-clear errors.
-The multi-process, no-shared-disk path runs end to end in tests/test_s3_e2e.py."""
+"""txflow's state checkpoint I/O in the SkyRL-tx backend (txflow.upstream.skyrl_tx.checkpoint_io, the
+`rank0-checkpoint-io` change), in one process on the tiny model: exact round trip, one file, checkpoints of upstream's
+Orbax format still load, clear errors. The multi-process, no-shared-disk path runs end to end in
+tests/test_s3_e2e.py."""
 
 from __future__ import annotations
 
@@ -88,7 +88,8 @@ def optimizer_of(backend, model_id: str) -> list[np.ndarray]:
 
 
 def test_a_state_load_restores_the_optimizer_only_when_asked(backend, tmp_path):
-    # Adapter point 16: Tinker's load_state starts the optimizer afresh, load_state_with_optimizer restores it.
+    # The `load-optimizer-flag` change: Tinker's load_state starts the optimizer afresh, load_state_with_optimizer
+    # restores it.
     new_model(backend, "trained", seed=5)
     new_model(backend, "never-stepped", seed=6)
     fresh = optimizer_of(backend, "never-stepped")

@@ -56,7 +56,7 @@ def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, 
     assert len(alive_pids(cfg.state_dir)) == 3
     # The readiness sample went through rank 1: it received the config and served the command.
     assert "entering command loop" in Path(by_role["worker"]["log"]).read_text()
-    # The readiness sample's result reached the API by the engine's wake (adapter point 12). (The
+    # The readiness sample's result reached the API by the engine's wake (the `wake-channel` change). (The
     # request was stored before the engine ran, so the engine found it by looking; the SFT e2e test
     # checks the other direction.)
     assert "the engine's wakes reach the API" in Path(by_role["api"]["log"]).read_text()
@@ -70,7 +70,7 @@ def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, 
     # The readiness client's session heartbeats from a background thread until someone closes it.
     heartbeats = [c.holder._session_heartbeat_task for c in handle.clients]
     assert heartbeats and not any(h.done() for h in heartbeats)
-    # The worker joined only once rank 0's coordinator listened (adapter point 8), not by JAX's retries.
+    # The worker joined only once rank 0's coordinator listened (the `self-gated-startup` change), not by JAX's retries.
     assert f"coordinator {cluster.coordinator_address} accepts connections; joining" in \
         Path(by_role["worker"]["log"]).read_text()
 
@@ -83,7 +83,7 @@ def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, 
     assert all(h.cancelled() for h in heartbeats) and handle.clients == []
     assert [r["rank"] for r in ranks] == [None, 0, 1]
     # Every process stopped on SIGTERM, none needed the SIGKILL after the grace period: JAX's
-    # preemption notifier would swallow SIGTERM in both ranks (adapter point 7).
+    # preemption notifier would swallow SIGTERM in both ranks (the `default-sigterm` change).
     assert [r["exit_code"] for r in ranks] == [-signal.SIGTERM] * 3
 
 

@@ -1,4 +1,5 @@
-"""Point 15 of the SkyRL-tx adapter: every rank, not only rank 0, writes the persistent compilation cache.
+"""The `compilation-cache` change of the SkyRL-tx adapter: every rank, not only rank 0, writes the persistent
+compilation cache.
 
 Two real JAX processes (`jax.distributed`, as the ranks of a cluster) broadcast an array twice, each
 time as a new pair of processes sharing one cache directory. JAX writes the cache from process 0 only,
@@ -62,7 +63,8 @@ def test_every_rank_reads_back_what_it_compiled_on_its_previous_start(tmp_path):
 
 
 def test_without_the_patch_rank_1_compiles_again_on_every_start(tmp_path):
-    """What the patch works around; when JAX writes from every process, this fails and point 15 can go."""
+    """What the patch works around; when JAX writes from every process, this fails and the `compilation-cache` change
+    can go."""
     start_pair(tmp_path / "cache", patched=False)
     again = start_pair(tmp_path / "cache", patched=False)
     assert again[0].count(MISS) == 0 and again[1].count(MISS) >= 1, again

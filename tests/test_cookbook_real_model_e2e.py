@@ -121,7 +121,8 @@ def test_the_renderer_writes_smollm2s_chat_template():
 
 
 # The recipes never pass the LoRA flags, so they ask for the SDK's default train_unembed=True on a model that ties
-# its head to its embedding: SkyRL-tx 0.3.0 refuses that; txflow trains the shared matrix's LoRA (adapter point 26).
+# its head to its embedding: SkyRL-tx 0.3.0 refuses that; txflow trains the shared matrix's LoRA (the `tied-head-lora`
+# change).
 
 
 def run_recipe(warm, run_id: str, module: str, *options: str, export: bool = True) -> tuple[dict, str, Path]:

@@ -19,7 +19,7 @@ PACKAGES = ("txflow", "tasks", "flows", "deployments")
 FLOORS: list[tuple[str, ...]] = [
     ("txflow", "txflow.config", "txflow.log", "txflow.data"),  # the run's contract, logging with redaction
     ("txflow.processes",),  # process groups, /proc, ports, logs, the lifeline
-    ("txflow.upstream",),  # SkyRL-tx and the Tinker SDKs: every patch, numbered
+    ("txflow.upstream",),  # SkyRL-tx and the Tinker SDKs: every patch, named in one table
     ("txflow.checkpoints",),  # markers, durable storage, discovery, the export's records and files
     ("txflow.export",),  # the export proven in transformers + peft: the room that loads models
     ("txflow.cluster",),  # cluster.json, launchers, handle, monitor, the embedded Prefect server

@@ -1,5 +1,6 @@
-"""Checkpoint paths (adapter points 5 and 17): txflow names checkpoints as Tinker does, the SDK's own parser
-takes every name txflow gives, and upstream's old sampler form still maps to the same file."""
+"""Checkpoint paths (the `staged-checkpoints` and `tinker-sampler-paths` changes): txflow names checkpoints as Tinker
+does, the SDK's own parser takes every name txflow gives, and upstream's old sampler form still maps to the same
+file."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Tinker's losses in txflow's engine (txflow.upstream.skyrl_tx.losses, adapter point 13).
+"""Tinker's losses in txflow's engine (txflow.upstream.skyrl_tx.losses, the `tinker-losses` change).
 
 Each loss against the code of its page in Tinker's documentation (tinker-docs.thinkingmachines.ai,
 "Loss Functions": cross_entropy on the index page; importance_sampling, ppo, cispo, dro, gspo on their

@@ -1,5 +1,5 @@
-"""Adapter point 28: a sampling batch's rows that share a prompt are prefilled once, and every row still gets
-what upstream's program gives it (tokens, their logprobs, prompt logprobs), for less compute."""
+"""The `prefill-once-per-prompt` change: a sampling batch's rows that share a prompt are prefilled once, and every row
+still gets what upstream's program gives it (tokens, their logprobs, prompt logprobs), for less compute."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The signed checkpoint download (adapter point 20) and the key check around it (point 15), on a bare
+"""The signed checkpoint download (the `rest-surface` change) and the key check around it (`api-key-check`), on a bare
 FastAPI app: a signature opens one checkpoint's download until it expires, and nothing else."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Adapter point 11: the API's wait for a result (`result_wait.wait_for_result`) against upstream's
+"""The `result-wait` change: the API's wait for a result (`result_wait.wait_for_result`) against upstream's
 own tables in a real SQLite database: the same answers as upstream's `retrieve_future`, and a schedule
 of looks that notices a result at most a tenth late."""
 

@@ -1,5 +1,5 @@
-"""Adapter point 25: sampling prompts of different lengths share one length bucket, so the engine compiles one
-sampling program for a run's readiness sample, held-out prompts and sequences; longer prompts keep upstream's
+"""The `sampling-buckets` change: sampling prompts of different lengths share one length bucket, so the engine compiles
+one sampling program for a run's readiness sample, held-out prompts and sequences; longer prompts keep upstream's
 buckets. Upstream's JAX backend, in this process, on the tiny model."""
 
 from __future__ import annotations

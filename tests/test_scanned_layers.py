@@ -1,6 +1,6 @@
-"""Adapter points 23 and 24: the decoder layers under a scan compute what upstream's loop computes (losses,
-gradients, logprobs, greedy tokens, in float32, on the tiny Qwen3 model and on SmolLM2-135M), and no program
-holds the model's weights as constants."""
+"""The `tied-head-from-arguments` and `scanned-layers` changes: the decoder layers under a scan compute what upstream's
+loop computes (losses, gradients, logprobs, greedy tokens, in float32, on the tiny Qwen3 model and on SmolLM2-135M), and
+no program holds the model's weights as constants."""
 
 from __future__ import annotations
 
@@ -132,7 +132,8 @@ def test_no_program_holds_the_tied_embedding_as_a_constant(upstream_model_code):
         program, lora, rest = loss_program(model)
         with jax.set_mesh(mesh):
             train = program.lower(lora, rest, tokens, mask).as_text()
-            program_of = GeneratorMixin._prefill_and_decode  # point 28 calls upstream's when no prompt repeats
+            # `prefill-once-per-prompt` calls upstream's program when no prompt repeats
+            program_of = GeneratorMixin._prefill_and_decode
             sample = getattr(program_of, "upstream", program_of).lower(
                 model, tokens, mask, 64, 6, jnp.ones(ROWS, jnp.int32), jnp.zeros(ROWS), jax.random.split(
                     jax.random.key(0), ROWS), jnp.full((ROWS, 1), -1, jnp.int32), jnp.zeros(ROWS, jnp.int32),

@@ -96,7 +96,7 @@ def test_no_process_of_the_run_is_left(sft_run):
 
 
 def test_the_api_and_the_engine_woke_each_other(sft_run):
-    # Adapter point 12: every training step's requests woke the engine, and its results the API.
+    # The `wake-channel` change: every training step's requests woke the engine, and its results the API.
     logs = sft_run["state"] / "logs"
     assert "the API's wakes reach the engine" in (logs / "rank0.log").read_text()
     assert "the engine's wakes reach the API" in (logs / "api.log").read_text()

@@ -1,4 +1,4 @@
-"""Adapter points 21 and 22: the chunked logprobs of a batch cover its tokens, not a multiple of
+"""The `loss-chunks` and `lora-per-example` changes: the chunked logprobs of a batch cover its tokens, not a multiple of
 `loss_chunk_size`; a LoRA linear layer computes each example's own adapter, with upstream's outputs and
 gradients."""
 

@@ -1,8 +1,8 @@
-"""`train_unembed` on a model that ties its output head to its embedding (adapter point 26): the cluster applies
-the embedding's LoRA at both ends of the one shared matrix, and the export writes what PEFT and a merged model
-need to compute the same. On a small tied Llama built here (random weights, float32): SkyRL-tx's forward of a
-sampler checkpoint, as the export's reference computes it, against transformers + peft and the merged model.
-The same on SmolLM2 through the cluster: the cookbook recipes in tests/test_cookbook_real_model_e2e.py."""
+"""`train_unembed` on a model that ties its output head to its embedding (the `tied-head-lora` change): the cluster
+applies the embedding's LoRA at both ends of the one shared matrix, and the export writes what PEFT and a merged model
+need to compute the same. On a small tied Llama built here (random weights, float32): SkyRL-tx's forward of a sampler
+checkpoint, as the export's reference computes it, against transformers + peft and the merged model. The same on SmolLM2
+through the cluster: the cookbook recipes in tests/test_cookbook_real_model_e2e.py."""
 
 from __future__ import annotations
 

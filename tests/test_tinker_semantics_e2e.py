@@ -1,8 +1,8 @@
-"""Tinker calls that do what Tinker documents (issue 32), driven by the tinker 0.13.1 SDK of this
-environment against one real 1-process cluster on the tiny model: load_state against
-load_state_with_optimizer (adapter point 16), the sampler path and its use (17), weights_info and the
-client recreated from it (14), and the sampling parameters the SDK's types allow; the REST surface (20); and, on
-the same cluster, every public method and CLI command of SDKs 0.13.1, 0.25.0 and 0.38.0, each probed by
+"""Tinker calls that do what Tinker documents, driven by the tinker 0.13.1 SDK of this environment against one real
+1-process cluster on the tiny model: load_state against load_state_with_optimizer (the `load-optimizer-flag` change),
+the sampler path and its use (`tinker-sampler-paths`), weights_info and the client recreated from it (`lora-flags`), and
+the sampling parameters the SDK's types allow (`sampling-params`); the REST surface (`rest-surface`); and, on the same
+cluster, every public method and CLI command of SDKs 0.13.1, 0.25.0 and 0.38.0, each probed by
 tests/clients/compat_probe.py in its own environment, written into docs/tinker-compatibility.md."""
 
 from __future__ import annotations
@@ -207,8 +207,8 @@ def test_prompt_logprobs_are_tinkers_and_top_k_ones_refused_in_one_line(cluster,
     sampling, _, training = sampler
     params = types.SamplingParams(max_tokens=2, temperature=0.0, seed=0)
     served = wait(handle, sampling.sample(PROMPT, 1, params, include_prompt_logprobs=True)).prompt_logprobs
-    # One per prompt token, None at position 0 (adapter point 19); then each token's own logprob, the one the
-    # training client computes for it as a target.
+    # One per prompt token, None at position 0 (the `prompt-logprobs` change); then each token's own logprob, the one
+    # the training client computes for it as a target.
     tokens = PROMPT.to_ints()
     datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
                         loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
@@ -220,7 +220,7 @@ def test_prompt_logprobs_are_tinkers_and_top_k_ones_refused_in_one_line(cluster,
     assert "\n" not in str(refused.value)
 
 
-# --- the REST surface (adapter point 20) ---------------------------------------------------------------
+# --- the REST surface (the `rest-surface` change) ---------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -415,7 +415,7 @@ def test_compatibility_every_method_and_command_of_each_sdk_works_or_is_refused_
 
 
 def test_compatibility_the_tinker_cli_of_sdk_0_38_against_the_cluster(compatibility):
-    """Item 7, as compat_probe.py measured it with 0.38's CLI: each command's outcome (the probe checks each one:
+    """As compat_probe.py measured it with 0.38's CLI: each command's outcome (the probe checks each one:
     the run and its checkpoints listed, the checkpoint still listed after a refused delete, downloaded files)."""
     by_command = {r["name"]: r for r in compatibility["0.38.0"] if r["kind"] == "command"}
     assert {"run list", "run info", "checkpoint list", "checkpoint info", "checkpoint download",

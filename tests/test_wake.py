@@ -1,4 +1,4 @@
-"""Adapter point 12: the API and the engine wake each other (`txflow/upstream/wake.py`), on real sockets and,
+"""The `wake-channel` change: the API and the engine wake each other (`txflow/upstream/wake.py`), on real sockets and,
 for the API's side, upstream's own tables in a real SQLite database. The bounds here only tell a
 wake from a sleep that ran out (seconds against tens of seconds); speed is the benchmark's business."""
 

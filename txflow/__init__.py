@@ -6,7 +6,7 @@ starts) and `cli` (the `txflow` command). The machinery the steps share lives in
 importing only rooms below it:
 
     processes/    the ground floor: process groups, /proc, ports, logs, the lifeline
-    upstream/     SkyRL-tx 0.3.0 and the Tinker SDKs: every patch, numbered; the wake channel; the tiny model
+    upstream/     SkyRL-tx 0.3.0 and the Tinker SDKs: every patch, named in one table; the wake channel; the tiny model
     checkpoints/  commit markers, durable storage, discovery
     cluster/      the cluster's record, launchers (local, Ray), its handle and monitor, the embedded Prefect
     training/     sft, rl, custom clients, rewards, datasets, evaluation

@@ -231,7 +231,8 @@ def _(ctx, call):
         loss = (logprobs ** 2).sum()
         return loss, {"custom/squared:sum": loss}
 
-    # The cluster declares server-side custom losses off (adapter point 1): the SDK runs the loss in the client.
+    # The cluster declares server-side custom losses off (SDK shim 1 of `tinker_compat`): the SDK runs the loss in the
+    # client.
     handle = call(ctx.service, squared, {"logprobs": 1})
     output = resolve(ctx.scratch().forward_backward_custom(ctx.batch, handle))
     check(output.metrics["custom/squared:sum"] > 0 and math.isfinite(output.metrics["loss:sum"]), f"{output.metrics}")

@@ -20,9 +20,9 @@ read to its end. An artifact with a `.txflow-pruning` sidecar is being deleted
 What SkyRL-tx leaves under its checkpoints base:
 
 - `save_state(name)`: a DIRECTORY `<model_id>/<name>.tar.gz/` (the suffix lies).
-  With txflow's engine (see `txflow.upstream.skyrl_tx.checkpoint_io`, point 6) it holds one file,
-  `txflow-state.msgpack`; upstream's own engine writes a Flax/Orbax checkpoint
-  step `checkpoint_0/` there instead. Both are recognised.
+  With txflow's engine (see `txflow.upstream.skyrl_tx.checkpoint_io`, the `rank0-checkpoint-io` change) it holds one
+  file, `txflow-state.msgpack`; upstream's own engine writes a Flax/Orbax checkpoint step `checkpoint_0/` there instead.
+  Both are recognised.
 - `save_weights_for_sampler(name)`: a real gzip tarball FILE
   `<model_id>/sampler_weights/<name>.tar.gz` plus a `<name>.tar.gz.probe` marker.
 """

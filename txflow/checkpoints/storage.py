@@ -13,10 +13,10 @@ each checkpoint durable itself:
   under a fresh model's id and register it with the engine, so restores and
   resumes read the durable copy, on a fresh cluster as well.
 
-The same path serves local roots (a copy) and object stores, so every local
-end-to-end test exercises it. Staging is on the coordinator node only: the
-engine's checkpoint I/O runs on rank 0 (`txflow.upstream.skyrl_tx.checkpoint_io`, point 6), so no other
-rank's disk holds a checkpoint file and no filesystem is shared between ranks.
+The same path serves local roots (a copy) and object stores, so every local end-to-end test exercises it. Staging is on
+the coordinator node only: the engine's checkpoint I/O runs on rank 0 (`txflow.upstream.skyrl_tx.checkpoint_io`, the
+`rank0-checkpoint-io` change), so no other rank's disk holds a checkpoint file and no filesystem is shared between
+ranks.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 process that started it holds it (its processes die with it, `txflow.processes.lifeline`) until `down`
 signals that holder. `serves.json` beside `cluster.json` says what it serves and where: base model, LoRA
 rank, adapter slots, its API and its holder. The API also lets in the keys in `run-keys.json`, each scoped
-to the run that attached with it (adapter point 15).
+to the run that attached with it (the `api-key-check` change).
 
 A run with `cluster` set attaches instead of provisioning: it registers a key of its own, checks that the
 cluster is up, serves its base model and rank, and has a free adapter slot (waiting for one up to

@@ -90,8 +90,8 @@ def provision(cfg: RunConfig, launcher: Launcher, api_env: dict[str, str] | None
                                          cluster.coordinator_address)
         env = child_env(cfg) | launch.wake_env()  # the API and the engine wake each other
         # The API first (it creates the database tables), then rank 0 without waiting for it: the
-        # engine waits for the tables itself after its imports (adapter point 8). Both use the database;
-        # the API alone gets the run's key, which it checks on every request (adapter point 15).
+        # engine waits for the tables itself after its imports (the `self-gated-startup` change). Both use the database;
+        # the API alone gets the run's key, which it checks on every request (the `api-key-check` change).
         database = {DATABASE_URL_ENV: db_url}
         api_env = (env | launch.api_limits_env(cfg) | launch.served_model_env(cfg, cluster.base_model_path)
                    | (api_env or {}))
@@ -168,7 +168,7 @@ def launch_workers(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
     handle.monitor.raise_if_failed()
     if cfg.processes > 1:
         # The gate is rank 0's process; each worker then waits after its imports until rank 0's
-        # coordinator accepts connections (adapter point 8), instead of leaning on JAX's retries.
+        # coordinator accepts connections (the `self-gated-startup` change), instead of leaning on JAX's retries.
         log.info(f"rank 0 pid {cluster.rank(0).pid} runs; starting ranks 1..{cfg.processes - 1}, each joining "
                  f"once the coordinator {cluster.coordinator_address} accepts connections")
         env = child_env(cfg)  # no credential: a worker gets its work from rank 0, never from the database

@@ -36,7 +36,7 @@ def training_client_at(cfg: RunConfig, handle: ClusterHandle, point: tuple[str, 
     path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, url, "state", training_client.model_id,
                                      f"resume-{step:06d}")
     # A resume continues the run, so Adam's moments and step count come back too: `load_state` would give
-    # the next step a fresh optimizer's update (adapter point 16).
+    # the next step a fresh optimizer's update (the `load-optimizer-flag` change).
     handle.wait(training_client.load_state_with_optimizer(path), f"loading the state of step {step}",
                 cfg.step_timeout_s)
     return training_client

@@ -1,5 +1,5 @@
 """Wake-ups between the Tinker API and its engine, which otherwise find each other's work only by
-polling their shared database (adapter point 12).
+polling their shared database (the `wake-channel` change).
 
 Each end owns a datagram socket in Linux's abstract namespace (no file to clean up; it goes with its
 process), named `<name>-api` and `<name>-engine` after the name both find in `ENV`. After a database
@@ -120,4 +120,4 @@ def say_once(holder, text: str) -> None:
     """One line in this process's log the first time a wake arrives: proof that the channel works."""
     if not getattr(holder, "said", False):
         holder.said = True
-        print(f"txflow: {text} (adapter point 12)", file=sys.stderr, flush=True)
+        print(f"txflow: {text} (the wake-channel patch)", file=sys.stderr, flush=True)

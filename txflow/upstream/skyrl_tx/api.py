@@ -1,5 +1,6 @@
-"""The Tinker API server (points 1, 2, 10, 11, 14, 15, 20 and the API's end of 12 and 13): upstream's FastAPI app,
-served without the engine spawn its lifespan would start through `uv`."""
+"""The Tinker API server (the `external-engine`, `quiet-command-lines`, `sdk-shims`, `result-wait`, `lora-flags`,
+`api-key-check` and `rest-surface` changes, and the API's end of `wake-channel` and `tinker-losses`): upstream's
+FastAPI app, served without the engine spawn its lifespan would start through `uv`."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def serve_api(argv: list[str]) -> None:
         async with app.state.db_engine.begin() as conn:
             await conn.run_sync(SQLModel.metadata.create_all)
         app.state.external_inference_client = None
-        channel = wake.Channel.from_env("api", "engine")  # (12.)
+        channel = wake.Channel.from_env("api", "engine")  # (`wake-channel`)
         app.state.result_wakes = wake.AsyncWakes(channel, asyncio.get_running_loop()) if channel else None
         app.state.burst = Burst(channel.send) if channel else None
         yield
@@ -55,12 +56,12 @@ def serve_api(argv: list[str]) -> None:
     _wake_engine_on_new_requests(api)
     api.app.add_middleware(BurstCount)
     tinker_compat.install(api.app)
-    losses.install_api(api.app)  # (13.)
-    lora_config.install_api(api.app)  # (14.)
+    losses.install_api(api.app)  # (`tinker-losses`)
+    lora_config.install_api(api.app)  # (`lora-flags`)
     served.install(api.app, served.ServedModel.from_env(engine_config.base_model))
     signer = auth.DownloadSigner()
-    rest.install(api.app, signer)  # (20.)
-    # (15.) last added, so it runs first; a shared cluster also lets in its attached runs' keys, each scoped
+    rest.install(api.app, signer)  # (`rest-surface`)
+    # (`api-key-check`) last added, so it runs first; a shared cluster also lets in its attached runs' keys, each scoped
     auth.install(api.app, key, signer, os.environ.get(auth.RUN_KEYS_ENV) or None, auth.Limits.from_env())
     api.app.state.engine_config = engine_config
     config = uvicorn.Config(api.app, host=args.host, port=args.port, log_config=get_uvicorn_log_config())
@@ -81,7 +82,7 @@ STORING_ROUTES = frozenset(f"/api/v1/{name}" for name in (
 
 class Burst:
     """Requests a client sends together (an RL step's samples, a step's forward_backward and optim_step) reach
-    the engine in one wake (12.): the wake after a stored request waits while another storing request is
+    the engine in one wake (`wake-channel`): the wake after a stored request waits while another storing request is
     still being handled, and the last of them to finish sends it. A client that sends them together has them
     all in flight here at once, while the API stores them one after another (each a few database round
     trips): waking at each commit let the engine start on the first ones alone."""
@@ -126,7 +127,7 @@ class BurstCount:
 
 def _wake_engine_on_new_requests(api) -> None:
     """Every request the API stores goes through upstream's `create_future`: once the session that
-    stored one commits, wake the engine (12.), once per burst of requests (`Burst`)."""
+    stored one commits, wake the engine (`wake-channel`), once per burst of requests (`Burst`)."""
     from sqlalchemy import event
 
     upstream = api.create_future

@@ -1,4 +1,4 @@
-"""Point 15: only the run's own clients get in.
+"""The `api-key-check` change: only the run's own clients get in.
 
 SkyRL-tx 0.3.0's API checks no key: anyone who reaches its port can create sessions, sample, save
 weights under names of their choosing, load states and unload the run's model (on one machine every
@@ -9,10 +9,10 @@ from 0.13 to 0.38 sends it, the `client/config` handshake of 0.25 and 0.38 inclu
 `Authorization: Bearer` (for other tools), compared in constant time; anything else gets 401 with one
 line. The handshake declares JWT auth off (`tinker_compat`, shim 1), so the SDKs send the key itself.
 The key reaches the API through its environment (`API_KEY_ENV`), never a command line, a log or
-cluster.json. The one other exception is a signed checkpoint download (point 20, `DownloadSigner`): what
-`get_checkpoint_archive_url` hands out, as Tinker's signed URLs, for tools that send no key (`tinker
-checkpoint download`, the cookbook's urllib); it opens that one checkpoint's download until it expires,
-and a tampered or expired one gets 403. Can go when upstream checks keys and signs its download URLs.
+cluster.json. The one other exception is a signed checkpoint download (the `rest-surface` change, `DownloadSigner`):
+what `get_checkpoint_archive_url` hands out, as Tinker's signed URLs, for tools that send no key (`tinker checkpoint
+download`, the cookbook's urllib); it opens that one checkpoint's download until it expires, and a tampered or expired
+one gets 403. Can go when upstream checks keys and signs its download URLs.
 
 A shared cluster (`txflow cluster up`, issue 34) also lets in the keys of the runs attached to it, each
 valid only for what that run created: the file named by `RUN_KEYS_ENV` maps the SHA-256 of each key to its
@@ -89,7 +89,7 @@ REFUSED = json.dumps({"detail": "missing or wrong API key: send the run's key in
 EXPIRED = json.dumps({"detail": "this checkpoint download URL is expired or was altered: ask for a new one "
                                 "(get_checkpoint_archive_url)"}).encode()
 # The only paths a signature opens: one checkpoint's archive bytes, one file of an external-weights export
-# (point 20).
+# (`rest-surface`).
 DOWNLOAD_PATH = re.compile(r"/api/v1/training_runs/[A-Za-z0-9_:-]+/checkpoints/((weights|sampler_weights)/"
                            r"[A-Za-z0-9_-]+/download|external_weights/[A-Za-z0-9_-]+/files/[A-Za-z0-9_.-]+)")
 

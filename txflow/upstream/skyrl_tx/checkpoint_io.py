@@ -1,8 +1,8 @@
-"""Point 6: checkpoint I/O without a shared filesystem. A state save gathers the adapter's weights and
-optimizer state and rank 0 alone writes them as one file (`layout.STATE_FILE`); state and sampler
-loads read on rank 0 and broadcast. Point 16: a state load restores the optimizer only when asked
-(`load_optimizer`), else the model gets the fresh optimizer a new model gets. Installed in the engine
-and in every worker (`ranks.run`)."""
+"""The `rank0-checkpoint-io` change: checkpoint I/O without a shared filesystem. A state save gathers the adapter's
+weights and optimizer state and rank 0 alone writes them as one file (`layout.STATE_FILE`); state and sampler loads read
+on rank 0 and broadcast. The `load-optimizer-flag` change: a state load restores the optimizer only when asked
+(`load_optimizer`), else the model gets the fresh optimizer a new model gets. Installed in the engine and in every
+worker (`ranks.run`)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def install_checkpoint_io() -> None:
     load_checkpoint.__annotations__["load_optimizer"] = bool
 
     def broadcast_load_checkpoint(self, checkpoint_path, model_id, load_optimizer=True):
-        # Rank 0's wrapper: upstream's broadcasts the path and the model only (16.).
+        # Rank 0's wrapper: upstream's broadcasts the path and the model only (`load-optimizer-flag`).
         self._broadcast_and_call("load_checkpoint", checkpoint_path=checkpoint_path, model_id=model_id,
                                  load_optimizer=load_optimizer)
 
@@ -99,8 +99,8 @@ def _load_state(self, upstream, checkpoint_path, model_id, load_optimizer: bool)
             raise error
         return
     if payload == UPSTREAM_TAG:
-        # Saved by upstream's engine (or txflow before 6.): Orbax restores on every rank, which works
-        # where every rank sees the whole directory (one machine), as when it was saved.
+        # Saved by upstream's engine (or by txflow without `rank0-checkpoint-io`): Orbax restores on every rank, which
+        # works where every rank sees the whole directory (one machine), as when it was saved.
         upstream(self, checkpoint_path, model_id)
         if not load_optimizer:
             _fresh_optimizer(self, model_id)

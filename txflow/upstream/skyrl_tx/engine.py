@@ -1,7 +1,7 @@
-"""Rank 0, the engine (which hosts the JAX coordinator): points 8 (it waits for the API's tables),
-9 (unloads reach the workers), its end of 12 (wakes to and from the API), of 16 (a state load
-restores the optimizer only when the client asked), 17 (sampler paths as Tinker's) and 19 (prompt
-logprobs as Tinker's)."""
+"""Rank 0, the engine (which hosts the JAX coordinator): `self-gated-startup` (it waits for the API's
+tables), `broadcast-delete-model` (unloads reach the workers), its end of `wake-channel` (wakes to and from
+the API), of `load-optimizer-flag` (a state load restores the optimizer only when the client asked),
+`tinker-sampler-paths` (sampler paths as Tinker's) and `prompt-logprobs` (prompt logprobs as Tinker's)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from txflow.upstream.skyrl_tx import ENGINE_MODULE, layout, ranks
 
 
 def broadcast_delete_model() -> None:
-    """Rank 0's backend tells the workers to free a deleted model's slot too (point 9)."""
+    """Rank 0's backend tells the workers to free a deleted model's slot too (`broadcast-delete-model`)."""
     from tx.tinker.backends.jax import JaxBackend
 
     def delete_model(self, model_id: str) -> None:
@@ -20,7 +20,7 @@ def broadcast_delete_model() -> None:
 
 
 def waits_for_tables(timeout_s: float = 300.0) -> None:
-    """The engine's request loop starts once the API has created the database tables (8.)."""
+    """The engine's request loop starts once the API has created the database tables (`self-gated-startup`)."""
     import time
 
     from sqlalchemy import inspect
@@ -40,8 +40,8 @@ def waits_for_tables(timeout_s: float = 300.0) -> None:
 
 
 def loads_optimizer_when_asked() -> None:
-    """A load_weights request restores the optimizer only with its `optimizer` flag (16.); upstream's engine
-    reads the request as `LoadWeightsInput`, which has no such field, and always restores both."""
+    """A load_weights request restores the optimizer only with its `optimizer` flag (`load-optimizer-flag`); upstream's
+    engine reads the request as `LoadWeightsInput`, which has no such field, and always restores both."""
     from tx.tinker import types
     from tx.tinker.engine import TinkerEngine
 
@@ -64,7 +64,7 @@ def loads_optimizer_when_asked() -> None:
 
 def sampler_paths_as_tinkers() -> None:
     """save_weights_for_sampler answers `tinker://<model_id>/sampler_weights/<name>`, Tinker's form, where
-    upstream answers `tinker://<model_id>/<name>` (17.)."""
+    upstream answers `tinker://<model_id>/<name>` (`tinker-sampler-paths`)."""
     from tx.tinker.engine import TinkerEngine
 
     upstream = TinkerEngine.process_save_weights_for_sampler
@@ -80,7 +80,7 @@ def sampler_paths_as_tinkers() -> None:
 
 def prompt_logprobs_as_tinkers() -> None:
     """A sample's prompt logprobs hold one entry per prompt token, None for the first, which has no context
-    (19.); upstream leaves that entry out, so entry i was the logprob of token i + 1."""
+    (`prompt-logprobs`); upstream leaves that entry out, so entry i was the logprob of token i + 1."""
     from tx.tinker.engine import TinkerEngine
 
     upstream = TinkerEngine.process_sample
@@ -97,7 +97,7 @@ def prompt_logprobs_as_tinkers() -> None:
 
 class _EngineClock:
     """What upstream's engine module sees as `time`. Its one `time.sleep`, the 0.1 s after each pass over
-    the pending requests, ends early at the API's wake (12.); everything else is the `time` module."""
+    the pending requests, ends early at the API's wake (`wake-channel`); everything else is the `time` module."""
 
     def __init__(self, channel):
         self._channel = channel
@@ -113,7 +113,7 @@ class _EngineClock:
 
 
 def wakes(engine_module) -> None:
-    """The engine's end of the wake channel (12.): woken by new requests, waking the API once its
+    """The engine's end of the wake channel (`wake-channel`): woken by new requests, waking the API once its
     results are committed."""
     channel = wake.Channel.from_env("engine", "api")
     if channel is None:

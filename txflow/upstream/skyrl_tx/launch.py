@@ -1,6 +1,6 @@
-"""How each process of the cluster is started: its command line, its environment and the engine's
-config (points 3, 4, 12 and 15 of the package docstring). Every process runs `python -m
-txflow.upstream.skyrl_tx`, which installs txflow's patches before upstream's code runs."""
+"""How each process of the cluster is started: its command line, its environment and the engine's config (the
+`device-mesh`, `coordinator-bind`, `wake-channel` and `api-key-check` changes of `patches`). Every process runs
+`python -m txflow.upstream.skyrl_tx`, which installs txflow's patches before upstream's code runs."""
 
 from __future__ import annotations
 
@@ -58,12 +58,13 @@ def engine_args(
 
 
 def wake_env() -> dict[str, str]:
-    """Environment for the API and rank 0 (the engine) of one cluster: the name of their wake channel (12.)."""
+    """Environment for the API and rank 0 (the engine) of one cluster: the name of their wake channel
+    (`wake-channel`)."""
     return {wake.ENV: wake.new_name()}
 
 
 def api_key_env(key: str) -> dict[str, str]:
-    """Environment for the API: the key it lets in (15.); never its command line."""
+    """Environment for the API: the key it lets in (`api-key-check`); never its command line."""
     return {API_KEY_ENV: key}
 
 
@@ -85,7 +86,7 @@ def served_model_env(cfg, base_model_path: str) -> dict[str, str]:
 
 
 def run_keys_env(path: str) -> dict[str, str]:
-    """Environment for the API of a shared cluster: the file of its attached runs' keys (15.)."""
+    """Environment for the API of a shared cluster: the file of its attached runs' keys (`api-key-check`)."""
     return {RUN_KEYS_ENV: path}
 
 
@@ -95,7 +96,7 @@ def coordinator_env(coordinator_address: str | None) -> dict[str, str]:
 
 
 def engine_command(engine_argv: list[str]) -> list[str]:
-    """Rank 0: the engine, which hosts the JAX coordinator (with txflow's checkpoint I/O, see 6.)."""
+    """Rank 0: the engine, which hosts the JAX coordinator (with txflow's checkpoint I/O, `rank0-checkpoint-io`)."""
     return [sys.executable, "-m", ENTRY, "engine", *engine_argv]
 
 
@@ -108,7 +109,7 @@ def api_command(engine_argv: list[str], host: str, port: int) -> list[str]:
 
 def worker_command(coordinator_address: str, num_processes: int, rank: int, gate_timeout_s: float) -> list[str]:
     """Rank > 0: a JAX worker that receives the model and config from rank 0 by broadcast. It joins
-    once rank 0's coordinator accepts connections, and gives up after `gate_timeout_s` (see 8.)."""
+    once rank 0's coordinator accepts connections, and gives up after `gate_timeout_s` (`self-gated-startup`)."""
     return [
         sys.executable,
         "-m",

@@ -1,6 +1,7 @@
-"""Point 5: where SkyRL-tx 0.3.0 writes each checkpoint, the tinker:// paths that name them (Tinker's:
-`tinker://<model_id>/weights/<name>` and `tinker://<model_id>/sampler_weights/<name>`, point 17), and the
-one way to make it serve a checkpoint it did not write (`register_checkpoint`)."""
+"""The `staged-checkpoints` change: where SkyRL-tx 0.3.0 writes each checkpoint, the tinker:// paths that name them
+(Tinker's: `tinker://<model_id>/weights/<name>` and `tinker://<model_id>/sampler_weights/<name>`, the
+`tinker-sampler-paths` change), and the one way to make it serve a checkpoint it did not write
+(`register_checkpoint`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from datetime import UTC
 
 STATE_FILE = "txflow-state.msgpack"
 """The one file of a training-state checkpoint, inside the `<name>.tar.gz/` directory upstream names
-(written by txflow's checkpoint I/O, point 6)."""
+(written by txflow's checkpoint I/O, the `rank0-checkpoint-io` change)."""
 
 
 def tinker_path(model_id: str, kind: str, name: str) -> str:
@@ -18,9 +19,8 @@ def tinker_path(model_id: str, kind: str, name: str) -> str:
 
 
 def parse_tinker_path(path: str) -> tuple[str, str, str]:
-    """`tinker://<model_id>/weights/<name>` -> (model_id, "state", name);
-    `tinker://<model_id>/sampler_weights/<name>`, or upstream's `tinker://<model_id>/<name>` (17.), ->
-    (model_id, "sampler", name)."""
+    """`tinker://<model_id>/weights/<name>` -> (model_id, "state", name); `tinker://<model_id>/sampler_weights/<name>`,
+    or upstream's `tinker://<model_id>/<name>` (`tinker-sampler-paths`), -> (model_id, "sampler", name)."""
     parts = path.removeprefix("tinker://").split("/")
     if len(parts) == 3 and parts[1] == "weights":
         return parts[0], "state", parts[2]
@@ -34,7 +34,7 @@ def parse_tinker_path(path: str) -> tuple[str, str, str]:
 def relative_checkpoint_path(tinker_path: str) -> str:
     """Where SkyRL-tx 0.3.0 writes a checkpoint, relative to its checkpoints base.
 
-    State: a directory `<model_id>/<name>.tar.gz/` (holding `STATE_FILE`, see 6., despite
+    State: a directory `<model_id>/<name>.tar.gz/` (holding `STATE_FILE`, `rank0-checkpoint-io`, despite
     the suffix); sampler: a gzip tarball `<model_id>/sampler_weights/<name>.tar.gz`.
     """
     model_id, kind, name = parse_tinker_path(tinker_path)
@@ -52,7 +52,8 @@ def tinker_path_for(relative_path: str) -> str | None:
 
 
 EXTERNAL_PREFIX = "external_weights-"
-"""The sampler name under which an external-weights export (`save_weights_external`, point 20) is saved."""
+"""The sampler name under which an external-weights export (`save_weights_external`, the `rest-surface` change) is
+saved."""
 
 
 def is_ephemeral_sampler(relative_path: str) -> bool:

@@ -1,4 +1,4 @@
-"""Point 14: the LoRA configuration a client asks for is the one trained.
+"""The `lora-flags` change: the LoRA configuration a client asks for is the one trained.
 
 SkyRL-tx 0.3.0's `create_model` builds the adapter's LoraConfig from the request's rank and seed alone
 (`tx/tinker/api.py`): `train_attn`, `train_mlp` and `train_unembed` are dropped, so every adapter trains
@@ -11,7 +11,7 @@ engine cannot train is refused with one line instead: an adapter with no module.
 create_model passes the flags on.
 
 `train_unembed` on a base model whose output head is its input embedding (`tie_word_embeddings`: SmolLM2,
-Llama-3.2, the small Qwen3s) trains the LoRA of that one shared matrix, on both ends (point 26,
+Llama-3.2, the small Qwen3s) trains the LoRA of that one shared matrix, on both ends (the `tied-head-lora` change,
 `models.tied_head`): SkyRL-tx 0.3.0 applies no LoRA to a tied head (`LoRAEmbed.T`, "TODO: Apply lora adapters
 here as well") and its `init_lora_adapter` refuses the flag on such a model; the Tinker SDK asks for it by
 default.

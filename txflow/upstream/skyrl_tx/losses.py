@@ -1,4 +1,4 @@
-"""Point 13: Tinker's training losses, as Tinker documents them.
+"""The `tinker-losses` change: Tinker's training losses, as Tinker documents them.
 
 SkyRL-tx 0.3.0 serves three losses (cross_entropy, importance_sampling, ppo, whose clip is hard-coded at
 0.8-1.2: `loss_fn_config` reaches the backend and nothing reads it), and computes each one as a mean: a

@@ -1,8 +1,8 @@
-"""SkyRL-tx's model code as every rank and the export's reference run it: a tied output head that reads the
-weights it is given (point 23), the decoder layers under one scan (point 24), the tied head's LoRA (point 26)
-and one prefill per distinct prompt of a sampling batch (point 28). Points 23, 24 and 28 leave every number the
-model computes as it was (tests/test_scanned_layers.py, tests/test_prefill_once.py); they change what XLA is asked
-to compile."""
+"""SkyRL-tx's model code as every rank and the export's reference run it: a tied output head that reads the weights it
+is given (`tied-head-from-arguments`), the decoder layers under one scan (`scanned-layers`), the tied head's LoRA
+(`tied-head-lora`) and one prefill per distinct prompt of a sampling batch (`prefill-once-per-prompt`).
+`tied-head-from-arguments`, `scanned-layers` and `prefill-once-per-prompt` leave every number the model computes as it
+was (tests/test_scanned_layers.py, tests/test_prefill_once.py); they change what XLA is asked to compile."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import functools
 
 
 def tied_head(embed):
-    """The output head of a model that ties it to its embedding `embed` (a LoRAEmbed), with the embedding's
-    LoRA (26.): logits = h (E + s A B)^T = h E^T + s (h B^T) A^T, for each example its own adapter's A (vocab x r),
-    B (r x hidden) and scale s. The same matrix as the input side's `E[token] + s A[token] B`: an adapter that
-    trains the unembedding of a tied model trains the one matrix both ends share, which is what its merged
-    model holds. Upstream's `LoRAEmbed.T` drops the adapter.
+    """The output head of a model that ties it to its embedding `embed` (a LoRAEmbed), with the embedding's LoRA
+    (`tied-head-lora`): logits = h (E + s A B)^T = h E^T + s (h B^T) A^T, for each example its own adapter's A
+    (vocab x r), B (r x hidden) and scale s. The same matrix as the input side's `E[token] + s A[token] B`: an
+    adapter that trains the unembedding of a tied model trains the one matrix both ends share, which is what its
+    merged model holds. Upstream's `LoRAEmbed.T` drops the adapter.
 
     Every adapter slot's LoRA in one product, each example's other slots masked to zero (a gather of A per
     example would be vocab x r per token); computed only when an example's adapter trains the embedding (a
@@ -41,7 +41,8 @@ def tied_head(embed):
 
 
 def tied_head_reads_its_arguments() -> None:
-    """The tied output head multiplies by the embedding of the model it is called on (23.), with its LoRA (26.).
+    """The tied output head multiplies by the embedding of the model it is called on (`tied-head-from-arguments`), with
+    its LoRA (`tied-head-lora`).
 
     Upstream stores `self.lm_head = self.model.embed_tokens.T` at construction: a lambda bound to the
     embedding module the model was built with. A jitted program rebuilds the model from its arguments
@@ -65,8 +66,8 @@ def tied_head_reads_its_arguments() -> None:
 
 
 def scanned(upstream_call):
-    """A decoder stack's `__call__` that runs its layers under `jax.lax.scan` (24.), or upstream's loop where a
-    scan cannot serve: every layer's hidden state asked for, or layers of different structure."""
+    """A decoder stack's `__call__` that runs its layers under `jax.lax.scan` (`scanned-layers`), or upstream's loop
+    where a scan cannot serve: every layer's hidden state asked for, or layers of different structure."""
 
     def __call__(self, input_ids, *, attention_mask, positions, output_hidden_states=None, adapter_indices=None,
                  kv_cache=None):
@@ -106,7 +107,7 @@ def scanned(upstream_call):
 
 
 def decoder_layers_scanned() -> None:
-    """The Llama and Qwen3 decoder stacks compile one layer and loop over it (24.).
+    """The Llama and Qwen3 decoder stacks compile one layer and loop over it (`scanned-layers`).
 
     Upstream runs `for layer_idx, layer in enumerate(self.layers)`, so every program traced and compiled
     each of a model's layers anew: 30 copies for SmolLM2, in the training program, its gradient, and both
@@ -121,7 +122,7 @@ def decoder_layers_scanned() -> None:
 
 
 def tied_models_train_the_unembedding() -> None:
-    """`init_lora_adapter` initialises the embedding's LoRA of a tied model for `train_unembed` (26.).
+    """`init_lora_adapter` initialises the embedding's LoRA of a tied model for `train_unembed` (`tied-head-lora`).
 
     Upstream refuses it ("train_unembed=True is incompatible with tie_word_embeddings=True") because its
     tied head drops the adapter; `tied_head` applies it. Its check reads the model's config and nothing else
@@ -194,7 +195,7 @@ class PrefillOnce:
 
 
 def prefill_once_per_prompt() -> None:
-    """A sampling batch's rows that share a prompt are prefilled once (28.).
+    """A sampling batch's rows that share a prompt are prefilled once (`prefill-once-per-prompt`).
 
     A request for `num_samples` completions (an RL group) becomes that many rows of the batch, and upstream's
     sampling program prefills each: for the nightly's RL groups of 4, three quarters of every prefill computed

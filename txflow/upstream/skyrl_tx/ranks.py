@@ -1,8 +1,9 @@
-"""What every rank process gets before upstream's entry point runs: txflow's checkpoint I/O (point 6),
-the default SIGTERM action after `jax.distributed.initialize` (point 7), Tinker's losses (point 13),
-the compilation cache written by every rank (point 15), loss chunks sized to the batch (point 21), each
-example's own adapter in every LoRA linear layer (point 22), the model code of `models` (points 23, 24), sampling
-prompts in one length bucket (point 25) and the optimizer's compile in the log."""
+"""What every rank process gets before upstream's entry point runs: txflow's checkpoint I/O (`rank0-checkpoint-io`), the
+default SIGTERM action after `jax.distributed.initialize` (`default-sigterm`), Tinker's losses (`tinker-losses`), the
+compilation cache written by every rank (`compilation-cache`), loss chunks sized to the batch (`loss-chunks`), each
+example's own adapter in every LoRA linear layer (`lora-per-example`), the model code of `models`
+(`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`) and the
+optimizer's compile in the log."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from txflow.upstream.skyrl_tx.checkpoint_io import install_checkpoint_io
 
 
 def default_sigterm_after_distributed_init() -> None:
-    """Make `jax.distributed.initialize` give SIGTERM its default action back (point 7)."""
+    """Make `jax.distributed.initialize` give SIGTERM its default action back (`default-sigterm`)."""
     import signal
 
     import jax
@@ -30,7 +31,7 @@ def default_sigterm_after_distributed_init() -> None:
 
 
 def compilation_cache_written_by_every_rank() -> None:
-    """Let ranks > 0 write their programs to the persistent compilation cache, as rank 0 does (point 15)."""
+    """Let ranks > 0 write their programs to the persistent compilation cache, as rank 0 does (`compilation-cache`)."""
     import warnings
 
     from jax._src import compilation_cache, compiler, config, distributed
@@ -56,13 +57,13 @@ def compilation_cache_written_by_every_rank() -> None:
 
 def balanced_chunk(tokens: int, chunk_size: int) -> int:
     """The chunk size that covers `tokens` in as many chunks as `chunk_size` needs, as evenly as possible:
-    the memory bound stays (never above `chunk_size`) and the padding is below one token per chunk (21.)."""
+    the memory bound stays (never above `chunk_size`) and the padding is below one token per chunk (`loss-chunks`)."""
     chunks = -(-tokens // chunk_size)
     return -(-tokens // chunks)
 
 
 def loss_chunks_fit_the_batch() -> None:
-    """Upstream's chunked logprobs pad a batch's tokens to a multiple of `loss_chunk_size` (21.)."""
+    """Upstream's chunked logprobs pad a batch's tokens to a multiple of `loss_chunk_size` (`loss-chunks`)."""
     from tx.utils.logits_processor import LogitsProcessorMixin
 
     upstream = LogitsProcessorMixin._compute_chunked_logprobs
@@ -75,8 +76,8 @@ def loss_chunks_fit_the_batch() -> None:
 
 
 def lora_per_example(self, x, base_output, adapter_indices):
-    """A LoRA linear layer's output with each example's own adapter (22.): its A and B gathered by the example's
-    adapter index, then two small matmuls. Upstream sorts the tokens by adapter and runs `ragged_dot` against
+    """A LoRA linear layer's output with each example's own adapter (`lora-per-example`): its A and B gathered by the
+    example's adapter index, then two small matmuls. Upstream sorts the tokens by adapter and runs `ragged_dot` against
     every adapter slot, which XLA on CPU computes densely for all `max_lora_adapters` of them."""
     import jax.numpy as jnp
 
@@ -90,7 +91,8 @@ def lora_per_example(self, x, base_output, adapter_indices):
 
 
 def lora_computes_each_examples_adapter() -> None:
-    """Every LoRA linear layer computes each example's adapter only (22.); embeddings and experts stay upstream's."""
+    """Every LoRA linear layer computes each example's adapter only (`lora-per-example`); embeddings and experts stay
+    upstream's."""
     from tx.layers.lora import LoRALinear
 
     LoRALinear.apply_lora = lora_per_example
@@ -124,16 +126,16 @@ def optimizer_compile_logged() -> None:
     JaxBackendImpl.optim_step = optim_step
 
 
-# Every sampling batch's prompts are padded to at least this many tokens (25.).
+# Every sampling batch's prompts are padded to at least this many tokens (`sampling-buckets`).
 SAMPLE_BUCKET_FLOOR = 64
 
 
 def sample_prompts_share_a_bucket(floor: int = SAMPLE_BUCKET_FLOOR) -> None:
-    """Sampling pads its prompts to upstream's length buckets (32, 48, 64, ...), and each bucket is a program
-    of its own: a run's readiness sample (32), its held-out prompts (48) and its sequences' logprobs (64)
-    compiled three sampling programs of 12-25 s each for SmolLM2. Prompts shorter than `floor` share one
-    bucket (25.); the prefill of a few padded positions costs far less than a compile. Training keeps its own
-    buckets. Can go when upstream compiles fewer sampling shapes."""
+    """Sampling pads its prompts to upstream's length buckets (32, 48, 64, ...), and each bucket is a program of its
+    own: a run's readiness sample (32), its held-out prompts (48) and its sequences' logprobs (64) compiled three
+    sampling programs of 12-25 s each for SmolLM2. Prompts shorter than `floor` share one bucket (`sampling-buckets`);
+    the prefill of a few padded positions costs far less than a compile. Training keeps its own buckets. Can go when
+    upstream compiles fewer sampling shapes."""
     from tx.tinker.backends import jax as backend
 
     upstream_sample, upstream_round = backend.JaxBackendImpl.sample, backend.round_up_seq_len

@@ -1,10 +1,10 @@
-"""Point 20: the Tinker REST surface of SDK 0.13.1's `RestClient`, against a txflow cluster.
+"""The `rest-surface` change: the Tinker REST surface of SDK 0.13.1's `RestClient`, against a txflow cluster.
 
-SkyRL-tx 0.3.0 serves training runs and their checkpoint lists, and an archive route that redirects to a
-download the key check covers (point 15), for bare checkpoint names only: since point 17 the SDK asks
-for `.../checkpoints/sampler_weights/<name>/archive`, which no route matched. Every other call of the
-`RestClient` got 404. `install(app, signer)` serves each call, or refuses it in one line (400) that
-names the txflow command doing its job:
+SkyRL-tx 0.3.0 serves training runs and their checkpoint lists, and an archive route that redirects to a download the
+key check covers (`api-key-check`), for bare checkpoint names only: since the `tinker-sampler-paths` change the SDK asks
+for `.../checkpoints/sampler_weights/<name>/archive`, which no route matched. Every other call of the `RestClient` got
+404. `install(app, signer)` serves each call, or refuses it in one line (400) that names the txflow command doing its
+job:
 
 - archive URL: a 302 to a download URL signed for that one checkpoint (`auth.DownloadSigner`), both path
   forms, state checkpoints too (their one file, tarred); the download needs the key or that signature;

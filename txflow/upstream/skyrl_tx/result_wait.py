@@ -1,5 +1,5 @@
-"""The API's wait for a result (points 11 and 12), below both the API's own routes and the SDK
-shims of `tinker_compat` that serve `retrieve_future`."""
+"""The API's wait for a result (the `result-wait` and `wake-channel` changes), below both the API's own routes and the
+SDK shims of `tinker_compat` that serve `retrieve_future`."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ def result_poll_s(waited_s: float) -> float:
 
 async def wait_for_result(request_id: str, req) -> Any:
     """Upstream's `retrieve_future` wait (the same answers: the result, 404, 400 with the engine's error,
-    500, 408 after 300 s). It looks again when the engine's wake comes, else every 0.25 s (12.); without
-    wakes, after `result_poll_s` instead of upstream's 0.1 s x 1.5^n (11.)."""
+    500, 408 after 300 s). It looks again when the engine's wake comes, else every 0.25 s (`wake-channel`); without
+    wakes, after `result_poll_s` instead of upstream's 0.1 s x 1.5^n (`result-wait`)."""
     return (await wait_for_future(request_id, req)).result_data
 
 

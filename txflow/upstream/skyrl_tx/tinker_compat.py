@@ -38,7 +38,8 @@ them and reading their request code: `tinker/lib/internal_client_holder.py`,
    sample_sequence_ids" (also against `skyrl` 0.4.0). We issue
    `<request_id>-<i>`, one per requested sample. Can go when upstream returns
    them. This route also reads the sampling parameters as every SDK's types
-   allow them (adapter point 18); left out, upstream's route answers.
+   allow them (the `sampling-params` change); left out, upstream's route
+   answers.
 5. `GET /api/v1/samplers/{sampler_id}` (0.38). A sampling client made from a
    model path (`create_sampling_client(model_path=...)`) asks for its base
    model first. Without it: 404 when that sampling client is created. Can go
@@ -50,8 +51,8 @@ them and reading their request code: `tinker/lib/internal_client_holder.py`,
    that model with the checkpoint owner's base model and LoRA config, then
    queue the load behind it. Can go when upstream creates models on load
    (`skyrl` 0.4.0 does not). This route also carries every load's `optimizer`
-   flag to the engine (adapter point 16); left out, loads restore the optimizer
-   whatever the client asked, as upstream.
+   flag to the engine (the `load-optimizer-flag` change); left out, loads
+   restore the optimizer whatever the client asked, as upstream.
 7. `POST /api/v1/sessions/{session_id}/finish` (0.38). `ServiceClient.close()`,
    and leaving `with ServiceClient() as client:`, finish the session. Without
    it: the client raises a 404 at its very end. We acknowledge it; the engine
@@ -159,7 +160,7 @@ async def forward_backward(req: Request):
 
 
 async def retrieve_future(request: dict, req: Request):
-    """Upstream's result, noticed sooner (adapter point 11); as protobuf for forward, forward_backward and
+    """Upstream's result, noticed sooner (the `result-wait` change); as protobuf for forward, forward_backward and
     sample when the client asks."""
     from tx.tinker import api, types
 
@@ -170,7 +171,7 @@ async def retrieve_future(request: dict, req: Request):
     except ValidationError as exc:
         raise RequestValidationError(exc.errors()) from None
     future = await wait_for_future(retrieve.request_id, req)
-    # A sampler save made for save_weights_external reads as that call's result (adapter point 20).
+    # A sampler save made for save_weights_external reads as that call's result (the `rest-surface` change).
     result, request_type = rest.external_result(future.result_data), future.request_type
     if PROTO not in req.headers.get("accept", ""):
         return result
@@ -185,14 +186,14 @@ async def retrieve_future(request: dict, req: Request):
 
 
 # Sampling options of the SDKs (0.13 to 0.38) that SkyRL-tx 0.3.0 does not compute: a request that sets
-# one is refused (adapter point 18); upstream would accept it and answer without.
+# one is refused (the `sampling-params` change); upstream would accept it and answer without.
 UNSERVED_SAMPLING = ("topk_prompt_logprobs", "topk_sample_logprobs", "target_prompt_logprobs", "prompt_alt_tokens_k",
                      "prompt_logprobs_last_n", "record_stability_info")
 
 
 def sample_request(request: dict):
     """The SDK's sample request as upstream's `SampleRequest`: `stop` as the SDK's types allow it (a string,
-    strings or token ids), what cannot be served refused in one line (adapter point 18)."""
+    strings or token ids), what cannot be served refused in one line (the `sampling-params` change)."""
     from tx.tinker import api
 
     asked = [name for name in UNSERVED_SAMPLING if request.get(name)]
@@ -249,7 +250,7 @@ async def get_sampler(sampler_id: str, req: Request):
 
 
 class LoadWeightsRequest(BaseModel):
-    """A load_weights request with the flag upstream's `LoadWeightsRequest` drops (adapter point 16)."""
+    """A load_weights request with the flag upstream's `LoadWeightsRequest` drops (the `load-optimizer-flag` change)."""
 
     model_id: str
     path: str
@@ -257,7 +258,7 @@ class LoadWeightsRequest(BaseModel):
 
 
 class LoadWeightsInput(BaseModel):
-    """Upstream's `LoadWeightsInput` (what the engine reads) and the flag (adapter point 16)."""
+    """Upstream's `LoadWeightsInput` (what the engine reads) and the flag (the `load-optimizer-flag` change)."""
 
     source_model_id: str
     checkpoint_id: str
@@ -265,7 +266,7 @@ class LoadWeightsInput(BaseModel):
 
 
 async def load_weights(request: dict, req: Request):
-    """Upstream's load_weights, carrying the client's `optimizer` flag to the engine (adapter point 16);
+    """Upstream's load_weights, carrying the client's `optimizer` flag to the engine (the `load-optimizer-flag` change);
     without a `model_id`, first create the model the client named."""
     from tx.tinker import api, types
 

@@ -1,4 +1,5 @@
-"""Ranks > 0, the JAX workers: point 8, each joins once rank 0's coordinator accepts connections."""
+"""Ranks > 0, the JAX workers: the `self-gated-startup` change, each joins once rank 0's coordinator accepts
+connections."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from txflow.upstream.skyrl_tx import WORKER_MODULE, ranks
 
 
 def gate_on_coordinator(address: str, timeout_s: float) -> None:
-    """Block until rank 0's JAX coordinator accepts connections (8.); exit with a message after `timeout_s`."""
+    """Block until rank 0's JAX coordinator accepts connections (`self-gated-startup`); exit with a message after
+    `timeout_s`."""
     import socket
     import time
 
