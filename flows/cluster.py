@@ -1,4 +1,4 @@
-"""The `cluster` flow: a named shared cluster held until the flow run is cancelled (issue 34), so that the
+"""The `cluster` flow: a named shared cluster held until the flow run is cancelled, so that the
 Prefect UI can start and stop one; runs attach to it with `cluster: NAME` (`txflow.cluster.named`)."""
 
 from __future__ import annotations

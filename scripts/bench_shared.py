@@ -1,4 +1,4 @@
-"""Benchmark: one warm cluster for many runs (issue 34). A sweep of 4 toy SFT runs side by side on one
+"""Benchmark: one warm cluster for many runs. A sweep of 4 toy SFT runs side by side on one
 shared cluster (`txflow sweep`, which starts the cluster, the start-up included) against the same 4 runs
 each with its own cluster, one after another (`txflow run`, as before the shared cluster), same machine,
 same warm caches (one unmeasured run and one unmeasured sweep first). Prints both wall times and their

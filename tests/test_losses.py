@@ -156,7 +156,7 @@ def test_dros_penalty_leaves_out_the_prompt_tokens_that_its_page_penalizes(beta)
                                           ("gspo", {"clip_low_threshold": 0.1, "clip_high_threshold": 10.0}),
                                           ("dro", {"beta": 2.0})])
 def test_a_sampled_token_whose_sampling_logprob_is_exactly_zero_still_counts(name, config):
-    # A bf16 model returns exactly 0.0 for a token it samples with p > ~0.97 (issue 31): token 3 here. It
+    # A bf16 model returns exactly 0.0 for a token it samples with p > ~0.97: token 3 here. It
     # has an advantage, so it is a sampled token: in gspo's sequence ratio, under dro's penalty.
     config = with_defaults(name, config)
     sampling = SAMPLING[:3] + [0.0] + SAMPLING[4:]
@@ -236,7 +236,7 @@ def test_a_gspo_sequence_ratio_mask_must_mark_the_sampled_tokens():
     assert "must mark exactly the sampled tokens" in losses.datum_problem("gspo", {**inputs,
                                                                                  "sequence_ratio_mask": [1, 1, 1]})
     assert losses.datum_problem("ppo", {**inputs, "sequence_ratio_mask": [1, 1, 1]}) is None
-    # A bf16 sampler's 0.0 on a confident sampled token (issue 31): its advantage marks it sampled.
+    # A bf16 sampler's 0.0 on a confident sampled token: its advantage marks it sampled.
     confident = {**inputs, "logprobs": [0.0, 0.0, -2.0], "advantages": [0.0, 1.0, 1.0]}
     assert losses.datum_problem("gspo", {**confident, "sequence_ratio_mask": [0, 1, 1]}) is None
 

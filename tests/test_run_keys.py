@@ -1,4 +1,4 @@
-"""Keys of runs attached to a shared cluster (the `api-key-check` change, issue 34): each opens only its own run's
+"""Keys of runs attached to a shared cluster (the `api-key-check` change): each opens only its own run's
 sessions, models, sampling sessions, futures and checkpoints. On a bare FastAPI app with upstream's route
 shapes and a real SQLite database in the tables' shape (the e2e test, test_shared_cluster_e2e, does it on
 a real cluster)."""

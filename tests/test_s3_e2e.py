@@ -413,7 +413,7 @@ def test_an_upload_whose_stored_bytes_differ_is_not_committed(s3_env, monkeypatc
 
 def test_a_key_a_bucket_writer_adds_under_a_committed_state_is_never_downloaded(tmp_path, s3_env, reaper,
                                                                                monkeypatch):
-    """The reproduction of issue 33: after a run, one more key under its newest committed state, with `..`
+    """A key a bucket writer adds: after a run, one more key under its newest committed state, with `..`
     segments pointing out of the directory a resume downloads it to. Discovery calls that state incomplete and
     names the key, a resume from the run root takes the state before it, a resume from that state is refused
     before anything starts, and nothing is written where the key points. The runs sign their markers

@@ -1,4 +1,4 @@
-"""One warm cluster, many runs (issue 34), on one real toy cluster that every test here shares:
+"""One warm cluster, many runs, on one real toy cluster that every test here shares:
 `txflow cluster up/status/down`, runs that attach (`--cluster`) and leave it up, two runs' keys kept
 apart on the real API, a neighbour's bad request, its failed client and its cancellation, sweeps (a refused
 grid, two members side by side ranked and the best promoted, a sweep interrupted), and, last, the cluster

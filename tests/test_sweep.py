@@ -1,4 +1,4 @@
-"""A sweep's grid, its ranking and its refusals (issue 34, item 4), without a cluster. The sweep on a real
+"""A sweep's grid, its ranking and its refusals, without a cluster. The sweep on a real
 cluster, with a failed member and the promotion of the best, is in tests/test_shared_cluster_e2e.py."""
 
 from __future__ import annotations

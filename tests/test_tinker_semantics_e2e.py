@@ -349,7 +349,7 @@ def test_delete_publish_expiry_and_overwrite_are_refused_in_one_line_naming_the_
     assert answer.status_code == 400 and "save under a new name" in answer.json()["detail"]
 
 
-# --- every public method and CLI command of three SDKs: the compatibility table (issue 32, items 7 and 9) ------
+# --- every public method and CLI command of three SDKs: the compatibility table ------------------------
 
 COMPAT_DOC = Path(__file__).parents[1] / "docs" / "tinker-compatibility.md"
 WRITE_TABLE = "TXFLOW_WRITE_COMPAT_TABLE"

@@ -1,4 +1,4 @@
-"""A long-lived cluster with a name, and the runs that attach to it (issue 34).
+"""A long-lived cluster with a name, and the runs that attach to it.
 
 `up` starts a cluster as a run's would start (`txflow.cluster.startup`), in `<clusters dir>/<name>/`, and the
 process that started it holds it (its processes die with it, `txflow.processes.lifeline`) until `down`

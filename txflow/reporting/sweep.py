@@ -1,4 +1,4 @@
-"""A sweep's grid, the ranking of its members and the promotion of the best (issue 34, item 4).
+"""A sweep's grid, the ranking of its members and the promotion of the best.
 
 Each member is a full `train` run (its own checkpoints, proofs and report); the ranking orders the members
 that passed by their held-out figure, the quality check each run already computes: the held-out loss after

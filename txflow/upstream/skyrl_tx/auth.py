@@ -14,7 +14,7 @@ what `get_checkpoint_archive_url` hands out, as Tinker's signed URLs, for tools 
 download`, the cookbook's urllib); it opens that one checkpoint's download until it expires, and a tampered or expired
 one gets 403. Can go when upstream checks keys and signs its download URLs.
 
-A shared cluster (`txflow cluster up`, issue 34) also lets in the keys of the runs attached to it, each
+A shared cluster (`txflow cluster up`) also lets in the keys of the runs attached to it, each
 valid only for what that run created: the file named by `RUN_KEYS_ENV` maps the SHA-256 of each key to its
 run (written by `txflow.cluster.named` when a run attaches, and emptied of it when the run releases; read
 again whenever it changes). A session belongs to the key that created it, a model or sampling session to

@@ -38,7 +38,7 @@ counts where its weight is not zero (SkyRL-tx gives every token weight 1 when th
 
 The sampled tokens (gspo's ratio, dro's penalty) are those with a weight and a sampling logprob or an
 advantage: a prompt token has neither (the SDKs send 0.0 for both). A sampling logprob of 0.0 alone does
-not make a prompt token: a bf16 model returns exactly 0.0 for a token it samples with p > ~0.97 (issue 31).
+not make a prompt token: a bf16 model returns exactly 0.0 for a token it samples with p > ~0.97.
 Only a sampled token with neither is taken for a prompt token, and such a token moves neither loss: no
 advantage, and a penalty of (logprob - 0)^2 where the sampler was certain.
 

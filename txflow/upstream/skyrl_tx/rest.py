@@ -46,7 +46,7 @@ PUBLISH_REFUSED = ("publishing is not served by a txflow cluster: a run publishe
 TTL_REFUSED = ("checkpoint expiry is not served by a txflow cluster: remove old checkpoints with `txflow prune ROOT "
                "--older-than DAYS`")
 # What SDKs from 0.25 call for Tinker's hosted service (accounts, billing, projects, traces) or for storage a txflow
-# cluster does not have: one line each instead of a bare 404 "Not Found" (issue 32, item 7: the CLI prints it).
+# cluster does not have: one line each instead of a bare 404 "Not Found", which the SDK's CLI would print as it is.
 NO_ACCOUNTS = "a txflow cluster has no accounts: clients authenticate with the run's API key (TINKER_API_KEY)"
 NOT_SERVED = {
     "billing": "billing is not served by a txflow cluster (self-hosted: no usage is charged)",
