@@ -1,5 +1,6 @@
 """The generated pages of the docs site are what their generator writes now: the options page from
-RunConfig and the `txflow run` parser, the SDK matrix from the data file the SDK tests read."""
+RunConfig and the `txflow run` parser, the SDK matrix from the data file the SDK tests read, the list of
+upstream patches from their table (`txflow/upstream/skyrl_tx/patches.py`)."""
 
 from __future__ import annotations
 

@@ -63,3 +63,13 @@ def test_no_change_is_named_by_a_number():
             if path != Path(__file__).resolve()
             for number, line in enumerate(text.splitlines(), 1) if numbered.search(line)]
     assert not hits, "name the change by its slug (txflow/upstream/skyrl_tx/patches.py):\n" + "\n".join(hits)
+
+
+def test_no_comment_or_docstring_cites_a_tracker_number():
+    tracker = re.compile(r"\bissues? \d+", re.IGNORECASE)  # an upstream "issue #1362" cited as a source stays
+    hits = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+            for folder in ("txflow", "tests", "scripts", "flows", "tasks", "deployments", "docs")
+            for path, text in _texts(folder)
+            if path != Path(__file__).resolve()
+            for number, line in enumerate(text.splitlines(), 1) if tracker.search(line)]
+    assert not hits, "say what the code does and why, not which tracker item asked for it:\n" + "\n".join(hits)
