@@ -30,8 +30,10 @@ class FakeSampler:
     def __init__(self, reply: list[int], stop_reason: str = "length", fail: Exception | None = None):
         self.reply, self.stop_reason, self.fail, self.calls = reply, stop_reason, fail, []
 
-    def sample(self, prompt, num_samples, sampling_params):
-        self.calls.append({"prompt": prompt.to_ints(), "n": num_samples, "params": sampling_params})
+    def sample(self, prompt, num_samples, sampling_params, include_prompt_logprobs=False):
+        tokens = prompt.to_ints()
+        self.calls.append({"prompt": tokens, "n": num_samples, "params": sampling_params,
+                           "prompt_logprobs": include_prompt_logprobs})
         future = Future()
         if self.fail is not None:
             future.set_exception(self.fail)
@@ -39,7 +41,8 @@ class FakeSampler:
         sequences = [SimpleNamespace(tokens=self.reply[:-1] + [self.reply[-1] + k] if self.reply else [],
                                      logprobs=[-0.5 - k] * len(self.reply), stop_reason=self.stop_reason)
                      for k in range(num_samples)]
-        future.set_result(SimpleNamespace(sequences=sequences))
+        scored = [None] + [-0.1 * i for i in range(1, len(tokens))] if include_prompt_logprobs else None
+        future.set_result(SimpleNamespace(sequences=sequences, prompt_logprobs=scored))
         return future
 
 
@@ -106,6 +109,30 @@ def test_stop_strings_go_to_the_engine_and_the_text_ends_before_them(tokenizer):
     assert done.choices[0].text == tokenizer.decode(reply).split(" c")[0] and done.choices[0].finish_reason == "stop"
 
 
+def test_echo_with_logprobs_scores_the_prompt_as_a_harness_asks(tokenizer):
+    """What lm-eval's loglikelihood requests send: echo, logprobs, max_tokens 0: the prompt back with the
+    sampler's logprob of each of its tokens (None for the first), nothing continued."""
+    prompt = words(tokenizer, "a b c d")
+    client, samplers = serve(tokenizer, mine=FakeSampler(words(tokenizer, "x y")))
+    done = client.completions.create(model="mine", prompt=prompt, echo=True, logprobs=1, max_tokens=0,
+                                     temperature=0)
+    [call] = samplers["mine"].calls
+    assert call["prompt_logprobs"] and call["params"].max_tokens == 1  # one drawn, not shown
+    [choice] = done.choices
+    assert choice.text == tokenizer.decode(prompt) and done.usage.completion_tokens == 0
+    assert choice.logprobs.token_logprobs == [None] + [-0.1 * i for i in range(1, len(prompt))]
+    assert choice.logprobs.tokens == [tokenizer.decode([t]) for t in prompt]
+    assert choice.logprobs.top_logprobs[0] is None and len(choice.logprobs.top_logprobs) == len(prompt)
+    # Echo with a continuation: the prompt's scores, then the sampled tokens' own.
+    both = client.completions.create(model="mine", prompt="a b", echo=True, logprobs=0, max_tokens=2)
+    reply = words(tokenizer, "x y")
+    assert both.choices[0].text == "a b" + tokenizer.decode(reply)
+    assert both.choices[0].logprobs.token_logprobs[-len(reply):] == [-0.5] * len(reply)
+    # Echo without logprobs asks the sampler for nothing more.
+    client.completions.create(model="mine", prompt="a b", echo=True)
+    assert samplers["mine"].calls[-1]["prompt_logprobs"] is False
+
+
 def test_a_chat_is_rendered_with_the_models_template_and_answered_as_the_assistant(tokenizer):
     reply = words(tokenizer, "b c")
     client, samplers = serve(tokenizer, mine=FakeSampler(reply))
@@ -149,10 +176,10 @@ def test_a_wrong_or_missing_key_gets_401_and_nothing_is_sampled(tokenizer):
     ({"model": "other", "prompt": "x"}, openai.NotFoundError, "model 'other' is not served here; served: mine"),
     ({"model": "mine", "prompt": "x", "logprobs": 2}, openai.BadRequestError, "logprobs above 1"),
     ({"model": "mine", "prompt": "x", "presence_penalty": 0.5}, openai.BadRequestError, "presence_penalty is not"),
-    ({"model": "mine", "prompt": "x", "echo": True}, openai.BadRequestError, "echo is not supported"),
+    ({"model": "mine", "prompt": "x", "max_tokens": 0}, openai.BadRequestError, "max_tokens 0 is for scoring"),
     ({"model": "mine", "prompt": "x", "suffix": "y"}, openai.BadRequestError, "suffix is not supported"),
     ({"model": "mine", "prompt": "x", "best_of": 3}, openai.BadRequestError, "best_of is not supported"),
-    ({"model": "mine", "prompt": "x", "max_tokens": 0}, openai.BadRequestError, "max_tokens"),
+    ({"model": "mine", "prompt": "x", "max_tokens": -1}, openai.BadRequestError, "max_tokens"),
     ({"model": "mine", "prompt": "x", "temperature": 3}, openai.BadRequestError, "temperature"),
     ({"model": "mine", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, openai.BadRequestError, "stop: up to 4"),
     ({"model": "mine", "prompt": "x", "extra_body": {"guided_json": {}}}, openai.BadRequestError,

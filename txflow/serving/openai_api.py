@@ -3,7 +3,8 @@ not, each request with the serving key (`Authorization: Bearer KEY`).
 
 What the cluster's sampler can do is honoured (`max_tokens`, `temperature`, `top_p`, `stop`, `seed`, `n`, the
 sampled tokens' `logprobs`); what it cannot is refused in one line naming the parameter, never ignored (top
-alternatives' logprobs, penalties, logit bias, tools, response formats, `echo`, `suffix`, `best_of`). A stream
+alternatives' logprobs, penalties, logit bias, tools, response formats, `suffix`, `best_of`). `echo` with
+`logprobs` scores the prompt itself (each of its tokens' logprob), as evaluation harnesses ask. A stream
 carries each choice whole in one chunk: the sampler answers a request at once, not token by token."""
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class _Common(BaseModel):
     model_config = ConfigDict(extra="allow")  # what OpenAI knows and we do not is refused by name, below
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: only with `echo`, to score a prompt
     max_completion_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0, le=2)
     top_p: float = Field(default=1.0, gt=0, le=1)
@@ -134,12 +135,17 @@ class Endpoint:
                           "model", "model_not_found")
         return self.serving.models[name]
 
-    def sample(self, request: _Common, tokens: list[int], stops: list[str], default_max: int) -> list[dict]:
-        """`n` choices of the prompt `tokens`: each {tokens, text, logprobs, finish_reason}."""
+    def sample(self, request: _Common, tokens: list[int], stops: list[str], default_max: int,
+               prompt_logprobs: bool = False) -> tuple[list[dict], list[float | None] | None]:
+        """`n` choices of the prompt `tokens`, each {tokens, text, logprobs, finish_reason}, and with
+        `prompt_logprobs` the sampler's logprob of each prompt token (None for the first)."""
         from txflow.upstream.tinker_sdk import tinker
 
         served = self.served(request.model)
-        max_tokens = request.max_completion_tokens or request.max_tokens or default_max
+        asked = request.max_completion_tokens or request.max_tokens
+        max_tokens = default_max if asked is None else asked
+        drop = max_tokens == 0  # a prompt scored, nothing continued: the sampler draws one token, not shown
+        max_tokens = max(max_tokens, 1)
         # Stop strings go to the engine (it stops at one); without any, the end of sequence is a stop token.
         # The engine takes one kind or the other, so an end of sequence after a stop string is cut here.
         stop = stops or ([self.eos] if self.eos is not None else None)
@@ -150,18 +156,22 @@ class Endpoint:
         handle = self.serving.handle
         try:
             future = served.sampler.sample(prompt=tinker.types.ModelInput.from_ints(tokens), num_samples=request.n,
-                                           sampling_params=params)
+                                           sampling_params=params, include_prompt_logprobs=prompt_logprobs)
             response = handle.wait(future, "a sample", self.serving.timeout_s)
         except Exception as exc:  # the cluster's own refusal (a bound, a dead rank): said, not hidden
             raise Refused(400 if "400" in str(exc) or "BadRequest" in type(exc).__name__ else 502,
                           f"the cluster refused or failed the sample: {scrub(str(exc))[:500]}") from None
         choices = []
         for seq in response.sequences:
-            kept, text, stopped = _text_of(list(seq.tokens), self.eos, stops, self.serving.tokenizer)
+            kept, text, stopped = _text_of([] if drop else list(seq.tokens), self.eos, stops, self.serving.tokenizer)
             logprobs = list(seq.logprobs or [])[:len(kept)]
             choices.append({"tokens": kept, "text": text, "logprobs": logprobs,
                             "finish_reason": "stop" if stopped or seq.stop_reason == "stop" else "length"})
-        return choices
+        scored = None
+        if prompt_logprobs:
+            found = list(response.prompt_logprobs or [])
+            scored = [None] + [float(lp) for lp in found[len(found) - (len(tokens) - 1):]] if tokens else []
+        return choices, scored
 
     # --- routes ---------------------------------------------------------------------------------------------
 
@@ -171,8 +181,8 @@ class Endpoint:
 
     def completions(self, request: CompletionRequest):
         _refuse_extras(request)
-        if request.echo:
-            raise Refused(400, "echo is not supported", "echo")
+        if request.max_tokens == 0 and not request.echo:
+            raise Refused(400, "max_tokens 0 is for scoring a prompt: give echo too", "max_tokens")
         if request.suffix:
             raise Refused(400, "suffix is not supported: the sampler continues a prompt, it does not fill in",
                           "suffix")
@@ -187,16 +197,23 @@ class Endpoint:
         for prompt in _prompts(request.prompt):
             tokens = tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
             usage["prompt_tokens"] += len(tokens)
-            for choice in self.sample(request, tokens, stops, COMPLETION_MAX_TOKENS):
+            # `echo`: the prompt comes back before the completion, with the sampler's logprob of each of its
+            # tokens (None for the first) when logprobs are asked: how a harness scores a text (loglikelihood).
+            echo = request.echo and request.logprobs is not None
+            choices_of, scored = self.sample(request, tokens, stops, COMPLETION_MAX_TOKENS, prompt_logprobs=echo)
+            prompt_text = (prompt if isinstance(prompt, str) else tokenizer.decode(tokens)) if request.echo else ""
+            for choice in choices_of:
                 usage["completion_tokens"] += len(choice["tokens"])
                 logprobs = None
                 if request.logprobs is not None:
-                    pieces = [tokenizer.decode([t]) for t in choice["tokens"]]
+                    shown = (tokens if echo else []) + choice["tokens"]
+                    values = (scored if echo else []) + choice["logprobs"]
+                    pieces = [tokenizer.decode([t]) for t in shown]
                     offsets = [sum(len(p) for p in pieces[:i]) for i in range(len(pieces))]
-                    logprobs = {"tokens": pieces, "token_logprobs": choice["logprobs"], "text_offset": offsets,
-                                "top_logprobs": ([{p: lp} for p, lp in zip(pieces, choice["logprobs"])]
+                    logprobs = {"tokens": pieces, "token_logprobs": values, "text_offset": offsets,
+                                "top_logprobs": ([None if v is None else {p: v} for p, v in zip(pieces, values)]
                                                  if request.logprobs == 1 else None)}
-                choices.append({"index": len(choices), "text": choice["text"], "logprobs": logprobs,
+                choices.append({"index": len(choices), "text": prompt_text + choice["text"], "logprobs": logprobs,
                                 "finish_reason": choice["finish_reason"]})
         body = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": request.model, "choices": choices,
@@ -225,7 +242,7 @@ class Endpoint:
         tokens = tokenizer.encode(render_chat(tokenizer, messages, add_generation_prompt=True),
                                   add_special_tokens=False)
         choices = []
-        for choice in self.sample(request, tokens, _stops(request.stop), CHAT_MAX_TOKENS):
+        for choice in self.sample(request, tokens, _stops(request.stop), CHAT_MAX_TOKENS)[0]:
             logprobs = None
             if request.logprobs:
                 logprobs = {"content": [{"token": piece, "logprob": lp, "bytes": list(piece.encode()),
