@@ -412,7 +412,7 @@ def test_txflow_serve_answers_the_openai_client_with_what_the_runs_sampler_compu
     `echo`, as evaluation harnesses ask) are the sampler's as evaluate-restore recorded them, and the base model's
     are not; the greedy completion of each reference prompt is the sampler's greedy tokens up to the end of
     sequence; a wrong key gets 401; SIGTERM unloads the adapter and gives the key back, and the cluster stays
-    up with every slot free."""
+    up with as many slots free as before."""
     import openai
 
     from txflow.checkpoints import export
@@ -424,6 +424,7 @@ def test_txflow_serve_answers_the_openai_client_with_what_the_runs_sampler_compu
     assert run.returncode == 0, (work / "to-serve.log").read_text()[-3000:]
     root = json.loads(out)["checkpoint_root"]
     reference = export.read_reference(root, {})
+    before = status(shared)  # what earlier tests' clients may still hold (a notebook's until its session ends)
     with open(work / "serve.log", "w") as log:
         server = subprocess.Popen(txflow_cmd("serve", "--cluster", NAME, "--adapter", f"mine={root}", "--port", "0"),
                                   env=env, cwd=work, stdout=subprocess.PIPE, stderr=log, text=True)
@@ -463,8 +464,9 @@ def test_txflow_serve_answers_the_openai_client_with_what_the_runs_sampler_compu
             server.kill()
             server.wait(timeout=30)
     assert exported["OPENAI_API_KEY"] not in (work / "serve.log").read_text()
-    found = wait_for(lambda: (s := status(shared))["free_slots"] == ADAPTERS - 1 and s, 60, "the adapter unloaded")
-    assert found["healthy"] and found["attached_runs"] == []
+    found = wait_for(lambda: (s := status(shared))["free_slots"] >= before["free_slots"] and s, 60,
+                     "the adapter unloaded")
+    assert found["healthy"] and found["attached_runs"] == before["attached_runs"]
 
 
 def test_cluster_up_detach_returns_once_the_cluster_is_up_and_down_leaves_nothing(shared):
