@@ -57,7 +57,7 @@ def http_of(tokenizer, **samplers) -> TestClient:
     handle = SimpleNamespace(wait=lambda future, what, timeout_s: future.result())
     serving = models.Serving(cfg=None, handle=handle, tokenizer=tokenizer)
     for name, sampler in samplers.items():
-        serving.models[name] = models.Served(name, sampler, "test")
+        serving.models[name] = models.Served(name, sampler)
     return TestClient(openai_api.app(serving, KEY))
 
 

@@ -18,12 +18,10 @@ from txflow.training.tokenizer import load_tokenizer
 
 @dataclass
 class Served:
-    """One name `model` may take: its sampling client and where it came from."""
+    """One name `model` may take, and its sampling client (the serving key's release unloads its slot)."""
 
     name: str
     sampler: object
-    source: str  # "base model" or the sampler checkpoint's URL
-    slot: object | None = None  # the adapter's training client (its slot), None for the base model
 
 
 @dataclass
@@ -92,16 +90,14 @@ def load(serving: Serving, references_by_name: dict[str, export.ExportReference]
     cfg, handle = serving.cfg, serving.handle
     client = handle.service_client()
     base = named.load_serves(cfg.cluster).base_model
-    serving.models[base] = Served(base, client.create_sampling_client(base_model=handle.cluster.base_model_path),
-                                  "base model")
+    serving.models[base] = Served(base, client.create_sampling_client(base_model=handle.cluster.base_model_path))
     for name, reference in references_by_name.items():
         lora = reference.lora
         modules = {k: bool(lora.get(k)) for k in ("train_attn", "train_mlp", "train_unembed")}
         slot = lora_client(handle, client, int(lora["rank"]), serving.timeout_s, modules=modules)
         path = storage.import_checkpoint(cfg, handle.cluster.checkpoints_base, reference.sampler_url, "sampler",
                                          slot.model_id, "served")
-        serving.models[name] = Served(name, client.create_sampling_client(model_path=path), reference.sampler_url,
-                                      slot)
+        serving.models[name] = Served(name, client.create_sampling_client(model_path=path))
         get_logger().info(f"serving {name}: {reference.sampler_url} (rank {lora['rank']})")
 
 
