@@ -144,3 +144,29 @@ def test_no_program_holds_the_tied_embedding_as_a_constant(upstream_model_code):
     models.install()
     train, sample = largest_constants()
     assert train < 10_000 and sample < 10_000, (train, sample)
+
+
+def test_a_decode_step_keeps_upstreams_loop_and_a_prefill_runs_under_the_scan():
+    """A decode step (one token per row, with a KV cache) is too little work to pay for copying each layer's
+    weights out of the stack, which XLA on CPU does inside a scan: it runs upstream's loop."""
+    model, mesh, tokens, mask = build(TINY_MODEL)
+    models.install()
+    adapters = jnp.ones(ROWS, jnp.int32)
+
+    def primitives(fn, *args) -> set[str]:
+        jaxpr = jax.make_jaxpr(fn)(*args)
+        return {eqn.primitive.name for eqn in jaxpr.eqns}
+
+    with jax.set_mesh(mesh):
+        prefill = model(tokens, attention_mask=mask, adapter_indices=adapters)
+        assert "scan" in primitives(
+            lambda t, m: model(t, attention_mask=m, adapter_indices=adapters).last_hidden_state, tokens, mask)
+        cache = prefill.kv_cache.pad_to_length(LENGTH + 8)
+        step_mask = jnp.pad(mask, ((0, 0), (0, 8)))
+        positions = mask.sum(axis=1, keepdims=True)
+
+        def decode(token):
+            return model(token, attention_mask=step_mask, positions=positions, kv_cache=cache,
+                         adapter_indices=adapters).last_hidden_state
+
+        assert "scan" not in primitives(decode, tokens[:, :1])

@@ -313,7 +313,11 @@ PATCHES: tuple[Patch, ...] = (
         slug="scanned-layers",
         module="models",
         what="The layers run under `jax.lax.scan` over their weights, stacked inside the program (the engine's "
-             "state keeps upstream's per-layer layout). Same figures (tests/test_scanned_layers.py).",
+             "state keeps upstream's per-layer layout), except a decode step (one token per row, with a KV "
+             "cache), which keeps upstream's loop. Same figures (tests/test_scanned_layers.py). A decode step "
+             "under the scan copied each layer's weights out of the stack: SmolLM2, 8 rows, bfloat16, 2 cores: "
+             "0.23 s per step under the scan, 0.10-0.13 s in the loop; the sampling program compiles in 8 s "
+             "instead of 4.",
         why="Upstream's decoder stacks loop over their layers in Python, so every program (training and its "
             "gradient, forward, the prefill and decode of sampling) traced and compiled each layer anew: 82-96 s "
             "per SmolLM2 program on 2 cores.",
