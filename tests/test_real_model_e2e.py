@@ -1,5 +1,6 @@
 """The nightly validation's two runs, as the nightly runs them: SmolLM2-135M-Instruct in bfloat16, with every default
-of a real model (its learning rate, its chat template, the bundled arithmetic task, the export and its proof).
+of a real model (its learning rate, its chat template, the bundled arithmetic task, the restore check and the quality
+bar), without the export step, whose proof on this model is the cookbook supervised recipe's run's.
 
 The nightly flow itself (its history, its regression rule) is tested on the tiny model in test_deployments_e2e: it
 does not depend on the model. The two run one after the other on one worker (`together`): the RL run's engine
@@ -29,11 +30,11 @@ def run_args(config: dict) -> list[str]:
     return ["run", config["mode"], *(f"{flag_of(k)}={v}" for k, v in config.items() if k != "mode")]
 
 
-def run_nightly_config(config: dict, name: str, tmp_path, txflow_env, reaper, export: bool = True) -> tuple[dict, str]:
+def run_nightly_config(config: dict, name: str, tmp_path, txflow_env, reaper) -> tuple[dict, str]:
     assert config["base_model"] == SMOLLM2_MODEL  # what the schedule validates is what a user runs
     state = reaper.watch(tmp_path / "state")
     result = run_txflow([*run_args(config), "--run-id", name, "--state-dir", str(state), "--checkpoints",
-                         str(tmp_path / "ckpt"), "--json", *([] if export else ["--no-export"])],
+                         str(tmp_path / "ckpt"), "--json", "--no-export"],
                         txflow_env, tmp_path, timeout=RUN_LIMIT_S)
     assert result.returncode == 0, result.stderr[-4000:]
     report = json.loads(result.stdout)
@@ -43,16 +44,7 @@ def run_nightly_config(config: dict, name: str, tmp_path, txflow_env, reaper, ex
     assert rank_logs and not any("Constant folding" in log for log in rank_logs)
     timings = report["timings_s"]  # each program's seconds, from rank 0's log
     assert "compile optimizer" in timings and any(name.startswith("compile train ") for name in timings)
-    # The export of a bf16 model is proven against SkyRL-tx's float32 forward of the same checkpoint.
-    block = report.get("export")
-    if export:
-        assert block["passed"] and block["greedy_tokens_match"]
-        assert block["max_abs_logprob_diff"] <= block["logprob_bound"]
-        assert block["compared_against"].startswith("SkyRL-tx's forward of the checkpoint in float32 (the cluster "
-                                                    "computed in bfloat16)")
-        assert block["cluster_mean_abs_logprob_diff"] < 0.5  # bfloat16's noise, reported (measured 0.08-0.13)
-    else:
-        assert not block
+    assert not report.get("export")
     # The user sees what was learned: held-out prompts answered by the base model and by the trained one.
     # (`--json` puts them in the report; without it the CLI prints them.)
     restore = report["restore"]
@@ -63,6 +55,10 @@ def run_nightly_config(config: dict, name: str, tmp_path, txflow_env, reaper, ex
 
 
 def test_the_nightly_sft_run_of_the_real_model_learns(tmp_path, txflow_env, reaper):
+    # Without the export (the flow's own step, as every tiny-model e2e run exports): its proof on this model, in
+    # bfloat16 against SkyRL-tx's float32 forward, is the cookbook supervised recipe's run's
+    # (tests/test_cookbook_real_model_e2e.py), the tied head's LoRA included. Here it took 160 s of the run
+    # alone and up to 590 s beside the other worker's tests.
     report, stderr = run_nightly_config(NIGHTLY_SFT, "real-sft", tmp_path, txflow_env, reaper)
     assert "learning rate 0.00132 (the cookbook's LoRA rule for a llama model of hidden size 576)" in stderr
     assert report["learning_rate"] == pytest.approx(1.32e-3)
@@ -74,9 +70,8 @@ def test_the_nightly_sft_run_of_the_real_model_learns(tmp_path, txflow_env, reap
 
 
 def test_the_nightly_rl_run_of_the_real_model_raises_its_reward_beyond_chance(tmp_path, txflow_env, reaper):
-    # Without the export: it is the SFT test's, the same code on the same model and adapter modules (the export
-    # never sees the mode), and it took 73 s of this run's 517 alone.
-    report, _ = run_nightly_config(NIGHTLY_RL, "real-rl", tmp_path, txflow_env, reaper, export=False)
+    # Without the export, as the SFT run (the export never sees the mode).
+    report, _ = run_nightly_config(NIGHTLY_RL, "real-rl", tmp_path, txflow_env, reaper)
     restore = report["restore"]
     # The flow's own check, asserted on its figures: the saved sampler against the base model, same prompts and
     # seeds, a gain beyond the sign-flip test's chance.
