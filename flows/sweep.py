@@ -22,6 +22,7 @@ from pathlib import Path
 from prefect import flow
 
 from flows.train import RunFailed, train_flow
+from txflow.artifacts import promote
 from txflow.cluster import named
 from txflow.config import RunConfig, checked_promotion_name
 from txflow.log import get_logger
@@ -149,7 +150,7 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
     result["sweep_id"], result["cluster"] = sweep_id, name
     result["promoted"] = None
     if promote_best_as and result["best"]:
-        result["promoted"] = ranking.promote_best(config, result, reports, promote_best_as)
+        result["promoted"] = promote.best(config, result, reports, promote_best_as)
     state = state_of(config, sweep_id)
     ranking.write(state, sweep_id, result)
     _publish(sweep_id, result)

@@ -12,7 +12,7 @@ from prefect.exceptions import FlowPauseTimeout
 from prefect.input import RunInput
 from pydantic import Field
 
-from txflow import lifecycle
+from txflow.artifacts import promote
 from txflow.config import RunConfig
 from txflow.log import get_logger
 from txflow.results import Decision
@@ -43,7 +43,7 @@ def approval(cfg: RunConfig, summary: str) -> Decision:
         log.warning(f"no approval within {cfg.approve_timeout_s:g} s: run {cfg.run_id} is not promoted")
         return Decision(verdict="not approved in time")
     verdict = "approved" if answer.approve else "rejected"
-    approver = lifecycle.approver(lifecycle.answer_sender(answer.metadata.receiver, answer.metadata.key),
+    approver = promote.approver(promote.answer_sender(answer.metadata.receiver, answer.metadata.key),
                                   answer.approver)
     log.info(f"run {cfg.run_id} {verdict} for promotion as {cfg.promote_as!r} by {approver}"
              + (f": {answer.comment}" if answer.comment else ""))

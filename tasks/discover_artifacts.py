@@ -1,11 +1,11 @@
-"""Step 5, discover-artifacts: what the run really left in durable storage (`txflow.lifecycle.discover`)."""
+"""Step 5, discover-artifacts: what the run really left in durable storage (`txflow.artifacts.discover`)."""
 
 from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import lifecycle
+from txflow.artifacts import discover
 from txflow.config import RunConfig
 from txflow.results import Discovered, Saved
 
@@ -14,4 +14,4 @@ from txflow.results import Discovered, Saved
 def discover_artifacts(cfg: RunConfig, saved: Saved) -> Discovered:
     """List and check every artifact under the run root, write manifest.json, and fail when a checkpoint
     this run saved is missing, incomplete or uncommitted."""
-    return lifecycle.discover(cfg, saved)
+    return discover.run(cfg, saved)

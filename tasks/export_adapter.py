@@ -1,6 +1,6 @@
 """Step 7, export-adapter: the trained adapter as a Hugging Face PEFT adapter (and, on request, the merged
 model) under `<run_root>/export/`, proven to reproduce SkyRL-tx's restored sampler
-(`txflow.lifecycle.export_run`). It runs after teardown: it needs the durable sampler checkpoint and the
+(`txflow.artifacts.export`). It runs after teardown: it needs the durable sampler checkpoint and the
 figures evaluate-restore recorded, not the cluster, so no process waits on it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from txflow import lifecycle
+from txflow.artifacts import export
 from txflow.config import RunConfig
 from txflow.results import Exported, RestoreCheck
 
@@ -17,4 +17,4 @@ from txflow.results import Exported, RestoreCheck
 def export_adapter(cfg: RunConfig, restore: RestoreCheck) -> Exported:
     """Export the sampler checkpoint evaluate-restore checked, prove it outside SkyRL, commit it, and list
     the run root again (the manifest then names the export too)."""
-    return lifecycle.export_run(cfg, restore)
+    return export.run(cfg, restore)

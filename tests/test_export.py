@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 
 from tests.helpers import LOAD_PEFT_AND_GREEDY, until_eos
+from txflow.artifacts import conversion, proof, writer
 from txflow.checkpoints import export, storage
 from txflow.checkpoints.discovery import discover
 from txflow.checkpoints.markers import COMMIT_SUFFIX
-from txflow.export import proof, writer
 from txflow.upstream.tiny_model import resolve_base_model
 
 pytestmark = [pytest.mark.together]
@@ -140,9 +140,9 @@ def _sampler_of(base: str, work: Path) -> dict:
 
 
 def _peft_dir(skyrl_sampler, tmp_path) -> tuple[Path, dict]:
-    sampler = export.extract_sampler(skyrl_sampler["tarball"], tmp_path / "sampler")
+    sampler = conversion.extract_sampler(skyrl_sampler["tarball"], tmp_path / "sampler")
     out = tmp_path / "peft"
-    return out, export.peft_adapter(sampler, out, skyrl_sampler["base"])
+    return out, conversion.peft_adapter(sampler, out, skyrl_sampler["base"])
 
 
 def _check(skyrl_sampler, peft_dir: Path) -> tuple[float, bool, list[str]]:
@@ -154,7 +154,7 @@ def _check(skyrl_sampler, peft_dir: Path) -> tuple[float, bool, list[str]]:
 
 def test_the_adapter_skyrl_trained_differs_from_the_base_model(skyrl_sampler):
     # Else matching figures would prove nothing: the reference is not the base model's.
-    from txflow.export.proof import figures, load_base
+    from txflow.artifacts.proof import figures, load_base
 
     base = figures(load_base(skyrl_sampler["base"]), skyrl_sampler["reference"])
     assert export.max_abs_diff(base.logprobs, skyrl_sampler["reference"].logprobs) > 0.1
@@ -174,7 +174,7 @@ def test_the_peft_export_reproduces_skyrl(skyrl_sampler, tmp_path):
 
 def test_upstreams_adapter_config_fails_the_check(skyrl_sampler, tmp_path):
     # Today's silent bug, now caught: the tarball as SkyRL-tx writes it (target_modules null).
-    upstream = export.extract_sampler(skyrl_sampler["tarball"], tmp_path / "sampler")
+    upstream = conversion.extract_sampler(skyrl_sampler["tarball"], tmp_path / "sampler")
     assert json.loads((upstream / "adapter_config.json").read_text())["target_modules"] is None
     diff, tokens_match, unapplied = _check(skyrl_sampler, upstream)
     # All but q_proj and v_proj dropped: k, o, gate, up and down of 2 layers, the embedding and lm_head, A and B.
@@ -284,13 +284,13 @@ def test_a_dropped_module_fails_the_check_on_a_bfloat16_model_too(bf16_sampler, 
 
 def test_serving_notes_say_what_servers_would_refuse():
     config = {"target_modules": ["lm_head", "q_proj"], "r": 24}
-    notes = export.serving_notes(config, "/srv/models/base", "/srv/models/base")
+    notes = conversion.serving_notes(config, "/srv/models/base", "/srv/models/base")
     assert any("lm_head" in n and "merged" in n for n in notes)
     assert any("rank 24" in n and "--max-lora-rank 32" in n for n in notes)
     assert any("local path" in n for n in notes)
-    assert export.serving_notes({"target_modules": ["q_proj"], "r": 1024}, "Qwen/Qwen3-8B", "/cache/x")[0] \
+    assert conversion.serving_notes({"target_modules": ["q_proj"], "r": 1024}, "Qwen/Qwen3-8B", "/cache/x")[0] \
         .startswith("rank 1024 is above")
-    assert export.serving_notes({"target_modules": ["q_proj"], "r": 32}, "Qwen/Qwen3-8B", "/cache/x") == []
+    assert conversion.serving_notes({"target_modules": ["q_proj"], "r": 32}, "Qwen/Qwen3-8B", "/cache/x") == []
 
 
 # --- `txflow export` -------------------------------------------------------------------------------------

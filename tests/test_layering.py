@@ -20,13 +20,13 @@ FLOORS: list[tuple[str, ...]] = [
     ("txflow", "txflow.config", "txflow.log", "txflow.data"),  # the run's contract, logging with redaction
     ("txflow.processes",),  # process groups, /proc, ports, logs, the lifeline
     ("txflow.upstream",),  # SkyRL-tx and the Tinker SDKs: every patch, named in one table
-    ("txflow.checkpoints",),  # markers, durable storage, discovery, the export's records and files
-    ("txflow.export",),  # the export proven in transformers + peft: the room that loads models
+    ("txflow.checkpoints",),  # markers, durable storage, discovery, leases, promotion pointers, the export's records
     ("txflow.cluster",),  # cluster.json, launchers, handle, monitor, the embedded Prefect server
     ("txflow.results",),  # what the steps hand each other, and the run's progress
     ("txflow.reporting",),  # report.json, metrics, the training bar, the nightly history
     # the loop, the checkpoints it saves, the restore check and the verdict; what becomes of a run's artifacts
-    ("txflow.training", "txflow.lifecycle"),
+    # (discover, export: the room that loads models in transformers + peft, prune, promote)
+    ("txflow.training", "txflow.artifacts"),
     ("txflow.serving",),  # `txflow serve`: OpenAI's text API over what a run trained, on a warm cluster
     ("txflow.preflight",),
     ("tasks.*",),
@@ -204,10 +204,10 @@ def test_the_check_finds_an_upward_import_a_sideways_one_a_step_borrowing_from_a
     problems = "\n".join(layering_problems(tmp_path))
     assert "txflow.processes.groups (room txflow.processes, floor 1) imports txflow.cluster.handle, on a higher " \
            "floor" in problems
-    assert "txflow.results (room txflow.results, floor 6) imports txflow.reporting.report, on a higher floor" \
+    assert "txflow.results (room txflow.results, floor 5) imports txflow.reporting.report, on a higher floor" \
            in problems
-    assert "deployments.nightly (room deployments, floor 13) imports txflow.cli, on its own floor" in problems
-    assert "tasks.save_checkpoint (room tasks.save_checkpoint, floor 11) imports tasks.train, on its own floor" \
+    assert "deployments.nightly (room deployments, floor 12) imports txflow.cli, on its own floor" in problems
+    assert "tasks.save_checkpoint (room tasks.save_checkpoint, floor 10) imports tasks.train, on its own floor" \
            in problems
     assert "import circle: txflow.cluster.handle -> txflow.processes.groups" in problems
     assert "txflow.stray is on no floor" in problems

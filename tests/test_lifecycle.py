@@ -17,7 +17,8 @@ import fsspec
 import pytest
 
 from tests.helpers import fresh_root, lease_race, taken_over_while_held
-from txflow import cli, lifecycle
+from txflow import cli
+from txflow.artifacts import promote
 from txflow.checkpoints import lease, promotion, retention, storage
 from txflow.checkpoints.discovery import discover
 from txflow.checkpoints.markers import (
@@ -550,11 +551,11 @@ def test_a_trim_that_fails_after_the_pointer_moved_leaves_the_promotion_standing
 
 def test_the_approver_is_prefects_sender_else_the_name_given_else_unknown():
     """Prefect 3.9.1's server knows no user: a sender is stored only when the answer was written with one."""
-    assert lifecycle.approver("prefect.flow-run.x", "alice") == "prefect.flow-run.x (the sender Prefect stored " \
+    assert promote.approver("prefect.flow-run.x", "alice") == "prefect.flow-run.x (the sender Prefect stored " \
                                                                "with the answer)"
-    assert lifecycle.approver(None, " alice ") == "alice (named in the approval form; the Prefect server records " \
+    assert promote.approver(None, " alice ") == "alice (named in the approval form; the Prefect server records " \
                                                   "no user)"
-    assert lifecycle.approver(None, "  ") == lifecycle.approver(None, None) == \
+    assert promote.approver(None, "  ") == promote.approver(None, None) == \
         "unknown (the Prefect server records no user)"
 
 
@@ -580,5 +581,5 @@ def test_a_server_that_cannot_say_who_answered_leaves_the_answer_standing(caplog
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     with temporary_settings(updates={PREFECT_API_URL: "http://127.0.0.1:9/api"}), caplog.at_level(logging.WARNING):
-        assert lifecycle.answer_sender(uuid.uuid4(), "paused-1-response") is None
+        assert promote.answer_sender(uuid.uuid4(), "paused-1-response") is None
     assert "could not read who answered the approval (ConnectError" in caplog.text

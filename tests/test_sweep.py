@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_cli import cli_exit
+from txflow.artifacts import promote
 from txflow.config import RunConfig
 from txflow.reporting import sweep
 from txflow.reporting.report import RunReport
@@ -89,7 +90,7 @@ def test_no_member_passed_means_no_best_and_nothing_to_promote(tmp_path):
     members = grid(tmp_path, [1e-3, 1e-2], [])
     result = sweep.ranking(members, {}, {"sw-00": "x", "sw-01": "y"})
     assert result["best"] is None and result["failed"] == ["sw-00", "sw-01"]
-    assert sweep.promote_best(members[0], result, {}, "best") is None
+    assert promote.best(members[0], result, {}, "best") is None
 
 
 @pytest.mark.parametrize(("options", "message"), [

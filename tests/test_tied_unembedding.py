@@ -10,8 +10,8 @@ import tarfile
 
 import pytest
 
-from txflow.checkpoints.export import peft_adapter
-from txflow.export.proof import load_base, merge
+from txflow.artifacts.conversion import peft_adapter
+from txflow.artifacts.proof import load_base, merge
 
 pytestmark = [pytest.mark.together]
 

@@ -31,10 +31,8 @@ from pydantic import BaseModel, ValidationError
 from pydantic_core import PydanticUndefined
 
 from txflow.config import (
-    NAMED_MODELS,
     PROMOTION_NAME_PATTERN,
     SECRET_ENV,
-    TINY_MODEL,
     RunConfig,
     storage_options_from_env,
 )
@@ -235,18 +233,15 @@ def _parser() -> argparse.ArgumentParser:
 
 def prune_cmd(args) -> int:
     """`txflow prune ROOT`: 0 when done (or, dry, planned), 2 on bad input (nothing deleted)."""
-    from txflow.checkpoints import promotion, retention
+    from txflow.artifacts import prune
 
     try:
         options = _command_storage_options(args.storage_option)
-        protected = promotion.sources(args.root, options)
-        runs = retention.prune(args.root, args.keep_last, args.older_than, dry_run=args.dry_run,
-                               include_failed=args.include_failed, protected=protected, storage_options=options)
+        runs, trimmed = prune.root(args.root, args.keep_last, args.older_than, options, dry_run=args.dry_run,
+                                   include_failed=args.include_failed)
     except ValueError as exc:
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
-    # Promotions the pointer moved past that a promotion's own trim failed to delete.
-    trimmed = [] if args.dry_run else promotion.trim_all(args.root, options)
     freed = sum(run.bytes_freed for run in runs)
     if args.json:
         json.dump({"dry_run": args.dry_run, "bytes_freed": freed,
@@ -692,11 +687,11 @@ def runs_cmd(args) -> int:
 def discover_cmd(args) -> int:
     """`txflow discover URL`: 0 when every artifact is complete, 1 when one is not, 2 on bad input (nothing
     there, a URL or storage option that does not serve), as every command."""
-    from txflow.checkpoints.discovery import discover
+    from txflow.artifacts import discover
 
     try:
-        artifacts = discover(args.url, _command_storage_options(args.storage_option),
-                             require_commit=args.require_commit)
+        artifacts = discover.url(args.url, _command_storage_options(args.storage_option),
+                                 require_commit=args.require_commit)
     except (FileNotFoundError, NotADirectoryError, ValueError) as exc:
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
@@ -714,30 +709,20 @@ def discover_cmd(args) -> int:
 def export_cmd(args) -> int:
     """`txflow export URL --to DIR`: 0 when the export is written and proven, 1 when its proof fails (nothing
     is written), 2 on bad input (nothing is started)."""
-    from txflow.checkpoints import export
-    from txflow.export import writer
-    from txflow.upstream.tiny_model import resolve_base_model
+    from txflow.artifacts import export
+    from txflow.checkpoints.export import ExportError, failure
 
     try:
-        options = _command_storage_options(args.storage_option)
-        run_root, reference = export.locate(args.url, options)
-        run = _run_of(run_root, options)
-        if args.base_model:
-            reference.base_model = export.available_base_model(args.base_model)
-        elif run.get("base_model") in (TINY_MODEL, *NAMED_MODELS):
-            # Built (or converted) here when this machine lacks it.
-            reference.base_model = resolve_base_model(run["base_model"])
-        else:
-            reference.base_model = export.available_base_model(reference.base_model)
-        result = writer.export(reference, args.to, options, reference.base_model, run, merged=args.merged,
-                               force=args.force, log=lambda line: print(f"txflow: {line}", file=sys.stderr))
-    except (export.ExportError, ValueError) as exc:
+        result = export.url(args.url, args.to, _command_storage_options(args.storage_option), args.base_model,
+                            merged=args.merged, force=args.force,
+                            log=lambda line: print(f"txflow: {line}", file=sys.stderr))
+    except (ExportError, ValueError) as exc:
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
     if args.json:
         json.dump(result.model_dump(), sys.stdout, indent=2)
         print()
-    problem = export.failure(result)
+    problem = failure(result)
     if problem:
         print(f"txflow: export check failed: {problem}; nothing was written to {args.to}", file=sys.stderr)
         return 1
@@ -787,24 +772,6 @@ def serve_cmd(args) -> int:
         finally:
             models.release(serving)
     return 0
-
-
-def _run_of(run_root: str, options: dict) -> dict:
-    """What a run's report.json says of it, for the model card ({} without a report)."""
-    import fsspec
-
-    from txflow.reporting.report import RunReport
-
-    fs, path = fsspec.core.url_to_fs(run_root, **options)
-    try:
-        report = RunReport.read(fs.cat_file(f"{path.rstrip('/')}/report.json"))
-    except (FileNotFoundError, ValueError):
-        return {}
-    restore = report.restore or {}
-    quality = {k: v for k, v in restore.items() if k.endswith(("_gain", "eval_loss", "eval_reward", "_p"))}
-    return {"run_id": report.run_id, "mode": report.mode, "steps": len(report.metrics), "base_model": report.base_model,
-            "dataset": report.dataset or f"txflow's bundled {report.mode} dataset", "quality": quality,
-            "base_model_source": "tiny" if report.base_model == "tiny" else "user"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -119,7 +119,7 @@ class Pruned(BaseModel):
 
 
 class Decision(BaseModel):
-    """The approval's outcome: what the person answered, and who answered (`txflow.lifecycle.approver`)."""
+    """The approval's outcome: what the person answered, and who answered (`txflow.artifacts.promote.approver`)."""
 
     verdict: Literal["approved", "rejected", "not approved in time"]
     comment: str | None = None

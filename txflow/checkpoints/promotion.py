@@ -56,7 +56,7 @@ class Promotion(BaseModel):
     url: str | None = None  # history/<id>/, where this promotion's files are
     pointer: str | None = None
     comment: str | None = None
-    approver: str | None = None  # who answered the approval (`txflow.lifecycle.approver`); None without one
+    approver: str | None = None  # who answered the approval (`txflow.artifacts.promote.approver`); None without one
     removed: list[str] = []  # promotions older than the 5 kept, deleted after the pointer moved
     trim_error: str | None = None  # the pointer moved, deleting older ones failed: the next trim does it
 

@@ -1,4 +1,4 @@
-"""A sweep's grid, the ranking of its members and the promotion of the best.
+"""A sweep's grid and the ranking of its members (the best is promoted by `txflow.artifacts.promote.best`).
 
 Each member is a full `train` run (its own checkpoints, proofs and report); the ranking orders the members
 that passed by their held-out figure, the quality check each run already computes: the held-out loss after
@@ -11,7 +11,6 @@ import itertools
 import json
 from pathlib import Path
 
-from txflow.checkpoints import promotion
 from txflow.config import RunConfig
 from txflow.reporting.report import RunReport
 
@@ -105,18 +104,3 @@ def write(directory: Path, sweep_id: str, result: dict) -> Path:
     result["ranking_file"] = str(path)
     path.write_text(json.dumps(result, indent=2))
     return path
-
-
-def promote_best(config: RunConfig, result: dict, reports: dict[str, RunReport], name: str) -> dict | None:
-    """Publish the exported adapter of the best member that passed as promotion `name`; None when none did."""
-    best = result["best"]
-    report = reports.get(best) if best else None
-    if report is None or report.export is None:
-        return None
-    export = report.export
-    parts = {part: url for part, url in (("peft", export.peft_url), ("merged", export.merged_url)) if url}
-    record = {"mode": report.mode, "base_model": report.base_model, "run_root": report.checkpoint_root,
-              "figures": {k: v for k, v in (report.restore or {}).items() if isinstance(v, int | float)},
-              "sweep": {"ranked_by": result["ranked_by"], "members": len(result["members"])}}
-    promoted = promotion.promote(config.checkpoints, name, best, parts, record, config.plain_storage_options())
-    return {"name": name, "run_id": best, "url": promoted.url}

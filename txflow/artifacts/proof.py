@@ -1,17 +1,20 @@
 """The proof of an export: transformers + peft, on the CPU, load the base model and the adapter as any user
 would and compute what SkyRL-tx's restored sampler computed (`ExportReference`); and the merge of the
-adapter into the base model."""
+adapter into the base model.
+
+A base model in bfloat16 (or float16) is computed in that dtype by the cluster, on a grid no float32 model
+reproduces; the proof then compares like with like: SkyRL-tx's own forward of the sampler checkpoint, run here in
+float32, is what PEFT must reproduce (the same bound, the same greedy tokens). The cluster's own figures are then
+only reported against that forward: bfloat16's noise, up to 1.5 nats per token on SmolLM2-135M, is too wide for a
+check (the checkpoint is the one evaluate-restore restored and checked against the live model, by its URL and
+digests). The merged model must match the PEFT model the same way."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from txflow.checkpoints.export import (
-    ExportError,
-    ExportReference,
-    Figures,
-    compute_dtype,
-)
+from txflow.artifacts.conversion import compute_dtype
+from txflow.checkpoints.export import ExportError, ExportReference, Figures
 
 
 def load_base(base_model_path: str):

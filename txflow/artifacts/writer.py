@@ -1,4 +1,4 @@
-"""`export`: a run's sampler checkpoint as a Hugging Face PEFT adapter (and, on request, the merged model),
+"""The export: a run's sampler checkpoint as a Hugging Face PEFT adapter (and, on request, the merged model),
 converted, proven against SkyRL-tx's figures, and committed only when the proof holds."""
 
 from __future__ import annotations
@@ -8,6 +8,16 @@ import tempfile
 import time
 from pathlib import Path
 
+from txflow.artifacts.conversion import (
+    compute_dtype,
+    extract_sampler,
+    model_card,
+    peft_adapter,
+    prepare_destination,
+    serving_notes,
+    ties_embeddings,
+)
+from txflow.artifacts.proof import figures, load_base, merge, prove
 from txflow.checkpoints import storage
 from txflow.checkpoints.export import (
     LOGPROB_BOUND,
@@ -16,17 +26,9 @@ from txflow.checkpoints.export import (
     PROVENANCE_NAME,
     ExportReference,
     ExportResult,
-    compute_dtype,
-    extract_sampler,
     failure,
     max_abs_diff,
-    model_card,
-    peft_adapter,
-    prepare_destination,
-    serving_notes,
-    ties_embeddings,
 )
-from txflow.export.proof import figures, load_base, merge, prove
 
 
 def export(reference: ExportReference, dest: str, options: dict, base_model_path: str, run: dict,
