@@ -332,3 +332,20 @@ def test_a_key_for_a_cluster_that_is_not_there_or_a_bad_ttl_or_label_exits_2_in_
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert says in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_listing_piped_into_a_reader_that_stops_early_ends_quietly(tmp_path):
+    """`txflow discover URL | head -1`: the reader closes the pipe; the command exits 0 without a traceback."""
+    import subprocess
+
+    from tests.helpers import txflow_cmd
+
+    for i in range(1500):  # more than a pipe buffer's 64 KiB of lines, so that a write meets the closed pipe
+        (tmp_path / f"file-{i:04}-{'x' * 40}.json").write_text("{}")
+    proc = subprocess.Popen(txflow_cmd("discover", str(tmp_path)), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=tmp_path)
+    first = proc.stdout.readline()
+    proc.stdout.close()  # as `head -1` does once it has its line
+    stderr = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 0, stderr
+    assert first.startswith(b"file") and "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
