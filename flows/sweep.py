@@ -29,6 +29,7 @@ from txflow.log import get_logger
 from txflow.preflight import PreflightError, check_learning_rate, prepare
 from txflow.processes.umask import private_files
 from txflow.reporting import sweep as ranking
+from txflow.reporting import tracking
 
 # Adapter slots a member holds at its peak: its trained model, and the restore check's reloaded state and
 # sampler (the check's base-model sample needs none). A named cluster runs as many members at once as its
@@ -112,6 +113,11 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
                              // SLOTS_PER_MEMBER))
     log.info(f"sweep {sweep_id}: {len(members)} runs on cluster {name}, {at_once} at once: "
              + ", ".join(f"{m.run_id} (lr {m.learning_rate:g}, rank {m.lora_rank})" for m in members))
+    # One MLflow run for the sweep, its members' runs its children.
+    parent = tracking.start_sweep(config, sweep_id, {"learning_rates": sorted({m.learning_rate for m in members}),
+                                                     "lora_ranks": sorted({m.lora_rank for m in members})})
+    if parent is not None:
+        members = [m.model_copy(update={"tracking_parent": parent}) for m in members]
     reports, errors, running = {}, {}, {}
     lock = threading.Lock()
 
@@ -153,6 +159,7 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
         result["promoted"] = promote.best(config, result, reports, promote_best_as)
     state = state_of(config, sweep_id)
     ranking.write(state, sweep_id, result)
+    tracking.finish_sweep(config, parent, result)
     _publish(sweep_id, result)
     log.info(f"sweep {sweep_id}: best {result['best']}; failed: {', '.join(result['failed']) or 'none'}; "
              f"ranking {result['ranking_file']}")

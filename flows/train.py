@@ -48,6 +48,7 @@ from txflow.log import get_logger, register_run_secrets
 from txflow.preflight import PreflightError
 from txflow.processes.umask import private_files
 from txflow.reporting import report as run_report
+from txflow.reporting import tracking
 from txflow.reporting.metrics import metrics_path
 from txflow.reporting.report import RunReport
 from txflow.results import Progress
@@ -243,6 +244,7 @@ def _run(cfg: RunConfig, data, done: Progress, began: float) -> RunReport:
         run_report.write(cfg, report, path.read_text() if path.exists() else "")
         log.info(f"run {cfg.run_id} {report.status}; report {cfg.run_root}/report.json")
     run_report.publish_artifacts(report)
+    tracking.log_run(cfg, report)
     if not report.passed:
         raise RunFailed(report)
     return report

@@ -20,6 +20,10 @@ from txflow.cluster.launchers import stop_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
+# Runs track nothing in MLflow unless a test asks (tests/test_tracking_e2e.py): a store is a record of the user's
+# runs, and a new one costs ~6 s of migrations in every working directory a test runs in.
+os.environ.setdefault("TXFLOW_TRACKING_URI", "off")
+
 
 @pytest.fixture(scope="session")
 def prefect_db(tmp_path_factory) -> Path:

@@ -260,9 +260,11 @@ def test_a_sweep_trains_its_members_side_by_side_ranks_them_and_promotes_the_bes
     """Two members on the shared cluster: one learns, one at a learning rate far too high fails its check,
     and only itself; the ranking names both, the best is promoted, and every slot and key is freed."""
     work = shared["work"]
+    # Tracked where a user's runs are by default: MLflow's SQLite store in the working directory's .txflow/.
+    env = {k: v for k, v in shared["env"].items() if k != "TXFLOW_TRACKING_URI"}
     result = run_txflow(["sweep", "sft", "--base-model", "tiny", "--cluster", NAME, "--learning-rate", "2e-2,50",
                          "--steps", "4", "--sweep-id", "sw", "--checkpoints", str(work / "ckpt"), "--state-dir",
-                         str(work / "sweep"), "--promote-best-as", "best", "--json"], shared["env"], work)
+                         str(work / "sweep"), "--promote-best-as", "best", "--json"], env, work)
     assert result.returncode == 1, result.stderr[-3000:]  # one member failed
     ranking = json.loads(result.stdout)
     assert ranking == json.loads((work / "sweep" / "ranking.json").read_text())
@@ -286,10 +288,45 @@ def test_a_sweep_trains_its_members_side_by_side_ranks_them_and_promotes_the_bes
     promoted = json.loads(run_txflow(["promoted", str(work / "ckpt"), "best", "--json"], shared["env"], work,
                                      timeout=60).stdout)["current"]
     assert promoted["run_id"] == "sw-00" and promoted["sweep"] == {"ranked_by": "final_eval_loss", "members": 2}
+    # One promotion record shape, whoever promotes: a sweep's names the sources, the adapter and the versions too.
+    assert promoted["sources"]["peft"] == reports["sw-00"]["export"]["peft_url"]
+    assert promoted["adapter"]["r"] == 32 and promoted["versions"]["skyrl_tx"] == "0.3.0"
+    assert promoted["approver"] is None
+    assert_tracked_in_mlflow(work, reports)
     assert "| 1 | sw-00 | 0.02 | 32 | passed |" in (work / "sweep" / "ranking.md").read_text()
     found = wait_for(lambda: (s := status(shared))["free_slots"] == ADAPTERS - 1 and s, 60, "slots released")
     assert found["healthy"] and found["attached_runs"] == []
     assert json.loads((shared["dir"] / "run-keys.json").read_text()) == {}
+
+
+def assert_tracked_in_mlflow(work: Path, reports: dict[str, dict]) -> None:
+    """The sweep is one MLflow run with its members as children; each member has its options as parameters
+    (no credential), its per-step metrics, its evaluations, its report and curve, and its adapter's path."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{work / '.txflow' / 'mlflow.db'}")
+    runs = {r.info.run_name: r for r in client.search_runs([client.get_experiment_by_name("txflow").experiment_id])}
+    assert set(runs) == {"sweep sw", "sw-00", "sw-01"}, sorted(runs)
+    parent = runs["sweep sw"]
+    assert parent.data.tags["txflow.best"] == "sw-00" and parent.info.status == "FINISHED"
+    assert json.loads(parent.data.params["learning_rates"]) == [0.02, 50.0]
+    assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"ranking.json"}
+    for name, report in reports.items():
+        run = runs[name]
+        assert run.data.tags["mlflow.parentRunId"] == parent.info.run_id
+        assert run.info.status == ("FINISHED" if report["status"] == "passed" else "FAILED")
+        params = run.data.params
+        assert params["mode"] == "sft" and float(params["learning_rate"]) == report["learning_rate"]
+        assert params["lora_rank"] == "32" and params["mesh.tp"] == "1" and "api_key" not in params
+        assert not any(marker in value for value in params.values() for marker in ("tml-", "sk-"))
+        history = client.get_metric_history(run.info.run_id, "nll")
+        assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == \
+            [(m["step"], m["nll"]) for m in report["metrics"]]
+        assert run.data.metrics["eval/final_eval_loss"] == report["restore"]["final_eval_loss"]
+        assert {"report.json", "curve.png"} <= {a.path for a in client.list_artifacts(run.info.run_id)}
+    good = runs["sw-00"]
+    assert good.data.tags["txflow.adapter"] == reports["sw-00"]["export"]["peft_url"]
+    assert good.data.metrics["export/max_abs_logprob_diff"] == reports["sw-00"]["export"]["max_abs_logprob_diff"]
 
 
 def test_an_interrupted_sweep_stops_its_runs_and_leaves_the_cluster_serving(shared):

@@ -322,6 +322,14 @@ class RunConfig(BaseModel, extra="forbid"):
         default=None, ge=1,
         description="After the run passes, delete its periodic state checkpoints but the newest K (the final "
         "state, the sampler and anything exported or promoted always stay).")
+    tracking_uri: str | None = Field(
+        default=None,
+        description="MLflow tracking URI the run logs its parameters, per-step metrics, evaluations and artifacts "
+        "to: a server (http://...) or a database (sqlite:///...); `off` logs nothing. Default: $TXFLOW_TRACKING_URI, "
+        "else `sqlite:///.txflow/mlflow.db` in the working directory, its artifacts beside it.")
+    tracking_parent: str | None = Field(
+        default=None,
+        description="The MLflow run this run is a child of (a sweep sets it to its own run).")
     startup_timeout_s: float = Field(default=300, gt=0, description="Deadline for the cluster to become ready.")
     step_timeout_s: float = Field(default=300, gt=0, description="Deadline for one training request.")
     train_retries: int = Field(

@@ -153,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
     # What a sweep sets itself (its members' ids, their promotion) or does not run (a custom client): refused in
     # one line by `sweep_cmd`, not listed.
     _run_options(RunConfig, sweep, hidden=("run_id", "promote_as", "approve", "approve_timeout_s", "client",
-                                           "client_args", "client_python"))
+                                           "client_args", "client_python", "tracking_parent"))
     sweep.add_argument("--config", dest="config_file", metavar="FILE", help=CONFIG_HELP)
     # The grid: the two fields a sweep varies take comma-separated values here (the last flag of a name wins).
     sweep.add_argument("--learning-rate", dest="learning_rate", metavar="R1,R2,...",
