@@ -435,10 +435,13 @@ def test_three_sft_deployment_runs_take_turns_on_the_slots_and_wait_for_approval
         reports = [a for a in by_type.get("markdown", []) if (a.key or "").startswith("report-")]
         assert [a.key for a in reports] == [f"report-{key}"]
         assert f"txflow run `{run_id}`: passed" in reports[0].data and "## Promotion" in reports[0].data
-        tables = by_type.get("table", [])
-        assert [a.key for a in tables] == [f"metrics-{key}"]
-        rows = json.loads(tables[0].data) if isinstance(tables[0].data, str) else tables[0].data
-        assert [row["step"] for row in rows] == [1, 2, 3, 4, 5, 6]
+        # The metrics table while the run trained (a version after each step), then the whole run's with the
+        # report: the UI shows the latest.
+        tables = sorted(by_type.get("table", []), key=lambda a: a.created)
+        assert {a.key for a in tables} == {f"metrics-{key}"}
+        versions = [[row["step"] for row in (json.loads(a.data) if isinstance(a.data, str) else a.data)]
+                    for a in tables]
+        assert versions == [[1], [1, 2], [1, 2, 3], [1, 2, 3, 4], [1, 2, 3, 4, 5], [1, 2, 3, 4, 5, 6]], versions
         progress = by_type.get("progress", [])
         assert [a.key for a in progress] == [f"progress-{key}"]
         assert float(progress[0].data) == 100.0

@@ -14,7 +14,7 @@ from txflow.checkpoints.discovery import Artifact
 from txflow.checkpoints.export import ExportResult, load_instructions
 from txflow.checkpoints.promotion import Promotion
 from txflow.config import RunConfig
-from txflow.log import scrub
+from txflow.log import get_logger, scrub
 from txflow.reporting.metrics import read_metrics
 from txflow.results import Progress, RestoreCheck, Saved, step_name
 
@@ -345,6 +345,25 @@ def export_markdown(block: ExportResult | None) -> list[str]:
     return lines
 
 
+def publish_metrics(run_id: str, metrics: list[dict]) -> None:
+    """The per-step metrics table on the Prefect flow run as it stands while the run trains (when there is one):
+    each call a new version of the same artifact, whose latest the UI shows. A server that cannot take it is a
+    warning: the table is a view of the run, not a step of it."""
+    from prefect.artifacts import create_table_artifact
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None or not metrics:
+        return
+    try:
+        create_table_artifact(metrics, key=f"metrics-{_artifact_key(run_id)}", description="Per-step training metrics")
+    except Exception as exc:
+        get_logger().warning(f"the metrics table of run {run_id} was not updated ({type(exc).__name__}: {exc})")
+
+
+def _artifact_key(run_id: str) -> str:
+    return run_id.lower().replace("_", "-")
+
+
 def publish_artifacts(report: RunReport) -> None:
     """Markdown summary and per-step metrics table on the Prefect flow run (when there is one)."""
     from prefect.artifacts import create_markdown_artifact, create_table_artifact
@@ -352,7 +371,7 @@ def publish_artifacts(report: RunReport) -> None:
 
     if FlowRunContext.get() is None:
         return
-    key = report.run_id.lower().replace("_", "-")
+    key = _artifact_key(report.run_id)
     create_markdown_artifact(markdown(report), key=f"report-{key}", description="txflow run report")
     if report.metrics:
         create_table_artifact(report.metrics, key=f"metrics-{key}", description="Per-step training metrics")

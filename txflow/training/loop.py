@@ -18,6 +18,7 @@ from txflow.log import get_logger
 from txflow.processes.holds import hold_point
 from txflow.reporting.bar import TrainingBar
 from txflow.reporting.metrics import append_metric, read_metrics, write_metrics
+from txflow.reporting.report import publish_metrics
 from txflow.results import Checkpoint, LiveReference, Trained
 from txflow.training import custom, datasets, evaluation, rl, sft
 from txflow.training.clients import sampling_client_of, training_client_at
@@ -25,6 +26,11 @@ from txflow.upstream.skyrl_tx.losses import DEFAULTS as LOSS_DEFAULTS
 
 # rl sends ppo no loss_fn_config: its ratio is clipped at the default thresholds.
 PPO_CLIP = (LOSS_DEFAULTS["ppo"]["clip_low_threshold"], LOSS_DEFAULTS["ppo"]["clip_high_threshold"])
+
+
+# The Prefect UI's metrics table is published this many times while a run trains (every step of a short run),
+# then once more with the report: often enough to watch, few enough versions for a run of thousands of steps.
+LIVE_TABLES = 20
 
 
 def resume_point(cfg: RunConfig) -> tuple[str, int] | None:
@@ -118,6 +124,7 @@ def train_loop(cfg: RunConfig, handle: ClusterHandle, step_fn, data) -> Trained:
             raise FileNotFoundError(f"{cfg.run_root}/{LIVE_REFERENCE} is missing: the live model's figures, which "
                                     f"the restore check compares the committed state of step {start} with")
     bar = TrainingBar(cfg.steps, start, cfg.run_id)
+    live_every = max(1, cfg.steps // LIVE_TABLES)
     try:
         for step in range(start, cfg.steps):
             lease.check(cfg.run_root, cfg.plain_storage_options())  # taken over (it looked dead): stop here
@@ -131,6 +138,8 @@ def train_loop(cfg: RunConfig, handle: ClusterHandle, step_fn, data) -> Trained:
             log.info(f"step {step + 1}/{cfg.steps} {values}")
             headline = next(k for k in row if k != "step")
             bar.update(step + 1, **{headline: f"{row[headline]:.3f}"})
+            if (step + 1) % live_every == 0 and step + 1 < cfg.steps:  # the last: with the report, at the end
+                publish_metrics(cfg.run_id, metrics)
             if step + 1 == cfg.steps:
                 # The live model's figures first, kept with the run: every later attempt (a fault after
                 # this) compares the committed copies with them, never the committed state with itself.
