@@ -147,6 +147,7 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
             future.result()
     except BaseException:  # Ctrl-C, SIGTERM (`txflow sweep` turns it into KeyboardInterrupt)
         _stop_members(name, members, futures, pool, running, lock)
+        tracking.finish_sweep(config, parent, {"best": None, "interrupted": True})
         raise
     finally:
         pool.shutdown(wait=False)
