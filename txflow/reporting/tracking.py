@@ -57,7 +57,7 @@ def params_of(cfg: RunConfig) -> dict[str, str]:
     flat: dict[str, str] = {}
 
     def add(prefix: str, value) -> None:
-        if isinstance(value, dict) and prefix != "storage_options":
+        if isinstance(value, dict):
             for key, inner in value.items():
                 add(f"{prefix}.{key}" if prefix else key, inner)
         else:
