@@ -1,0 +1,38 @@
+"""What a run logs to MLflow, without a store: its options as parameters (no credential), its figures as metrics
+by step; and `off` switches it off. The store itself is read back in tests/test_shared_cluster_e2e.py."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from txflow.config import RunConfig
+from txflow.reporting import tracking
+
+
+def test_the_options_are_parameters_flattened_and_no_credential_is_among_them():
+    cfg = RunConfig(mode="rl", api_key="tml-secret-key", storage_options={"secret": "s3-secret"},
+                    database_url="postgresql://u:pw-secret@127.0.0.1/db", processes=2, mesh={"fsdp": 2},
+                    group_size=4)
+    params = tracking.params_of(cfg)
+    assert params["mode"] == "rl" and params["group_size"] == "4" and params["mesh.fsdp"] == "2"
+    assert not {"api_key", "database_url", "storage_options", "tracking_uri", "tracking_parent"} & set(params)
+    assert not any("secret" in value for value in params.values()), params
+
+
+def test_each_steps_figures_are_metrics_at_its_step_and_the_evaluations_at_the_last():
+    report = SimpleNamespace(
+        metrics=[{"step": 1, "nll": 2.5, "tokens": 12}, {"step": 2, "nll": 2.0, "tokens": 12, "note": "x"}],
+        restore={"final_eval_loss": 1.5, "passed": True, "checks": []}, export=None)
+    assert tracking.metrics_of(report) == [("nll", 2.5, 1), ("tokens", 12.0, 1), ("nll", 2.0, 2),
+                                           ("tokens", 12.0, 2), ("eval/final_eval_loss", 1.5, 2)]
+
+
+def test_off_logs_nothing_and_the_default_is_the_working_directorys_store(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv(tracking.TRACKING_URI_ENV, raising=False)
+    assert tracking.tracking_uri(RunConfig()) == f"sqlite:///{tmp_path / '.txflow' / 'mlflow.db'}"
+    assert tracking.tracking_uri(RunConfig(tracking_uri="off")) is None
+    monkeypatch.setenv(tracking.TRACKING_URI_ENV, "OFF")
+    assert tracking.tracking_uri(RunConfig()) is None
+    assert tracking.log_run(RunConfig(), SimpleNamespace()) is None  # nothing touched: no store, no error
+    assert not (tmp_path / ".txflow").exists()
