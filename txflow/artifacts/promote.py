@@ -60,6 +60,12 @@ def record(mode: str, run_root: str, exported: ExportResult, figures: dict, stat
             "sweep": sweep}
 
 
+def _figures(metrics: list[dict], quality: dict) -> dict:
+    """A promotion's figures: the step count, the last step's figures and the quality check's."""
+    last = {k: v for k, v in (metrics[-1] if metrics else {}).items() if k != "step"}
+    return {"steps": len(metrics), **last, **quality}
+
+
 def _parts(exported: ExportResult) -> dict[str, str]:
     return {part: url for part, url in (("peft", exported.peft_url), ("merged", exported.merged_url)) if url}
 
@@ -69,8 +75,7 @@ def run(cfg: RunConfig, saved: Saved, restore: RestoreCheck, exported: ExportRes
     """Publish the exported adapter as `<checkpoints>/promoted/<promote_as>/`, its figures (and, with `approve`,
     the approval's comment and approver) in the record."""
     state = next((c.url for c in reversed(saved.checkpoints) if c.kind == "state"), None)
-    figures = {"steps": len(metrics), **{k: v for k, v in (metrics[-1] if metrics else {}).items() if k != "step"},
-               **restore.quality}
+    figures = _figures(metrics, restore.quality)
     if restore.abs_diff is not None:
         figures["restore_abs_diff"] = restore.abs_diff
     result = promotion.promote(cfg.checkpoints, cfg.promote_as, cfg.run_id, _parts(exported),
@@ -89,9 +94,7 @@ def best(config: RunConfig, ranking: dict, reports: dict, name: str) -> dict | N
     report = reports.get(best_id) if best_id else None
     if report is None or report.export is None:
         return None
-    metrics = report.metrics
-    figures = {"steps": len(metrics), **{k: v for k, v in (metrics[-1] if metrics else {}).items() if k != "step"},
-               **{k: v for k, v in (report.restore or {}).items() if isinstance(v, int | float)}}
+    figures = _figures(report.metrics, {k: v for k, v in (report.restore or {}).items() if isinstance(v, int | float)})
     state = ((report.checkpoints or {}).get("state") or {}).get("url")
     chosen = {"ranked_by": ranking["ranked_by"], "members": len(ranking["members"])}
     promoted = promotion.promote(config.checkpoints, name, best_id, _parts(report.export),

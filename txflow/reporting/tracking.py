@@ -100,7 +100,7 @@ def log_run(cfg: RunConfig, report) -> str | None:
 
 
 def _log_run(uri: str, cfg: RunConfig, report) -> str:
-    from mlflow.entities import Metric, Param, RunTag
+    from mlflow.entities import Metric, RunTag
 
     from txflow.reporting.report import curve_png
 
@@ -112,12 +112,10 @@ def _log_run(uri: str, cfg: RunConfig, report) -> str:
     if cfg.tracking_parent:
         tags["mlflow.parentRunId"] = cfg.tracking_parent
     run_id = client.create_run(experiment, run_name=cfg.run_id, tags=tags).info.run_id
-    params = [Param(k, v) for k, v in params_of(cfg).items()]
+    _log_params(client, run_id, params_of(cfg))
     now = int(time.time() * 1000)
     metrics = [Metric(key, value, now, step) for key, value, step in metrics_of(report)]
-    for i in range(0, len(params), 100):  # MLflow's limits per batch
-        client.log_batch(run_id, params=params[i:i + 100])
-    for i in range(0, len(metrics), 1000):
+    for i in range(0, len(metrics), 1000):  # MLflow's limit per batch
         client.log_batch(run_id, metrics=metrics[i:i + 1000], tags=[RunTag("txflow.steps", str(len(report.metrics)))])
     with tempfile.TemporaryDirectory(prefix="txflow-mlflow-") as tmp:
         (Path(tmp) / "report.json").write_text(report.to_json())
@@ -130,6 +128,14 @@ def _log_run(uri: str, cfg: RunConfig, report) -> str:
     return run_id
 
 
+def _log_params(client, run_id: str, params: dict[str, str]) -> None:
+    from mlflow.entities import Param
+
+    items = [Param(k, v) for k, v in params.items()]
+    for i in range(0, len(items), 100):  # MLflow's limit per batch
+        client.log_batch(run_id, params=items[i:i + 100])
+
+
 def start_sweep(cfg: RunConfig, sweep_id: str, grid: dict) -> str | None:
     """The MLflow run of a sweep, its members' parent; None when tracking is off or the store failed."""
     uri = tracking_uri(cfg)
@@ -139,8 +145,7 @@ def start_sweep(cfg: RunConfig, sweep_id: str, grid: dict) -> str | None:
         client, experiment = _experiment(uri)
         run_id = client.create_run(experiment, run_name=f"sweep {sweep_id}",
                                    tags={"txflow.mode": cfg.mode, "txflow.sweep": sweep_id}).info.run_id
-        for key, value in {**params_of(cfg), **{k: json.dumps(v) for k, v in grid.items()}}.items():
-            client.log_param(run_id, key, value)
+        _log_params(client, run_id, {**params_of(cfg), **{k: json.dumps(v) for k, v in grid.items()}})
         return run_id
     except Exception as exc:
         get_logger().warning(f"MLflow: sweep {sweep_id} not tracked at {scrub(uri)} ({type(exc).__name__})")
