@@ -1,7 +1,9 @@
 """Per-deployment parameters: the ONE place they are written.
 
 Each dict holds only the `RunConfig` fields a deployment changes; every other
-field keeps the default of `txflow.config.RunConfig`. `prefect.yaml` does not
+field keeps the default of `txflow.config.RunConfig`. An option group's fields
+are nested (`"rl": {"group_size": 4}`), as the Prefect server, which checks
+parameters against RunConfig's schema, takes them. `prefect.yaml` does not
 repeat them: its build step `deployments.defaults.deployment_parameters` (id
 `defaults`) returns them at `prefect deploy` time, and each deployment's
 `parameters` refers to them as `{{ defaults.<key of CONFIGS> }}`.
@@ -23,7 +25,7 @@ RL = {"mode": "rl"}
 # against the base model's on the 24 prompts (scripts/learner_check.py, docs/modes.md, "Telling a working learner ...").
 NIGHTLY_SFT = {"mode": "sft", "base_model": SMOLLM2_MODEL, "steps": 6, "save_every": 3}
 NIGHTLY_RL = {"mode": "rl", "base_model": SMOLLM2_MODEL, "steps": 8, "save_every": 0, "batch_size": 4,
-              "group_size": 4, "max_tokens": 4}
+              "rl": {"group_size": 4, "max_tokens": 4}}
 
 # cluster/warm: a shared cluster of the default base model that runs attach to (`cluster: warm`), held until the flow
 # run is cancelled; slots for a sweep of 4 and a few runs more.

@@ -26,7 +26,7 @@ from txflow.artifacts import promote
 from txflow.cluster import named
 from txflow.config import RunConfig, checked_promotion_name
 from txflow.log import get_logger
-from txflow.preflight import PreflightError, check_learning_rate, prepare
+from txflow.preflight import PreflightError, check_base_model, check_learning_rate, prepare
 from txflow.processes.umask import private_files
 from txflow.reporting import sweep as ranking
 from txflow.reporting import tracking
@@ -78,11 +78,12 @@ def members_of(config: RunConfig, learning_rates: list[float], lora_ranks: list[
     still free, its rank against the named cluster); the first bad one refuses the sweep (PreflightError)."""
     name = config.cluster or sweep_id
     members = ranking.grid(config, sweep_id, learning_rates, lora_ranks, name, state_of(config, sweep_id))
+    model_path = check_base_model(config) if config.cluster else None  # the same for every member
     for member in members:  # what differs between members first: a refusal leaves nothing behind
         check_learning_rate(member)
         if config.cluster:
             try:
-                named.check(member)
+                named.check(member, model_path)
             except named.AttachFailed as exc:
                 raise PreflightError(str(exc)) from None
     for member in members:

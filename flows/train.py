@@ -20,7 +20,7 @@ import time
 import traceback
 from contextlib import ExitStack, contextmanager
 
-from prefect import flow
+from prefect import Flow, flow
 from prefect.concurrency.sync import concurrency
 
 from tasks.approve import approval
@@ -45,7 +45,7 @@ from txflow.cluster.monitor import Failure, NoProgress
 from txflow.cluster.records import as_json
 from txflow.config import SECRET_FIELDS, RunConfig
 from txflow.log import get_logger, register_run_secrets
-from txflow.preflight import PreflightError
+from txflow.preflight import Checked, PreflightError
 from txflow.processes.umask import private_files
 from txflow.reporting import report as run_report
 from txflow.reporting import tracking
@@ -151,18 +151,30 @@ def _steps(cfg: RunConfig, handle: ClusterHandle, data, done: Progress) -> None:
     done.restore = done.run(evaluate_restore, cfg, handle, done.trained.metrics, done.saved, data)
 
 
-@flow(name="train", on_cancellation=[_stop_cluster_hook], on_crashed=[_stop_cluster_hook])
-def train_flow(config: RunConfig = RunConfig()) -> RunReport:
-    """Fine-tune a LoRA adapter on a SkyRL-tx cluster and prove the checkpoint restores."""
-    from prefect.context import FlowRunContext
+def checked_train_flow(checked: Checked | None = None) -> Flow:
+    """The `train` flow. `checked`: what pre-flight found for the config the flow will be called with, when the
+    caller checked it already (`txflow run` checks before it starts Prefect: bad input exits at once); the
+    flow's preflight step takes it instead of checking again. Without it (a deployment, a sweep member), the
+    flow checks its config itself."""
 
-    cfg = _with_run_id(config, getattr(FlowRunContext.get(), "flow_run", None)).resolved()
-    with private_files():  # the run's files and every process it starts: owner only
-        return _train(cfg)
+    @flow(name="train", on_cancellation=[_stop_cluster_hook], on_crashed=[_stop_cluster_hook])
+    def train_flow(config: RunConfig = RunConfig()) -> RunReport:
+        """Fine-tune a LoRA adapter on a SkyRL-tx cluster and prove the checkpoint restores."""
+        from prefect.context import FlowRunContext
+
+        cfg = _with_run_id(config, getattr(FlowRunContext.get(), "flow_run", None)).resolved()
+        with private_files():  # the run's files and every process it starts: owner only
+            return _train(cfg, checked)
+
+    return train_flow
 
 
-def _train(cfg: RunConfig) -> RunReport:
-    """The body of `train_flow`, with the run config resolved."""
+# What deployments, sweeps and the nightly run (prefect.yaml's entrypoint).
+train_flow = checked_train_flow()
+
+
+def _train(cfg: RunConfig, checked: Checked | None) -> RunReport:
+    """The body of the `train` flow, with the run config resolved."""
     log = get_logger()
     register_run_secrets(cfg)
     log.info(f"run {cfg.run_id}: mode {cfg.mode}, {cfg.processes} processes on the {cfg.launcher} launcher, "
@@ -170,14 +182,14 @@ def _train(cfg: RunConfig) -> RunReport:
     log.info(cfg.defaults_line())
     done = Progress()
     began = time.monotonic()
-    data = done.time(preflight, cfg)
+    checked = done.time(preflight, cfg, checked)
     # The run root says the run is running (for `txflow prune`, maybe elsewhere) until it ends. `txflow run`
     # took it already, before the flow started: joined.
     with lease.held(cfg.run_root, cfg.run_id, cfg.plain_storage_options(), join=True):
-        return _run(cfg, data, done, began)
+        return _run(cfg, checked, done, began)
 
 
-def _run(cfg: RunConfig, data, done: Progress, began: float) -> RunReport:
+def _run(cfg: RunConfig, checked: Checked, done: Progress, began: float) -> RunReport:
     """The steps after pre-flight, the report, and the run's verdict."""
     log = get_logger()
     launcher = get_launcher(cfg)
@@ -192,9 +204,9 @@ def _run(cfg: RunConfig, data, done: Progress, began: float) -> RunReport:
         for attempt in range(cfg.train_retries + 1):
             handle = None
             try:
-                handle = done.run(provision_coordinator, cfg, launcher)
+                handle = done.run(provision_coordinator, cfg, launcher, checked.base_model_path)
                 done.run(launch_workers, cfg, handle)
-                _steps(cfg, handle, data, done)
+                _steps(cfg, handle, checked.data, done)
                 error = None
             except Exception as exc:
                 error = "".join(traceback.format_exception_only(exc)).strip()
@@ -227,7 +239,7 @@ def _run(cfg: RunConfig, data, done: Progress, began: float) -> RunReport:
                 slots.enter_context(cluster_slots(cfg))
     if error is None and done.restore and not done.restore.passed:
         error = "checks failed: " + "; ".join(done.restore.failed_checks)
-    if error is None and done.restore and done.restore.passed and cfg.export:
+    if error is None and done.restore and done.restore.passed and cfg.export.enabled:
         error = _export(cfg, done)
     if error is None and done.restore and done.restore.passed:
         error = _lifecycle(cfg, done)
@@ -267,24 +279,24 @@ def _lifecycle(cfg: RunConfig, done: Progress) -> str | None:
     run's error when a step fails; a rejection or an approval that never came is no error."""
     metrics = run_report.run_metrics(cfg, done)
     try:
-        if cfg.keep_last:
+        if cfg.export.keep_last:
             done.pruned = done.run(prune_checkpoints, cfg, done.discovered)
             done.discovered = done.pruned.discovered
-        if not cfg.promote_as:
+        if not cfg.export.promote_as:
             return None
         decision = None
-        if cfg.approve:
+        if cfg.export.approve:
             summary = run_report.approval_markdown(cfg, metrics, done.restore, done.exported.result)
             decision = done.run(approval, cfg, summary)
             if decision.verdict != "approved":
-                done.promoted = Promotion(name=cfg.promote_as, status=decision.verdict, comment=decision.comment,
+                done.promoted = Promotion(name=cfg.export.promote_as, status=decision.verdict, comment=decision.comment,
                                           approver=decision.approver)
                 return None
         done.promoted = done.run(promote, cfg, done.saved, done.restore, done.exported.result, metrics, decision)
     except Exception as exc:
         get_logger().error(f"run {cfg.run_id} failed in {done.step}: {exc}")
         if done.step == promote.name:
-            done.promoted = Promotion(name=cfg.promote_as, status="failed")
+            done.promoted = Promotion(name=cfg.export.promote_as, status="failed")
         return "".join(traceback.format_exception_only(exc)).strip()
     return None
 

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from txflow import cli
-from txflow.config import RunConfig
+from txflow.config import FLAT_NAMES, RunConfig
 from txflow.upstream.skyrl_tx.patches import PATCHES
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -40,9 +40,11 @@ OPTIONS_INTRO = """\
 
 `txflow run sft|rl|custom [options]`. Every option is a field of `RunConfig` (`txflow/config.py`), the one
 configuration model of a run: the flags, the deployments' parameters and the Prefect UI's form are all
-generated from it, and this page is too. A nested field is flattened (`mesh.fsdp` is `--mesh-fsdp`). Where
-the default depends on other options (the mode, the model), the description says how, and the column is
-empty. `txflow run --help` shows the same text.
+generated from it, and this page is too. A nested field is flattened (`mesh.fsdp` is `--mesh-fsdp`); the
+option groups (`rl`, `ray`, `custom`, `export`, each a table below) keep flat names: `--group-size` is
+`rl.group_size`, in a file `group_size: 4` or `rl: {group_size: 4}`. Where the default depends on other
+options (the mode, the model), the description says how, and the column is empty. `txflow run --help`
+shows the same text.
 
 The same options can live in a file, `--config run.yaml` (or `.toml`, `.json`; `txflow run`, `txflow sweep`
 and `txflow cluster up` take it), a flag given as well winning:
@@ -61,8 +63,8 @@ A name the model does not know, a file that does not parse, or a `mode:` other t
 before anything starts, in one line. `txflow sweep` takes these options too, with `--learning-rate` and
 `--lora-rank` as comma-separated grids; `txflow cluster up` takes the cluster's fields (see
 [Clusters](clusters.md)).
-
-| flag | default | description |
+"""
+TABLE_HEAD = """| flag | default | description |
 | --- | --- | --- |
 """
 
@@ -89,23 +91,31 @@ def _field(dest: str):
 
 
 def options_page() -> str:
-    """docs/options.md as the current `txflow run` parser and RunConfig describe it."""
-    rows = []
-    for action in _run_parser()._actions:
-        flags = [flag for flag in action.option_strings if flag.startswith("--")]
-        if not flags:
+    """docs/options.md as the current `txflow run` parser and RunConfig describe it: the general options, then
+    a table per option group (the parser's argument groups)."""
+    tables = []
+    for group in _run_parser()._action_groups:
+        rows = []
+        for action in group._group_actions:
+            flags = [flag for flag in action.option_strings if flag.startswith("--")]
+            if not flags:
+                continue
+            info = _field(".".join(FLAT_NAMES.get(action.dest, (action.dest,))))
+            help_text = action.help or ""
+            default = ""
+            if info is not None:
+                # --help appends the default to the description; here it has a column of its own.
+                suffix = cli._default_of(info)
+                help_text = help_text.replace(suffix, "", 1) if suffix else help_text
+                default = suffix.removeprefix(" (default: ").removesuffix(")")
+            names = ", ".join(f"`{flag}`" for flag in flags)
+            rows.append(f"| {names} | {_cell(default)} | {_cell(help_text)} |")
+        if not rows:
             continue
-        info = _field(action.dest)
-        help_text = action.help or ""
-        default = ""
-        if info is not None:
-            # --help appends the default to the description; here it has a column of its own.
-            suffix = cli._default_of(info)
-            help_text = help_text.replace(suffix, "", 1) if suffix else help_text
-            default = suffix.removeprefix(" (default: ").removesuffix(")")
-        names = ", ".join(f"`{flag}`" for flag in flags)
-        rows.append(f"| {names} | {_cell(default)} | {_cell(help_text)} |")
-    return OPTIONS_INTRO + "\n".join(rows) + "\n"
+        title = group.title[0].upper() + group.title[1:]
+        heading = "\n" if group.title == "options" else f"\n## {title}\n\n{group.description}\n\n"
+        tables.append(heading + TABLE_HEAD + "\n".join(rows) + "\n")
+    return OPTIONS_INTRO + "".join(tables)
 
 
 def shims_text(numbers: list[int]) -> str:

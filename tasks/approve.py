@@ -32,20 +32,20 @@ def approval(cfg: RunConfig, summary: str) -> Decision:
     from prefect.flow_runs import pause_flow_run
 
     log = get_logger()
-    log.info(f"waiting up to {cfg.approve_timeout_s:g} s for a person to approve promoting run {cfg.run_id} as "
-             f"{cfg.promote_as!r} (Prefect UI: the flow run's Resume button)")
-    poll_s = int(min(10, max(1, cfg.approve_timeout_s // 10)))
+    log.info(f"waiting up to {cfg.export.approve_timeout_s:g} s for a person to approve promoting run {cfg.run_id} as "
+             f"{cfg.export.promote_as!r} (Prefect UI: the flow run's Resume button)")
+    poll_s = int(min(10, max(1, cfg.export.approve_timeout_s // 10)))
     try:
         answer = pause_flow_run(wait_for_input=Approval.with_initial_data(description=summary, approve=False),
-                                timeout=int(cfg.approve_timeout_s), poll_interval=poll_s)
+                                timeout=int(cfg.export.approve_timeout_s), poll_interval=poll_s)
     except FlowPauseTimeout:
         _running_again("no approval in time: not promoted")
-        log.warning(f"no approval within {cfg.approve_timeout_s:g} s: run {cfg.run_id} is not promoted")
+        log.warning(f"no approval within {cfg.export.approve_timeout_s:g} s: run {cfg.run_id} is not promoted")
         return Decision(verdict="not approved in time")
     verdict = "approved" if answer.approve else "rejected"
     approver = promote.approver(promote.answer_sender(answer.metadata.receiver, answer.metadata.key),
                                   answer.approver)
-    log.info(f"run {cfg.run_id} {verdict} for promotion as {cfg.promote_as!r} by {approver}"
+    log.info(f"run {cfg.run_id} {verdict} for promotion as {cfg.export.promote_as!r} by {approver}"
              + (f": {answer.comment}" if answer.comment else ""))
     return Decision(verdict=verdict, comment=answer.comment or None, approver=approver)
 

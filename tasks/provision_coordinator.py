@@ -17,9 +17,9 @@ from txflow.config import RunConfig
 # port taken meanwhile, say). A cluster that cannot be placed is not retried: it would not fit now either.
 @task(name="provision-coordinator", retries=1, retry_delay_seconds=2,
       retry_condition_fn=retry_unless(PlacementFailed, named.AttachFailed), cache_policy=NO_CACHE)
-def provision_coordinator(cfg: RunConfig, launcher: Launcher) -> ClusterHandle:
-    """Start the API server, then rank 0, without waiting for either (launch-workers proves them ready); with
-    `cluster` set, attach to that shared cluster instead."""
+def provision_coordinator(cfg: RunConfig, launcher: Launcher, base_model_path: str) -> ClusterHandle:
+    """Start the API server, then rank 0 on `base_model_path` (pre-flight's), without waiting for either
+    (launch-workers proves them ready); with `cluster` set, attach to that shared cluster instead."""
     if cfg.cluster:
         return named.attach(cfg)
-    return startup.provision(cfg, launcher)
+    return startup.provision(cfg, launcher, base_model_path)

@@ -11,10 +11,11 @@ import tomllib
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from tests.helpers import run_txflow
 from txflow import cli
-from txflow.config import RunConfig
+from txflow.config import FLAT_NAMES, RunConfig
 
 
 def cli_exit(argv: list[str]) -> int:
@@ -146,19 +147,24 @@ def _fields(model, prefix=""):
 
 def test_every_run_config_field_has_a_cli_flag_with_its_description():
     run = cli._parser()._subparsers._group_actions[0].choices["run"]
-    by_dest = {a.dest: a for a in run._actions}
+    # An option group's fields land under their flat names (`--group-size` in `group_size`): nested afterwards.
+    by_field = {".".join(FLAT_NAMES.get(a.dest, (a.dest,))): a for a in run._actions}
     fields = list(_fields(RunConfig))
-    assert "mesh.fsdp" in fields and "launcher" in fields and "concurrency_limit" in fields
-    missing = [f for f in fields if f not in by_dest]
+    assert {"mesh.fsdp", "launcher", "rl.group_size", "ray.address", "export.enabled"} <= set(fields)
+    missing = [f for f in fields if f not in by_field]
     assert missing == []
     for field in fields:
-        action = by_dest[field]
+        action = by_field[field]
         if field == "mode":
             assert action.option_strings == []  # the positional argument
             continue
-        model = RunConfig.model_fields["mesh"].annotation if field.startswith("mesh.") else RunConfig
-        description = model.model_fields[field.split(".")[-1]].description
+        *parents, name = field.split(".")
+        model = RunConfig.model_fields[parents[0]].annotation if parents else RunConfig
+        description = model.model_fields[name].description
         assert action.option_strings and description in action.help, field
+    assert by_field["rl.group_size"].option_strings == ["--group-size"]  # the flags people already type
+    assert by_field["ray.address"].option_strings == ["--ray-address"]
+    assert by_field["export.enabled"].option_strings == ["--export", "--no-export"]
 
 
 def test_cli_flags_reach_the_config_nested_and_typed(tmp_path):
@@ -167,7 +173,7 @@ def test_cli_flags_reach_the_config_nested_and_typed(tmp_path):
                                      "--startup-timeout", "9", "--concurrency-limit", "slots", "--launcher", "local"])
     cfg = RunConfig.model_validate(cli.config_values(args))
     assert (cfg.mode, cfg.steps, cfg.mesh.fsdp, cfg.processes, cfg.startup_timeout_s) == ("rl", 7, 1, 1, 9.0)
-    assert cfg.plain_storage_options() == {"key": "value"} and cfg.client_args == ["a", "b"]
+    assert cfg.plain_storage_options() == {"key": "value"} and cfg.custom.client_args == ["a", "b"]
     assert (cfg.concurrency_limit, cfg.launcher) == ("slots", "local")
     # Flags not given leave the model's defaults alone.
     assert cli.config_values(cli._parser().parse_args(["run", "sft"])) == {"mode": "sft"}
@@ -243,6 +249,23 @@ def test_a_config_file_gives_the_options_and_a_flag_given_as_well_wins(tmp_path,
     assert (config.steps, config.lora_rank, config.mesh.tp) == (9, 8, 1)
     dashed = {"x-y": "1"} if suffix == ".yaml" else {}  # a dict option's own keys are kept as written
     assert config.plain_storage_options() == {"anon": "false", "key": "k", **dashed}
+
+
+@pytest.mark.parametrize("text", ["group-size: 4\nmax_tokens: 6\nexport: false\nray_placement: PACK\n",
+                                  "rl:\n  group-size: 4\n  max_tokens: 6\nexport:\n  enabled: false\n"
+                                  "ray:\n  placement: PACK\n"])
+def test_a_groups_options_are_read_flat_or_nested_and_a_flag_wins_either_way(tmp_path, text):
+    file = tmp_path / "run.yaml"
+    file.write_text(text)
+    args = cli._parser().parse_args(["run", "rl", "--config", str(file), "--max-tokens", "3", "--loss", "ppo"])
+    config = RunConfig.model_validate(cli.config_values(args))
+    assert (config.rl.group_size, config.rl.max_tokens, config.rl.loss) == (4, 3, "ppo")
+    assert config.export.enabled is False and config.ray.placement == "PACK"
+
+
+def test_a_groups_option_given_flat_and_nested_at_once_is_refused_in_one_line():
+    with pytest.raises(ValidationError, match="group_size is given twice: as group_size and as rl.group_size"):
+        RunConfig.model_validate({"group_size": 4, "rl": {"group_size": 2}})
 
 
 @pytest.mark.parametrize(("text", "name", "message"), [

@@ -20,6 +20,7 @@ from tests.helpers import alive_pids, cluster_pids, descendants, run_txflow, txf
 from txflow.cluster.launchers.local import LocalLauncher
 from txflow.config import RunConfig
 from txflow.processes.procfs import is_alive
+from txflow.upstream.tiny_model import resolve_base_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.heavy(9)]
 
@@ -40,7 +41,7 @@ def test_two_process_cluster_comes_up_proves_readiness_and_tears_down(tmp_path, 
     reaper.watch(cfg.state_dir)
     launcher = LocalLauncher()
 
-    handle = provision_coordinator.fn(cfg, launcher)
+    handle = provision_coordinator.fn(cfg, launcher, resolve_base_model(cfg.base_model))
     cluster = handle.cluster
     recorded = json.loads((Path(cfg.state_dir) / "cluster.json").read_text())
     assert {p["role"] for p in recorded["processes"]} == {"api", "coordinator"}
@@ -102,7 +103,7 @@ def test_readiness_timeout_names_the_missing_rank_with_its_log(tmp_path, reaper)
                     checkpoints=str(tmp_path / "ckpt"), startup_timeout_s=25).resolved()
     reaper.watch(cfg.state_dir)
     launcher = StuckWorkerLauncher()
-    handle = provision_coordinator.fn(cfg, launcher)
+    handle = provision_coordinator.fn(cfg, launcher, resolve_base_model(cfg.base_model))
     try:
         with pytest.raises(TimeoutError) as failure:
             launch_workers.fn(cfg, handle)

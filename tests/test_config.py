@@ -239,7 +239,7 @@ def test_a_run_trains_the_real_model_unless_told_otherwise():
         cfg = RunConfig(mode=mode).resolved()
         assert cfg.base_model == SMOLLM2_MODEL
         assert bundled_dataset(mode, cfg.base_model).endswith(f"arithmetic_{mode}.jsonl")
-    assert RunConfig(mode="rl").resolved().reward == "txflow.training.rewards:close_answer"
+    assert RunConfig(mode="rl").resolved().rl.reward == "txflow.training.rewards:close_answer"
 
 
 def test_the_named_real_model_gets_its_rule_without_being_converted():
@@ -282,7 +282,8 @@ def test_custom_needs_a_client():
 
 def test_client_python_belongs_to_custom_mode():
     assert "client_python only applies to custom mode" in error_text(mode="sft", client_python="/usr/bin/python3")
-    assert RunConfig(mode="custom", client="c.py", client_python="/venv/bin/python").client_python == "/venv/bin/python"
+    given = RunConfig(mode="custom", client="c.py", client_python="/venv/bin/python")
+    assert given.custom.client_python == "/venv/bin/python"
 
 
 def test_an_attached_run_waits_for_its_cluster_unless_told_to_fall_back_to_its_own():
@@ -320,10 +321,10 @@ def test_a_real_model_defaults_to_the_arithmetic_task_and_the_tiny_model_keeps_i
 
     tiny = RunConfig(mode="rl", base_model=TINY_MODEL).resolved()
     real = RunConfig(mode="rl", base_model=SMOLLM2_MODEL).resolved()
-    assert (tiny.reward, tiny.temperature) == ("txflow.training.rewards:low_token_ids", 0.25)
-    assert (real.reward, real.temperature) == ("txflow.training.rewards:close_answer", 1.0)
+    assert (tiny.rl.reward, tiny.rl.temperature) == ("txflow.training.rewards:low_token_ids", 0.25)
+    assert (real.rl.reward, real.rl.temperature) == ("txflow.training.rewards:close_answer", 1.0)
     given = RunConfig(mode="rl", base_model=SMOLLM2_MODEL, reward="my.mod:fn", temperature=0.7).resolved()
-    assert (given.reward, given.temperature) == ("my.mod:fn", 0.7)
+    assert (given.rl.reward, given.rl.temperature) == ("my.mod:fn", 0.7)
     assert bundled_dataset("sft").endswith("sft.jsonl") and bundled_dataset("rl").endswith("rl_prompts.jsonl")
     assert bundled_dataset("sft", SMOLLM2_MODEL).endswith("arithmetic_sft.jsonl")
     assert bundled_dataset("rl", "/models/my-llama").endswith("arithmetic_rl.jsonl")

@@ -380,8 +380,9 @@ def test_three_sft_deployment_runs_take_turns_on_the_slots_and_wait_for_approval
             run_id = f"dep-sft-{name}-{uuid.uuid4().hex[:6]}"
             state = reaper.watch(tmp_path / name / "state")
             config = {**_config(tmp_path / name, run_id, steps=6), "processes": 1, "state_dir": str(state),
-                      "checkpoints": str(checkpoints), "promote_as": "prod", "approve": True,
-                      "approve_timeout_s": 20 if answers[name] is None else 600}
+                      "checkpoints": str(checkpoints),
+                      "export": {"promote_as": "prod", "approve": True,
+                                 "approve_timeout_s": 20 if answers[name] is None else 600}}
             runs[name] = (run_id, _run_deployment(server, "train/sft", {"config": config}, started_runs), state)
         began = time.monotonic()
         asked: dict[str, str] = {}
@@ -559,8 +560,8 @@ def test_the_sweep_deployment_trains_its_members_as_subflows_and_publishes_the_r
     sweep_id = f"dsw-{uuid.uuid4().hex[:6]}"
     clusters = REPO / ".txflow" / "clusters" / sweep_id  # the worker's working directory is the checkout
     reaper.watch(clusters)
-    config = {"mode": "sft", "base_model": "tiny", "steps": 4, "save_every": 0, "processes": 1, "export": True,
-              "checkpoints": str(tmp_path / "ckpt"), "state_dir": str(tmp_path / "sweep")}
+    config = {"mode": "sft", "base_model": "tiny", "steps": 4, "save_every": 0, "processes": 1,
+              "export": {"enabled": True}, "checkpoints": str(tmp_path / "ckpt"), "state_dir": str(tmp_path / "sweep")}
     try:
         flow_run_id = _run_deployment(server, "sweep/lr", {"config": config, "learning_rates": [1e-2, 2e-2],
                                                            "sweep_id": sweep_id}, started_runs)
@@ -604,7 +605,7 @@ def test_the_nightly_compares_tonight_with_the_history_and_fails_on_a_regression
     # of the real model are test_real_model_e2e's), and it halves two runs' CPU.
     sft = {**NIGHTLY_SFT, "base_model": "tiny", "processes": 1, "checkpoints": str(tmp_path / "ckpt"),
            "state_dir": str(tmp_path / "sft")}
-    rl = {"mode": "rl", "base_model": "tiny", "steps": 2, "reward": "nowhere_xyz:fn",
+    rl = {"mode": "rl", "base_model": "tiny", "steps": 2, "rl": {"reward": "nowhere_xyz:fn"},
           "checkpoints": str(tmp_path / "ckpt"),
           "state_dir": str(tmp_path / "rl")}
 

@@ -10,12 +10,13 @@ from pathlib import Path
 import fsspec
 import pytest
 
+import tasks.preflight as preflight_task
 from txflow import preflight
 from txflow.checkpoints import lease
 from txflow.config import RunConfig
 from txflow.preflight import PreflightError
 from txflow.training.sft import SFTData
-from txflow.upstream.tiny_model import build_tiny_model
+from txflow.upstream.tiny_model import build_tiny_model, resolve_base_model
 
 GOOD_ROW = json.dumps({"prompt": "English: one\nFrench:", "completion": " un\n"})
 
@@ -173,14 +174,16 @@ def test_checkpoints_with_an_unknown_protocol_is_not_a_usable_url(cfg_for):
 
 def test_prepare_of_the_defaults_returns_training_and_eval_data(cfg_for):
     cfg = cfg_for()
-    data = preflight.prepare(cfg)
+    checked = preflight.prepare(cfg)
+    assert checked.base_model_path == resolve_base_model(cfg.base_model)  # what the engine will load
+    data = checked.data
     assert isinstance(data, SFTData)
     assert len(data.train) >= 1 and len(data.eval) >= 1
     assert no_cluster_started(cfg)
 
 
 def test_prepare_rl_loads_prompts_and_the_reward(cfg_for):
-    data = preflight.prepare(cfg_for(mode="rl"))
+    data = preflight.prepare(cfg_for(mode="rl")).data
     assert len(data.prompts) == len(data.rows) > 0
     assert data.reward("p", "t", [1, 150], {}) == 0.5
 
@@ -290,7 +293,7 @@ def test_prepare_custom_runs_the_client_under_the_given_interpreter(cfg_for, tmp
     python = client_env(tmp_path, tinker_version="0.25.0")
     client = tmp_path / "loop.py"
     client.write_text("")
-    data = preflight.prepare(cfg_for(mode="custom", client=str(client), client_python=str(python)))
+    data = preflight.prepare(cfg_for(mode="custom", client=str(client), client_python=str(python))).data
     assert data.command == [str(python), str(client)]
 
 
@@ -299,7 +302,7 @@ def test_prepare_custom_without_client_python_uses_txflows_interpreter(cfg_for, 
 
     client = tmp_path / "loop.py"
     client.write_text("")
-    assert preflight.prepare(cfg_for(mode="custom", client=str(client))).command == [sys.executable, str(client)]
+    assert preflight.prepare(cfg_for(mode="custom", client=str(client))).data.command == [sys.executable, str(client)]
 
 
 def test_prepare_with_a_missing_base_model_fails_before_touching_the_run_root(cfg_for):
@@ -371,16 +374,13 @@ def test_the_fast_tokenizer_gives_the_ids_transformers_gives(cfg_for):
                                                                            skip_special_tokens=True)
 
 
-def test_what_txflow_run_prepared_ahead_serves_only_the_same_config_secrets_included(cfg_for, monkeypatch):
+def test_the_flow_takes_what_txflow_run_checked_and_checks_a_config_itself_otherwise(cfg_for, monkeypatch):
     calls = []
-    monkeypatch.setattr(preflight, "_prepare", lambda cfg: calls.append(cfg) or object())
-    cfg = cfg_for(api_key="tml-one")
-    ahead = preflight.prepare_ahead(cfg)
-    # Another key is another run: it is checked afresh, and does not take the first one's data.
-    other = preflight.prepare(cfg_for(api_key="tml-two"))
-    assert other is not ahead and len(calls) == 2
-    assert preflight.prepare(cfg) is ahead and len(calls) == 2  # the same config: the flow's call, served
-    assert preflight.prepare(cfg) is not ahead and len(calls) == 3  # once: later calls check again
+    monkeypatch.setattr(preflight_task, "prepare", lambda cfg: calls.append(cfg) or "checked here")
+    cfg = cfg_for()
+    given = preflight.Checked(base_model_path="/models/m", data=object())
+    assert preflight_task.preflight.fn(cfg, given) is given and calls == []  # `txflow run` checked it: not again
+    assert preflight_task.preflight.fn(cfg) == "checked here" and calls == [cfg]  # a deployment's run: checked
 
 
 def test_a_report_txflow_cannot_read_still_keeps_its_run_id(cfg_for):

@@ -15,7 +15,7 @@ import pytest
 from deployments.defaults import NIGHTLY_RL, NIGHTLY_SFT
 from tests.helpers import run_txflow
 from txflow.cli import flag_of
-from txflow.config import SMOLLM2_MODEL
+from txflow.config import SMOLLM2_MODEL, flat_names
 
 # Each run's limit, from measurements: alone on this machine (2 cores) the SFT run takes ~6 min and the RL run
 # ~10 min (compiles, training, restore check, export); beside the other worker's tests a run has taken up to 3x
@@ -26,8 +26,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.heavy(0), pytest.mark.together, pytes
 
 
 def run_args(config: dict) -> list[str]:
-    """`txflow run` arguments for a deployment's parameters."""
-    return ["run", config["mode"], *(f"{flag_of(k)}={v}" for k, v in config.items() if k != "mode")]
+    """`txflow run` arguments for a deployment's parameters (an option group's under their flat flags)."""
+    return ["run", config["mode"], *(f"{flag_of(k)}={v}" for k, v in flat_names(config).items() if k != "mode")]
 
 
 def run_nightly_config(config: dict, name: str, tmp_path, txflow_env, reaper) -> tuple[dict, str]:

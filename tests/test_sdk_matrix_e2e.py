@@ -33,6 +33,7 @@ from txflow.processes import groups, lifeline
 from txflow.processes.ports import LISTEN_FD_ENV, free_port, port_open
 from txflow.training.custom import client_env
 from txflow.upstream.skyrl_tx.tinker_compat import SKIP_ENV
+from txflow.upstream.tiny_model import resolve_base_model
 from txflow.upstream.wake import ENV as WAKE_ENV
 
 pytestmark = [pytest.mark.e2e, pytest.mark.heavy(6)]
@@ -334,7 +335,7 @@ def test_each_sdk_needs_exactly_the_shims_the_matrix_names(tmp_path, reaper):
     reaper.watch(cfg.state_dir)
     unneeded = {v: unneeded_shims(v) for v in needs}
     skips = sorted(set(unneeded.values()) | {str(s) for n in needs.values() for s in n})
-    handle = provision_coordinator.fn(cfg, LocalLauncher())
+    handle = provision_coordinator.fn(cfg, LocalLauncher(), resolve_base_model(cfg.base_model))
     apis = None
     try:
         launch_workers.fn(cfg, handle)

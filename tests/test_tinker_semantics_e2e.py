@@ -19,6 +19,7 @@ from tasks.teardown import teardown
 from txflow.cluster.launchers.local import LocalLauncher
 from txflow.config import RunConfig
 from txflow.upstream.skyrl_tx import layout
+from txflow.upstream.tiny_model import resolve_base_model
 
 pytestmark = [pytest.mark.e2e, pytest.mark.together]
 
@@ -37,7 +38,7 @@ def cluster(tmp_path_factory):
     # theirs until the engine's session timeout).
     cfg = RunConfig(base_model="tiny", processes=1, lora_adapters=48, run_id="semantics", state_dir=str(tmp / "state"),
                     checkpoints=str(tmp / "ckpt")).resolved()
-    handle = provision_coordinator.fn(cfg, LocalLauncher())
+    handle = provision_coordinator.fn(cfg, LocalLauncher(), resolve_base_model(cfg.base_model))
     try:
         launch_workers.fn(cfg, handle)
         yield cfg, handle, handle.service_client()

@@ -144,6 +144,145 @@ class MeshConfig(BaseModel, extra="forbid"):
     ep: int = Field(default=1, ge=1, description="Expert parallel size (MoE models).")
 
 
+class RLOptions(BaseModel, extra="forbid"):
+    """How an rl run samples its rollouts, scores them and trains on them."""
+
+    group_size: int = Field(default=8, description="Completions sampled per prompt; at least 2.")
+    loss: Literal["importance_sampling", "ppo"] = Field(
+        default="importance_sampling",
+        description="Update rule. ppo clips the probability ratio at 1 +- 0.2, which acts only with substeps > 1 "
+        "(with one optimizer step per rollout batch the ratio is exactly 1: ppo is importance sampling).")
+    substeps: int = Field(
+        default=1, ge=1,
+        description="Optimizer steps per rollout batch; the batch is split into this many minibatches, each "
+        "one forward_backward + optim_step (the cookbook's num_substeps).")
+    reward: str | None = Field(
+        default=None,
+        description="Reward `module:function(prompt, completion_text, completion_tokens, row) -> float`. "
+        "Default: the bundled task's (`txflow.training.rewards:close_answer` for a real model, `low_token_ids` "
+        "for the tiny one).",
+    )
+    max_tokens: int = Field(default=8, ge=1, description="Tokens sampled per completion.")
+    temperature: float | None = Field(
+        default=None, ge=0, description="Sampling temperature of rollouts and of the reward evaluation. Default "
+        "1.0, and 0.25 for the tiny model (its logits are flat).")
+
+
+class RayOptions(BaseModel, extra="forbid"):
+    """With `launcher` ray: the existing Ray cluster the ranks run on, and what each rank reserves there."""
+
+    address: str | None = Field(
+        default=None,
+        description="Address of an existing Ray cluster (host:port). Default: the RAY_ADDRESS environment "
+        "variable. txflow never starts a Ray cluster of its own.")
+    cpus_per_rank: float = Field(default=1, gt=0, description="CPUs each rank's bundle reserves.")
+    gpus_per_rank: float = Field(default=0, ge=0,
+                                 description="GPUs each rank's bundle reserves (0 on CPU machines).")
+    placement: Literal["STRICT_SPREAD", "SPREAD", "STRICT_PACK", "PACK"] = Field(
+        default="STRICT_SPREAD", description="Placement strategy of the ranks' bundles; STRICT_SPREAD puts one "
+        "rank per node.")
+
+
+class CustomOptions(BaseModel, extra="forbid"):
+    """A custom run's Tinker client program, and the environment it runs in."""
+
+    client: str | None = Field(
+        default=None, description="The Tinker client program, a .py path or a module name."
+    )
+    client_args: list[str] = Field(
+        default_factory=list,
+        description="Its arguments; {base_url}, {base_model}, {run_id}, {checkpoint_root} are filled in.",
+    )
+    client_python: str | None = Field(
+        default=None,
+        description="The Python interpreter the client runs under (e.g. `/path/to/venv/bin/python`), "
+        "with whatever Tinker SDK its environment has. Default: txflow's own interpreter.",
+    )
+
+
+class ExportOptions(BaseModel, extra="forbid"):
+    """What becomes of a run's adapter once every check passed: exported, old state pruned, approved, promoted."""
+
+    enabled: bool = Field(
+        default=True,
+        description="Export the trained adapter as a Hugging Face PEFT adapter under `<checkpoints>/<run_id>/export/`, "
+        "proven to reproduce SkyRL's sampler in transformers + peft (which loads the base model on the CPU in "
+        "float32: 4 bytes per parameter of memory).")
+    merged: bool = Field(
+        default=False,
+        description="Also export the base model with the adapter merged in (`export/merged/`), loadable with "
+        "`from_pretrained` alone; as large as the base model.")
+    promote_as: str | None = Field(
+        default=None,
+        description="A name: when the run passes every check (restore, quality, the export's proof), its exported "
+        "adapter is published as `<checkpoints>/promoted/<name>/`, replacing the previous promotion atomically "
+        "(that one kept in its history, the last 5).")
+    approve: bool = Field(
+        default=False,
+        description="Before promoting, pause the flow run until a person approves or rejects it in the Prefect UI "
+        "(the cluster is torn down first); needs a Prefect server, so not `txflow run`.")
+    approve_timeout_s: float = Field(
+        default=86400, gt=0, description="How long an approval waits; then the run ends passed and not promoted.")
+    keep_last: int | None = Field(
+        default=None, ge=1,
+        description="After the run passes, delete its periodic state checkpoints but the newest K (the final "
+        "state, the sampler and anything exported or promoted always stay).")
+
+    @field_validator("promote_as")
+    @classmethod
+    def _promotion_name_is_a_path_segment(cls, value: str | None) -> str | None:
+        return value if value is None else checked_promotion_name(value, "promote_as")
+
+    @model_validator(mode="after")
+    def _options_agree(self) -> ExportOptions:
+        if self.merged and not self.enabled:
+            raise ValueError("export_merged needs export: the merged model is exported with the adapter")
+        if self.promote_as and not self.enabled:
+            raise ValueError("promote_as needs export: what is promoted is the exported adapter, proven first")
+        if self.approve and not self.promote_as:
+            raise ValueError("approve gates a promotion: set promote_as too")
+        return self
+
+
+# The grouped options under the flat names they have everywhere a person types them (flags, config files,
+# deployment parameters): `--group-size` is `rl.group_size`, `--ray-address` is `ray.address`, `--export` is
+# `export.enabled`. A config given flat is read as nested (`RunConfig._flat_names`).
+FLAT_NAMES: dict[str, tuple[str, str]] = {
+    **{name: ("rl", name) for name in RLOptions.model_fields},
+    **{"ray_" + name: ("ray", name) for name in RayOptions.model_fields},
+    **{name: ("custom", name) for name in CustomOptions.model_fields},
+    "export": ("export", "enabled"), "export_merged": ("export", "merged"),
+    **{name: ("export", name) for name in ExportOptions.model_fields if name not in ("enabled", "merged")},
+}
+GROUPED = frozenset(group for group, _ in FLAT_NAMES.values())
+
+
+def nest_flat_names(data: dict) -> dict:
+    """`data` with the grouped options given under their flat names (FLAT_NAMES), as flags, config files and
+    deployment parameters give them, moved into their group; one given both ways is refused (ValueError)."""
+    data = dict(data)
+    for flat, (group, name) in FLAT_NAMES.items():
+        if flat not in data or (flat == group and isinstance(data[flat], dict | BaseModel)):
+            continue  # `export` is the group itself when it is a table
+        value = data.pop(flat)
+        nested = data.get(group, {})
+        nested = nested.model_dump(exclude_unset=True) if isinstance(nested, BaseModel) else dict(nested)
+        if name in nested:
+            raise ValueError(f"{flat} is given twice: as {flat} and as {group}.{name}")
+        data[group] = nested | {name: value}
+    return data
+
+
+def flat_names(data: dict) -> dict:
+    """`data` with its option groups' fields under their flat names (the inverse of `nest_flat_names`): what a
+    person would type as flags."""
+    flat = {key: value for key, value in data.items() if not (key in GROUPED and isinstance(value, dict))}
+    for name, (group, field) in FLAT_NAMES.items():
+        if isinstance(data.get(group), dict) and field in data[group]:
+            flat[name] = data[group][field]
+    return flat
+
+
 class RunConfig(BaseModel, extra="forbid"):
     """Everything a `train` run needs; one instance per run."""
 
@@ -178,21 +317,15 @@ class RunConfig(BaseModel, extra="forbid"):
         "attach to it again once it is back up, waiting up to startup_timeout_s; `own`: start a fresh cluster of "
         "the run's own, as a run without `cluster` would (this config's processes, launcher, ...), resume there "
         "from the last committed state, and stop it at the end. Each retry counts against train_retries.")
-    ray_address: str | None = Field(
-        default=None,
-        description="ray: address of an existing Ray cluster (host:port). Default: the RAY_ADDRESS environment "
-        "variable. txflow never starts a Ray cluster of its own.")
-    ray_cpus_per_rank: float = Field(default=1, gt=0, description="ray: CPUs each rank's bundle reserves.")
-    ray_gpus_per_rank: float = Field(default=0, ge=0,
-                                     description="ray: GPUs each rank's bundle reserves (0 on CPU machines).")
-    ray_placement: Literal["STRICT_SPREAD", "SPREAD", "STRICT_PACK", "PACK"] = Field(
-        default="STRICT_SPREAD", description="ray: placement strategy of the ranks' bundles; STRICT_SPREAD puts one "
-        "rank per node.")
     host: str = Field(
         default="127.0.0.1",
         description="Interface the Tinker API and the JAX coordinator bind to. Loopback unless ranks span nodes.",
     )
     mesh: MeshConfig = Field(default_factory=MeshConfig, description="Device mesh; defaults to pure FSDP.")
+    rl: RLOptions = Field(default_factory=RLOptions, description=RLOptions.__doc__)
+    ray: RayOptions = Field(default_factory=RayOptions, description=RayOptions.__doc__)
+    custom: CustomOptions = Field(default_factory=CustomOptions, description=CustomOptions.__doc__)
+    export: ExportOptions = Field(default_factory=ExportOptions, description=ExportOptions.__doc__)
     checkpoints: str = Field(
         default=".txflow/checkpoints",
         description="Checkpoint root, any fsspec URL or local path; the run writes under `<checkpoints>/<run_id>/`.",
@@ -262,66 +395,11 @@ class RunConfig(BaseModel, extra="forbid"):
                                         "key may create (429 beyond).")
     save_every: int = Field(default=5, ge=0, description="save_state every K steps so a retry resumes; 0: never.")
     seed: int = Field(default=0, description="Seed for the adapter init, data order and sampling.")
-    group_size: int = Field(default=8, description="rl: completions sampled per prompt; at least 2.")
-    loss: Literal["importance_sampling", "ppo"] = Field(
-        default="importance_sampling",
-        description="rl: update rule. ppo clips the probability ratio at 1 +- 0.2, which acts only with substeps > 1 "
-        "(with one optimizer step per rollout batch the ratio is exactly 1: ppo is importance sampling).")
-    substeps: int = Field(
-        default=1, ge=1,
-        description="rl: optimizer steps per rollout batch; the batch is split into this many minibatches, each "
-        "one forward_backward + optim_step (the cookbook's num_substeps).")
-    reward: str | None = Field(
-        default=None,
-        description="rl: reward `module:function(prompt, completion_text, completion_tokens, row) -> float`. "
-        "Default: the bundled task's (`txflow.training.rewards:close_answer` for a real model, `low_token_ids` "
-        "for the tiny one).",
-    )
-    max_tokens: int = Field(default=8, ge=1, description="rl: tokens sampled per completion.")
-    temperature: float | None = Field(
-        default=None, ge=0, description="rl: sampling temperature of rollouts and of the reward evaluation. Default "
-        "1.0, and 0.25 for the tiny model (its logits are flat).")
-    client: str | None = Field(
-        default=None, description="custom: the Tinker client program, a .py path or a module name."
-    )
-    client_args: list[str] = Field(
-        default_factory=list,
-        description="custom: its arguments; {base_url}, {base_model}, {run_id}, {checkpoint_root} are filled in.",
-    )
-    client_python: str | None = Field(
-        default=None,
-        description="custom: the Python interpreter the client runs under (e.g. `/path/to/venv/bin/python`), "
-        "with whatever Tinker SDK its environment has. Default: txflow's own interpreter.",
-    )
     resume_from: str | None = Field(
         default=None,
         description="Continue from a run root URL (its latest committed state), a state checkpoint URL, "
         "or a tinker:// path of this run.",
     )
-    export: bool = Field(
-        default=True,
-        description="Export the trained adapter as a Hugging Face PEFT adapter under `<checkpoints>/<run_id>/export/`, "
-        "proven to reproduce SkyRL's sampler in transformers + peft (which loads the base model on the CPU in "
-        "float32: 4 bytes per parameter of memory).")
-    export_merged: bool = Field(
-        default=False,
-        description="Also export the base model with the adapter merged in (`export/merged/`), loadable with "
-        "`from_pretrained` alone; as large as the base model.")
-    promote_as: str | None = Field(
-        default=None,
-        description="A name: when the run passes every check (restore, quality, the export's proof), its exported "
-        "adapter is published as `<checkpoints>/promoted/<name>/`, replacing the previous promotion atomically "
-        "(that one kept in its history, the last 5).")
-    approve: bool = Field(
-        default=False,
-        description="Before promoting, pause the flow run until a person approves or rejects it in the Prefect UI "
-        "(the cluster is torn down first); needs a Prefect server, so not `txflow run`.")
-    approve_timeout_s: float = Field(
-        default=86400, gt=0, description="How long an approval waits; then the run ends passed and not promoted.")
-    keep_last: int | None = Field(
-        default=None, ge=1,
-        description="After the run passes, delete its periodic state checkpoints but the newest K (the final "
-        "state, the sampler and anything exported or promoted always stay).")
     tracking_uri: str | None = Field(
         default=None,
         description="MLflow tracking URI the run logs its parameters, per-step metrics, evaluations and artifacts "
@@ -337,6 +415,11 @@ class RunConfig(BaseModel, extra="forbid"):
         description="Cluster faults (a dead rank, a request without progress) survived: each tears the cluster "
         "down and resumes from the last durable state on a fresh one.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_names(cls, data):
+        return nest_flat_names(data) if isinstance(data, dict) else data
 
     @field_validator("run_id")
     @classmethod
@@ -356,11 +439,6 @@ class RunConfig(BaseModel, extra="forbid"):
             raise ValueError(f"{info.field_name} must not hold credentials (user:password@): give them through the "
                              f"environment (AWS_* for s3://) or a storage option")
         return value
-
-    @field_validator("promote_as")
-    @classmethod
-    def _promotion_name_is_a_path_segment(cls, value: str | None) -> str | None:
-        return value if value is None else checked_promotion_name(value, "promote_as")
 
     @field_validator("api_key")
     @classmethod
@@ -393,14 +471,14 @@ class RunConfig(BaseModel, extra="forbid"):
 
     @model_validator(mode="after")
     def _mode_options(self) -> RunConfig:
-        if self.mode == "rl" and self.group_size < 2:
-            raise ValueError(f"group_size must be at least 2 for rl (got {self.group_size}): advantages are "
+        if self.mode == "rl" and self.rl.group_size < 2:
+            raise ValueError(f"group_size must be at least 2 for rl (got {self.rl.group_size}): advantages are "
                              f"rewards minus the group mean, so a group of one has no signal")
-        if self.mode == "custom" and not self.client:
+        if self.mode == "custom" and not self.custom.client:
             raise ValueError("custom mode needs --client PATH_OR_MODULE: the Tinker client program to run")
         if self.eval_dataset and self.mode != "sft":
             raise ValueError(f"eval_dataset applies to sft ({self.mode} evaluates on the prompts of its dataset)")
-        if self.mode != "custom" and self.client_python:
+        if self.mode != "custom" and self.custom.client_python:
             raise ValueError("client_python only applies to custom mode (the interpreter of --client)")
         if self.cluster_fallback == "own" and not self.cluster:
             raise ValueError("cluster_fallback own applies to a run attached to a shared cluster (--cluster NAME); "
@@ -410,8 +488,6 @@ class RunConfig(BaseModel, extra="forbid"):
         if self.cluster is not None and not re.fullmatch(RUN_ID_PATTERN, self.cluster):
             raise ValueError(f"cluster {self.cluster!r} must be 1-64 letters, digits, '-' or '_' (a directory "
                              f"name)")
-        if self.export_merged and not self.export:
-            raise ValueError("export_merged needs export: the merged model is exported with the adapter")
         return self
 
     @model_validator(mode="after")
@@ -437,10 +513,6 @@ class RunConfig(BaseModel, extra="forbid"):
         """Options that only make sense together."""
         if self.max_lora_rank is not None and self.lora_rank > self.max_lora_rank:
             raise ValueError(f"lora_rank {self.lora_rank} is above max_lora_rank {self.max_lora_rank}")
-        if self.promote_as and not self.export:
-            raise ValueError("promote_as needs export: what is promoted is the exported adapter, proven first")
-        if self.approve and not self.promote_as:
-            raise ValueError("approve gates a promotion: set promote_as too")
         if self.run_id in RESERVED_RUN_IDS:
             raise ValueError(f"run_id {self.run_id!r} is reserved: {RESERVED_RUN_IDS[self.run_id]}")
         return self
@@ -456,7 +528,8 @@ class RunConfig(BaseModel, extra="forbid"):
             checkpoints = str(Path(checkpoints).expanduser().absolute())
         model_defaults = MODE_DEFAULTS[self.mode] | (
             {} if self.base_model == TINY_MODEL else REAL_MODEL_DEFAULTS.get(self.mode, {}))
-        defaults = {k: v for k, v in model_defaults.items() if getattr(self, k) is None}
+        defaults = {k: v for k, v in model_defaults.items() if k in RunConfig.model_fields and getattr(self, k) is None}
+        rl = {k: v for k, v in model_defaults.items() if k in RLOptions.model_fields and getattr(self.rl, k) is None}
         if self.learning_rate is None:
             # None when no rule applies: pre-flight refuses the run and says to pass --learning-rate.
             defaults["learning_rate"] = default_learning_rate(self.mode, self.base_model)[0]
@@ -471,7 +544,7 @@ class RunConfig(BaseModel, extra="forbid"):
             defaults["storage_options"] = storage_options_from_env() | self.storage_options
         return self.model_copy(
             update={"run_id": run_id, "state_dir": str(Path(state_dir).absolute()), "checkpoints": checkpoints,
-                    **defaults}
+                    "rl": self.rl.model_copy(update=rl), **defaults}
         )
 
     def defaults_line(self) -> str:
@@ -481,7 +554,7 @@ class RunConfig(BaseModel, extra="forbid"):
         source = why if self.learning_rate == derived else "given"
         return (f"base model {self.base_model}: learning rate {rate} ({source}), batch size "
                 f"{self.batch_size}, LoRA rank {self.lora_rank}, {self.steps} steps"
-                + (f", temperature {self.temperature:g}" if self.mode == "rl" else ""))
+                + (f", temperature {self.rl.temperature:g}" if self.mode == "rl" else ""))
 
     @property
     def fsdp(self) -> int:

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 import shutil
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 import fsspec
-from pydantic import SecretStr
 
 from txflow.checkpoints import lease, storage
 from txflow.checkpoints.markers import signing_key
@@ -26,10 +25,6 @@ from txflow.training.tokenizer import load_tokenizer
 from txflow.upstream import skyrl_tx
 from txflow.upstream.named_models import NamedModelMissing
 from txflow.upstream.tiny_model import resolve_base_model
-
-# What `prepare_ahead` prepared, by the config's digest: `txflow run` checks before it starts Prefect, and
-# the flow's own call right after (the one deployment runs rely on) takes it instead of checking again.
-_ahead: dict[str, object] = {}
 
 
 class PreflightError(ValueError):
@@ -74,7 +69,7 @@ def context_length(model_path: str) -> int:
 
 def check_ray(cfg: RunConfig) -> None:
     """`--launcher ray` names a Ray cluster to join (txflow never starts one) and Ray is installed."""
-    if not (cfg.ray_address or os.environ.get("RAY_ADDRESS")):
+    if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
         raise PreflightError("--launcher ray needs an existing Ray cluster: pass --ray-address HOST:PORT or set "
                              "RAY_ADDRESS (txflow never starts a Ray cluster of its own)")
     if importlib.util.find_spec("ray") is None:
@@ -163,7 +158,7 @@ print(json.dumps(found))
 def check_client_python(cfg: RunConfig) -> str | None:
     """The interpreter `--client-python` names, as an absolute path, once it runs and imports
     `tinker` (and finds the client, if that is a module); None without `--client-python`."""
-    given = cfg.client_python
+    given = cfg.custom.client_python
     if not given:
         return None
     if os.sep in given or given.startswith("~"):
@@ -180,9 +175,9 @@ def check_client_python(cfg: RunConfig) -> str | None:
         if python is None:
             raise PreflightError(f"--client-python {given}: no such command on PATH. Pass the path of the Python "
                                  f"interpreter of your client's environment, e.g. /path/to/venv/bin/python")
-    is_module = custom.is_module(cfg.client)
+    is_module = custom.is_module(cfg.custom.client)
     try:
-        probe = subprocess.run([python, "-c", _CLIENT_ENV_PROBE, *([cfg.client] if is_module else [])],
+        probe = subprocess.run([python, "-c", _CLIENT_ENV_PROBE, *([cfg.custom.client] if is_module else [])],
                                capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
                                env=environ_without_secrets())
     except (OSError, subprocess.TimeoutExpired) as exc:
@@ -196,19 +191,24 @@ def check_client_python(cfg: RunConfig) -> str | None:
         raise PreflightError(f"--client-python {given}: cannot import tinker ({found['error']}). Install the "
                              f"Tinker SDK into that environment: {python} -m pip install tinker")
     if is_module and not found.get("module"):
-        raise PreflightError(f"--client {cfg.client}: not a .py file, and {given} finds no module of that name. "
+        raise PreflightError(f"--client {cfg.custom.client}: not a .py file, and {given} finds no module of that name. "
                              f"Pass the client's path, or install it into that environment")
     get_logger().info(f"client environment: {python} (Python {found['python']}, tinker {found['tinker']})")
     return python
 
 
-def prepare(cfg: RunConfig):
-    """Validate everything a run needs, before any process starts; returns the prepared data of its
-    mode (`sft.SFTData`, `rl.RLData` or `custom.CustomData`). Bad input raises PreflightError with a
+@dataclass(frozen=True)
+class Checked:
+    """What pre-flight found a run needs: the base model the engine loads (resolved here, once, for the whole
+    run: a named model is converted into the cache on its first use) and the prepared data of its mode."""
+
+    base_model_path: str
+    data: sft.SFTData | rl.RLData | custom.CustomData
+
+
+def prepare(cfg: RunConfig) -> Checked:
+    """Validate everything a run needs, before any process starts. Bad input raises PreflightError with a
     sentence that says what to change."""
-    ahead = _ahead.pop(_digest(cfg), None)
-    if ahead is not None:  # checked a moment ago by `txflow run`, in this process: used once
-        return ahead
     register_run_secrets(cfg)  # a message may quote a URL or a backend's error: no credential may show
     try:
         return _prepare(cfg)
@@ -216,26 +216,10 @@ def prepare(cfg: RunConfig):
         raise PreflightError(scrub(str(exc))) from None
 
 
-def prepare_ahead(cfg: RunConfig):
-    """`prepare`, before the flow starts, keeping the result for the flow's own `prepare` of the same config."""
-    data = prepare(cfg)
-    _ahead[_digest(cfg)] = data
-    return data
-
-
-def _digest(cfg: RunConfig) -> str:
-    """The whole config, secrets included (a config that differs only in a key or password is another run),
-    as a digest: the secrets themselves are not kept."""
-    values = cfg.model_dump(mode="python")
-    text = json.dumps(values, sort_keys=True,
-                      default=lambda v: v.get_secret_value() if isinstance(v, SecretStr) else str(v))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def check_approval(cfg: RunConfig) -> None:
     """An approval needs a Prefect server a person can open: not the embedded one of `txflow run`, which
     lives and dies with the run (nobody could approve on it)."""
-    if cfg.approve and (not os.environ.get("PREFECT_API_URL") or embedded_prefect.is_embedded()):
+    if cfg.export.approve and (not os.environ.get("PREFECT_API_URL") or embedded_prefect.is_embedded()):
         raise PreflightError("--approve waits for a person on a Prefect server, and this run has none (txflow run "
                              "starts a private one): run it as a deployment (prefect deployment run train/sft "
                              "--param ...), or drop --approve")
@@ -271,7 +255,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _prepare(cfg: RunConfig):
+def _prepare(cfg: RunConfig) -> Checked:
     check_live_run(cfg)
     check_approval(cfg)
     try:
@@ -284,7 +268,7 @@ def _prepare(cfg: RunConfig):
     model_path = check_base_model(cfg)
     if cfg.cluster:
         try:
-            named.check(cfg)
+            named.check(cfg, model_path)
         except named.AttachFailed as exc:
             raise PreflightError(str(exc)) from None
     check_learning_rate(cfg)
@@ -293,7 +277,7 @@ def _prepare(cfg: RunConfig):
     try:
         signing_key()  # a key too short, or a Secret block that cannot be read, stops the run here
         if cfg.mode == "custom":
-            command = custom.client_command(cfg.client, check_client_python(cfg))
+            command = custom.client_command(cfg.custom.client, check_client_python(cfg))
             probe = sft.prepare(load_jsonl(bundled_dataset("sft"), REQUIRED_KEYS["sft"]), tokenizer, max_len, "")
             data = custom.CustomData(command=command, probe=probe.eval)
         else:
@@ -304,7 +288,8 @@ def _prepare(cfg: RunConfig):
                                         messages=True) if cfg.eval_dataset else None)
                 data = sft.prepare(rows, tokenizer, max_len, url, eval_rows, cfg.eval_dataset or "")
             else:
-                data = rl.prepare(rows, tokenizer, max_len, cfg.max_tokens, url, load_reward(cfg.reward), cfg.reward)
+                data = rl.prepare(rows, tokenizer, max_len, cfg.rl.max_tokens, url, load_reward(cfg.rl.reward),
+                                  cfg.rl.reward)
         if cfg.resume_from:
             _, step = storage.resolve_resume_from(cfg)
             # A failed run continued from its own root at its last step redoes what failed after training;
@@ -317,4 +302,4 @@ def _prepare(cfg: RunConfig):
         raise PreflightError(str(exc)) from None
     # Last: the only check that writes (it creates the run root).
     check_run_root(cfg)
-    return data
+    return Checked(base_model_path=model_path, data=data)

@@ -58,7 +58,7 @@ def run(cfg: RunConfig, restore: RestoreCheck) -> Exported:
     card = run_card(cfg.run_id, cfg.mode, cfg.steps, cfg.base_model, cfg.dataset, restore.quality)
     with _ONE_EXPORT_AT_A_TIME:
         result = writer.export(reference, f"{cfg.run_root}/{export.EXPORT_DIR}", options, reference.base_model,
-                               card, merged=cfg.export_merged, keep_others=True, log=log.info,
+                               card, merged=cfg.export.merged, keep_others=True, log=log.info,
                                signed_as=f"{cfg.run_id}/{export.EXPORT_DIR}")
     discovered = Discovered.list_run_root(cfg.run_root, options)
     if result.passed:

@@ -78,10 +78,10 @@ def run(cfg: RunConfig, saved: Saved, restore: RestoreCheck, exported: ExportRes
     figures = _figures(metrics, restore.quality)
     if restore.abs_diff is not None:
         figures["restore_abs_diff"] = restore.abs_diff
-    result = promotion.promote(cfg.checkpoints, cfg.promote_as, cfg.run_id, _parts(exported),
+    result = promotion.promote(cfg.checkpoints, cfg.export.promote_as, cfg.run_id, _parts(exported),
                                record(cfg.mode, cfg.run_root, exported, figures, state, decision),
                                cfg.plain_storage_options(), workdir=cfg.state_dir)
-    get_logger().info(f"promoted run {cfg.run_id} as {cfg.promote_as!r}: {result.url} (pointer {result.pointer})"
+    get_logger().info(f"promoted run {cfg.run_id} as {cfg.export.promote_as!r}: {result.url} (pointer {result.pointer})"
                       + (f"; removed {len(result.removed)} older promotions" if result.removed else ""))
     return result.model_copy(update={"comment": decision.comment if decision else None,
                                      "approver": decision.approver if decision else None})

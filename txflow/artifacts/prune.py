@@ -14,13 +14,13 @@ def run(cfg: RunConfig, discovered: Discovered) -> Pruned:
     log = get_logger()
     options = cfg.plain_storage_options()
     protected = promotion.sources(cfg.checkpoints, options)
-    deletions = retention.apply(cfg.run_root, discovered.artifacts, cfg.keep_last, options, protected)
+    deletions = retention.apply(cfg.run_root, discovered.artifacts, cfg.export.keep_last, options, protected)
     for deletion in deletions:
         log.info(f"pruned {deletion.url} ({deletion.bytes} bytes): {deletion.reason}")
     freed = sum(d.bytes for d in deletions)
-    log.info(f"prune-checkpoints: kept the newest {cfg.keep_last} periodic states; {len(deletions)} deleted, "
+    log.info(f"prune-checkpoints: kept the newest {cfg.export.keep_last} periodic states; {len(deletions)} deleted, "
              f"{freed} bytes freed")
-    return Pruned(keep_last=cfg.keep_last, deletions=deletions, bytes_freed=freed,
+    return Pruned(keep_last=cfg.export.keep_last, deletions=deletions, bytes_freed=freed,
                   discovered=Discovered.list_run_root(cfg.run_root, options))
 
 

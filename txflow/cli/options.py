@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 
 from txflow.config import (
     RunConfig,
+    nest_flat_names,
     storage_options_from_env,
 )
 from txflow.log import register_secret
@@ -44,8 +45,8 @@ NESTED_MODELS = {name for name, info in RunConfig.model_fields.items()
                  if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel)}
 
 
-CONFIG_HELP = ("a YAML, TOML or JSON file of these options (field names, nested as `mesh: {tp: 2}`); a flag given "
-               "as well wins")
+CONFIG_HELP = ("a YAML, TOML or JSON file of these options (field names, nested as `mesh: {tp: 2}`; a group's "
+               "options flat or under its name: `group_size: 4` or `rl: {group_size: 4}`); a flag given as well wins")
 
 
 def load_config_file(path: str | None) -> dict:
@@ -105,7 +106,8 @@ def config_values(args: argparse.Namespace) -> dict:
         for parent in parents:
             target = target.setdefault(parent, {})
         target[leaf] = value
-    return _merged(from_file, values)
+    # The grouped options nested before the merge, so that a flag wins over the file however each spells it.
+    return _merged(nest_flat_names(from_file), nest_flat_names(values))
 
 
 def fields_line(exc: ValidationError) -> str:

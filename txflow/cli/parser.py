@@ -12,9 +12,15 @@ from pydantic_core import PydanticUndefined
 
 from txflow.cli.options import CONFIG_HELP
 from txflow.config import (
+    FLAT_NAMES,
+    GROUPED,
     SECRET_ENV,
     RunConfig,
 )
+
+# RunConfig's option groups in `--help`; their flags keep the flat names they had before the grouping.
+GROUP_TITLES = {"rl": "RL options", "ray": "Ray options", "custom": "custom client options",
+                "export": "export and promotion options"}
 
 # Flags whose name is not the field's name with '-' for '_'.
 FLAG_NAMES = {
@@ -36,43 +42,61 @@ def flag_of(name: str) -> str:
 def _run_options(model: type[BaseModel], parser, prefix: str = "", only: tuple[str, ...] | None = None,
                  hidden: tuple[str, ...] = ()) -> None:
     """One flag per field of `model` (recursively for nested models), of the top-level fields `only` when
-    given; dest is the dotted field path. The `hidden` ones are parsed (a command refuses them in a line that
-    says what to use instead) but not listed in `--help`."""
+    given; dest is the dotted field path, but for RunConfig's option groups (rl, ray, custom, export): their
+    fields keep their flat names (FLAT_NAMES, `--group-size`), listed in `--help` under their group. The
+    `hidden` ones are parsed (a command refuses them in a line that says what to use instead) but not listed in
+    `--help`."""
     for name, info in model.model_fields.items():
         if name in POSITIONAL and not prefix or (only is not None and not prefix and name not in only):
             continue
         dest = prefix + name
-        annotation = info.annotation
-        inner = annotation
-        if typing.get_origin(annotation) in (typing.Union, types.UnionType):  # X | None -> X
-            inner = next(a for a in typing.get_args(annotation) if a is not type(None))
-        if isinstance(inner, type) and issubclass(inner, BaseModel):
+        inner = _inner(info.annotation)
+        if not prefix and name in GROUPED:
+            section = parser.add_argument_group(GROUP_TITLES[name], inner.__doc__)
+            for flat, (group, field) in FLAT_NAMES.items():
+                if group == name:
+                    _add_option(section, flat, field, inner.model_fields[field], flat in hidden)
+        elif isinstance(inner, type) and issubclass(inner, BaseModel):
             _run_options(inner, parser, prefix=dest + ".")
-            continue
-        flag = flag_of(dest.replace(".", "_"))
-        help_text = (info.description or "") + _default_of(info)
-        hide = dest in hidden
-        origin = typing.get_origin(annotation)
-        if name in SECRET_ENV and not prefix:
-            hint = ("A flag shows in `ps` to every local user: prefer the environment variable."
-                    if SECRET_ENV[name] in help_text else
-                    f"Prefer {SECRET_ENV[name]} in the environment: a flag shows in `ps` to every local user.")
-            parser.add_argument(flag, dest=dest, metavar="KEY=VALUE" if origin is dict else name.upper(),
-                                action="append" if origin is dict else "store",
-                                help=_help(help_text + (" (repeatable)" if origin is dict else "") + " " + hint, hide))
-        elif origin is list:
-            parser.add_argument(flag, dest=dest, action="append", metavar="VALUE",
-                                help=_help(help_text + " (repeatable)", hide))
-        elif origin is dict:
-            parser.add_argument(flag, dest=dest, action="append", metavar="KEY=VALUE",
-                                help=_help(help_text + " (repeatable)", hide))
-        elif inner is bool:
-            parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=_help(help_text, hide))
-        elif typing.get_origin(inner) is typing.Literal:  # the model checks the choice, in one line
-            parser.add_argument(flag, dest=dest, metavar="{" + ",".join(typing.get_args(inner)) + "}",
-                                help=_help(help_text, hide))
         else:
-            parser.add_argument(flag, dest=dest, metavar=name.upper().removesuffix("_S"), help=_help(help_text, hide))
+            _add_option(parser, dest, name if not prefix else dest, info, dest in hidden)
+
+
+def _inner(annotation):
+    """`X` of `X | None`."""
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def _add_option(parser, dest: str, name: str, info, hide: bool) -> None:
+    """The flag of one field: `dest` where its value lands, `name` the field's (its metavar)."""
+    annotation = info.annotation
+    inner = _inner(annotation)
+    flag = flag_of(dest.replace(".", "_"))
+    help_text = (info.description or "") + _default_of(info)
+    origin = typing.get_origin(annotation)
+    if dest in SECRET_ENV:
+        hint = ("A flag shows in `ps` to every local user: prefer the environment variable."
+                if SECRET_ENV[dest] in help_text else
+                f"Prefer {SECRET_ENV[dest]} in the environment: a flag shows in `ps` to every local user.")
+        parser.add_argument(flag, dest=dest, metavar="KEY=VALUE" if origin is dict else dest.upper(),
+                            action="append" if origin is dict else "store",
+                            help=_help(help_text + (" (repeatable)" if origin is dict else "") + " " + hint, hide))
+    elif origin is list:
+        parser.add_argument(flag, dest=dest, action="append", metavar="VALUE",
+                            help=_help(help_text + " (repeatable)", hide))
+    elif origin is dict:
+        parser.add_argument(flag, dest=dest, action="append", metavar="KEY=VALUE",
+                            help=_help(help_text + " (repeatable)", hide))
+    elif inner is bool:
+        parser.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, help=_help(help_text, hide))
+    elif typing.get_origin(inner) is typing.Literal:  # the model checks the choice, in one line
+        parser.add_argument(flag, dest=dest, metavar="{" + ",".join(typing.get_args(inner)) + "}",
+                            help=_help(help_text, hide))
+    else:
+        parser.add_argument(flag, dest=dest, metavar=name.rsplit(".", 1)[-1].upper().removesuffix("_S"),
+                            help=_help(help_text, hide))
 
 
 def _help(text: str, hide: bool) -> str:

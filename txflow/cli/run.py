@@ -31,11 +31,11 @@ def run(args) -> int:
         print(f"txflow: invalid options: {scrub(str(exc))}", file=sys.stderr)
         return 2
     from txflow.log import register_run_secrets
-    from txflow.preflight import PreflightError, prepare_ahead
+    from txflow.preflight import PreflightError, prepare
 
     register_run_secrets(config)  # before anything can print a URL or a backend's error
     try:
-        prepare_ahead(config)  # bad input: one line and exit 2, before anything starts
+        checked = prepare(config)  # bad input: one line and exit 2, before anything starts
     except PreflightError as exc:
         print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
         return 2
@@ -59,12 +59,12 @@ def run(args) -> int:
     from txflow.cluster import embedded_prefect
 
     with held, embedded_prefect.server(config.state_dir) as prefect_server:
-        from flows.train import RunFailed, train_flow  # imports while the server starts
+        from flows.train import RunFailed, checked_train_flow  # imports while the server starts
 
         if prefect_server is not None:
             prefect_server.wait_ready()
         try:
-            report = train_flow(config=config)
+            report = checked_train_flow(checked)(config=config)
             code = 0
         except RunFailed as failed:
             report, code = failed.report, 1

@@ -40,10 +40,10 @@ CLUSTERS_DIR_ENV = "TXFLOW_CLUSTERS_DIR"
 SERVES = "serves.json"
 RUN_KEYS = "run-keys.json"
 # The RunConfig fields that shape a cluster (`txflow cluster up` takes these); the rest belong to runs.
-CLUSTER_FIELDS = ("base_model", "processes", "devices_per_process", "launcher", "ray_address", "ray_cpus_per_rank",
-                  "ray_gpus_per_rank", "ray_placement", "host", "mesh", "database_url", "max_lora_rank",
-                  "lora_adapters", "startup_timeout_s", "concurrency_limit", "api_max_body_mb", "api_max_samples",
-                  "api_max_tokens", "api_max_batch", "api_max_sessions_per_key", "api_max_models_per_key")
+CLUSTER_FIELDS = ("base_model", "processes", "devices_per_process", "launcher", "ray", "host", "mesh", "database_url",
+                  "max_lora_rank", "lora_adapters", "startup_timeout_s", "concurrency_limit", "api_max_body_mb",
+                  "api_max_samples", "api_max_tokens", "api_max_batch", "api_max_sessions_per_key",
+                  "api_max_models_per_key")
 
 
 class AttachFailed(RuntimeError):
@@ -141,7 +141,8 @@ def up(cfg: RunConfig, name: str) -> ClusterHandle:
     _save_serves(serves)
     handle = None
     try:  # provision stops what it started when it fails (on Ray: a cluster it cannot place)
-        handle = startup.provision(ccfg, get_launcher(ccfg), api_env=launch.run_keys_env(str(keys)))
+        handle = startup.provision(ccfg, get_launcher(ccfg), serves.base_model_path,
+                                   api_env=launch.run_keys_env(str(keys)))
         startup.launch_workers(ccfg, handle)
     except BaseException:
         if handle is not None:
@@ -390,16 +391,15 @@ def attached_config(cfg: RunConfig) -> RunConfig:
     return cfg.model_copy(update={"database_url": SecretStr(database_url(serves, cfg))})
 
 
-def check(cfg: RunConfig) -> Serves:
-    """Pre-flight: the named cluster exists and serves this run's base model and LoRA rank (one line if not)."""
-    from txflow.upstream.tiny_model import resolve_base_model
-
+def check(cfg: RunConfig, base_model_path: str) -> Serves:
+    """Pre-flight: the named cluster exists and serves this run's base model (`base_model_path`, resolved by
+    the run's pre-flight) and LoRA rank (one line if not)."""
     name = cfg.cluster
     serves = load_serves(name)
     if serves is None:
         raise AttachFailed(f"--cluster {name}: no such cluster under {clusters_dir()}; start one with "
                            f"`txflow cluster up {name} --base-model {cfg.base_model}`")
-    if serves.base_model != cfg.base_model and serves.base_model_path != resolve_base_model(cfg.base_model):
+    if serves.base_model != cfg.base_model and serves.base_model_path != base_model_path:
         raise AttachFailed(f"--cluster {name} serves {serves.base_model}, not --base-model {cfg.base_model}")
     if cfg.lora_rank > serves.max_lora_rank:
         raise AttachFailed(f"--cluster {name} takes LoRA ranks up to {serves.max_lora_rank}, not --lora-rank "

@@ -18,7 +18,7 @@ from txflow.cluster.records import Cluster
 from txflow.config import RunConfig
 from txflow.log import get_logger, register_secret
 from txflow.upstream.skyrl_tx import DATABASE_URL_ENV, launch
-from txflow.upstream.tiny_model import cache_dir, resolve_base_model
+from txflow.upstream.tiny_model import cache_dir
 
 
 def child_env(cfg: RunConfig) -> dict[str, str]:
@@ -60,11 +60,13 @@ def wait_for_api(handle: ClusterHandle, timeout_s: float) -> None:
                      f"Last lines of {api.log}:\n{handle.launcher.tail(api)}")
 
 
-def provision(cfg: RunConfig, launcher: Launcher, api_env: dict[str, str] | None = None) -> ClusterHandle:
+def provision(cfg: RunConfig, launcher: Launcher, base_model_path: str,
+              api_env: dict[str, str] | None = None) -> ClusterHandle:
     """Start the API server, then rank 0, without waiting for either (`launch_workers` proves them ready);
     each is in cluster.json as soon as it exists, and a monitor watches them from the start. A failure
-    stops what this call started, so that a retry starts from nothing. `api_env`: more environment for the
-    API (a shared cluster's run-keys file)."""
+    stops what this call started, so that a retry starts from nothing. `base_model_path`: what the engine
+    loads, as pre-flight resolved it. `api_env`: more environment for the API (a shared cluster's run-keys
+    file)."""
     log = get_logger()
     state_dir = Path(cfg.state_dir)
     (state_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -77,7 +79,7 @@ def provision(cfg: RunConfig, launcher: Launcher, api_env: dict[str, str] | None
         api_port=0,
         coordinator_port=None,
         num_processes=cfg.processes,
-        base_model_path=resolve_base_model(cfg.base_model),
+        base_model_path=base_model_path,
         checkpoints_base=fresh_staging(cfg),
         **({"api_key": cfg.api_key} if cfg.api_key is not None else {}),
     )

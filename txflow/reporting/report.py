@@ -315,7 +315,8 @@ def approval_markdown(cfg: RunConfig, metrics: list[dict], restore: RestoreCheck
     rows = [f"| {k} | {v:.4g} |" if isinstance(v, float) else f"| {k} | {v} |" for k, v in figures.items()
             if v is not None]
     return "\n".join([f"Promote run `{cfg.run_id}` ({cfg.mode}, {len(metrics)} steps, base model `{cfg.base_model}`) "
-                      f"as **{cfg.promote_as}**? Every check passed.", "", "| figure | value |", "|---|---|", *rows,
+                      f"as **{cfg.export.promote_as}**? Every check passed.", "", "| figure | value |", "|---|---|",
+                      *rows,
                       "", f"Adapter: `{exported.peft_url}`; report: `{cfg.run_root}/report.json`"])
 
 

@@ -34,8 +34,8 @@ def grid(config: RunConfig, sweep_id: str, learning_rates: list[float], lora_ran
     for i, (rate, rank) in enumerate(points):
         run_id = f"{sweep_id}-{i:02d}"
         members.append(RunConfig.model_validate(
-            {**config.model_dump(exclude={"run_id", "state_dir", "promote_as", "approve", "api_key",
-                                          "database_url", "storage_options"}),
+            {**config.model_dump(exclude={"run_id": True, "state_dir": True, "api_key": True, "database_url": True,
+                                          "storage_options": True, "export": {"promote_as", "approve"}}),
              "storage_options": config.storage_options, "database_url": config.database_url,
              "run_id": run_id, "state_dir": str(state / run_id), "learning_rate": rate, "lora_rank": rank,
              "cluster": cluster}).resolved())

@@ -16,7 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from txflow.config import SECRET_FIELDS, RunConfig
+from txflow.config import FLAT_NAMES, SECRET_FIELDS, RunConfig
 from txflow.log import get_logger, scrub
 
 TRACKING_URI_ENV = "TXFLOW_TRACKING_URI"
@@ -53,7 +53,8 @@ def _experiment(uri: str):
 
 
 def params_of(cfg: RunConfig) -> dict[str, str]:
-    """The run's options as MLflow parameters: nested models flattened (`mesh.tp`), no credential."""
+    """The run's options as MLflow parameters: nested models flattened (`mesh.tp`), the option groups' under
+    the flat names a person types (`group_size`, not `rl.group_size`), no credential."""
     flat: dict[str, str] = {}
 
     def add(prefix: str, value) -> None:
@@ -64,7 +65,8 @@ def params_of(cfg: RunConfig) -> dict[str, str]:
             flat[prefix] = scrub(json.dumps(value) if isinstance(value, list | dict) else str(value))[:6000]
 
     add("", cfg.model_dump(mode="json", exclude=set(SECRET_FIELDS) | {"tracking_uri", "tracking_parent"}))
-    return flat
+    typed = {".".join(path): name for name, path in FLAT_NAMES.items()}
+    return {typed.get(key, key): value for key, value in flat.items()}
 
 
 def _numbers(values: dict) -> dict[str, float]:

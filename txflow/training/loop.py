@@ -80,11 +80,11 @@ def rl_step(cfg: RunConfig, handle: ClusterHandle, data: rl.RLData):
     def step_fn(training_client, step: int) -> dict:
         policy = sampling_client_of(handle, training_client, cfg.step_timeout_s)
         indices = datasets.batch_indices(len(data.prompts), step, cfg.batch_size, cfg.seed)
-        groups = rl.sample_groups(policy, data, indices, cfg.group_size, cfg.max_tokens, cfg.temperature,
+        groups = rl.sample_groups(policy, data, indices, cfg.rl.group_size, cfg.rl.max_tokens, cfg.rl.temperature,
                                   cfg.seed * 100_003 + step, handle, cfg.step_timeout_s)
         # One optimizer step per minibatch, all in flight: the engine runs a model's requests in order.
-        batches = [sft.averaged(batch) for batch in rl.minibatches(rl.to_datums(groups, data), cfg.substeps)]
-        pending = [(batch, training_client.forward_backward(batch, cfg.loss), training_client.optim_step(adam))
+        batches = [sft.averaged(batch) for batch in rl.minibatches(rl.to_datums(groups, data), cfg.rl.substeps)]
+        pending = [(batch, training_client.forward_backward(batch, cfg.rl.loss), training_client.optim_step(adam))
                    for batch in batches]
         clipped = counted = 0
         for i, (batch, fwd_bwd, optim) in enumerate(pending):
@@ -95,7 +95,7 @@ def rl_step(cfg: RunConfig, handle: ClusterHandle, data: rl.RLData):
         rewards = rl.rewards_of(groups)
         row = {"reward_mean": statistics.fmean(rewards), "reward_std": statistics.pstdev(rewards),
                "tokens_sampled": sum(len(r.tokens) for g in groups for r in g)}
-        if cfg.loss == "ppo":
+        if cfg.rl.loss == "ppo":
             row["clip_fraction"] = clipped / counted if counted else 0.0
         return row
 
@@ -177,7 +177,7 @@ def train_custom(cfg: RunConfig, handle: ClusterHandle, data: custom.CustomData,
     log = get_logger()
     values = {"base_url": handle.cluster.base_url, "base_model": handle.cluster.base_model_path,
               "run_id": cfg.run_id, "checkpoint_root": cfg.run_root}
-    command = data.command + custom.fill(cfg.client_args, values)
+    command = data.command + custom.fill(cfg.custom.client_args, values)
     if attempt > 1:
         log.warning(f"re-running the custom client from the start (run {attempt}): a cluster fault interrupted "
                     f"it, and only the client knows how to resume")

@@ -47,8 +47,8 @@ def restored_sampler(cfg: RunConfig, handle: ClusterHandle, client, sampler_url:
 
 def eval_rewards(sampling_client, cfg: RunConfig, data: rl.RLData, handle: ClusterHandle) -> list[float]:
     """Mean reward of each prompt, `group_size` samples each, with fixed seeds."""
-    groups = rl.sample_groups(sampling_client, data, list(range(len(data.prompts))), cfg.group_size,
-                              cfg.max_tokens, cfg.temperature, cfg.seed + EVAL_SEED_OFFSET, handle,
+    groups = rl.sample_groups(sampling_client, data, list(range(len(data.prompts))), cfg.rl.group_size,
+                              cfg.rl.max_tokens, cfg.rl.temperature, cfg.seed + EVAL_SEED_OFFSET, handle,
                               cfg.step_timeout_s)
     return [statistics.fmean(r.reward for r in group) for group in groups]
 

@@ -175,7 +175,7 @@ class RayLauncher(Launcher):
 
     @classmethod
     def for_config(cls, cfg) -> RayLauncher:
-        return cls(cfg.ray_address, cfg.ray_cpus_per_rank, cfg.ray_gpus_per_rank, cfg.ray_placement,
+        return cls(cfg.ray.address, cfg.ray.cpus_per_rank, cfg.ray.gpus_per_rank, cfg.ray.placement,
                    cfg.startup_timeout_s)
 
     @classmethod
