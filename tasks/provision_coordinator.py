@@ -21,5 +21,5 @@ def provision_coordinator(cfg: RunConfig, launcher: Launcher, base_model_path: s
     """Start the API server, then rank 0 on `base_model_path` (pre-flight's), without waiting for either
     (launch-workers proves them ready); with `cluster` set, attach to that shared cluster instead."""
     if cfg.cluster:
-        return named.attach(cfg)
+        return named.attach(cfg, base_model_path)
     return startup.provision(cfg, launcher, base_model_path)

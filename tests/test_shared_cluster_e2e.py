@@ -96,9 +96,10 @@ def test_the_cluster_says_what_it_serves_and_where(shared):
 def attached(run_id: str):
     from txflow.cluster import named
     from txflow.config import RunConfig
+    from txflow.upstream.tiny_model import resolve_base_model
 
     cfg = RunConfig(run_id=run_id, base_model="tiny", cluster=NAME, startup_timeout_s=30).resolved()
-    return cfg, named.verify(cfg, named.attach(cfg))
+    return cfg, named.verify(cfg, named.attach(cfg, resolve_base_model("tiny")))
 
 
 def test_each_runs_key_opens_only_its_own_work_and_release_frees_it(shared):

@@ -244,9 +244,10 @@ class ExportOptions(BaseModel, extra="forbid"):
         return self
 
 
-# The grouped options under the flat names they have everywhere a person types them (flags, config files,
-# deployment parameters): `--group-size` is `rl.group_size`, `--ray-address` is `ray.address`, `--export` is
-# `export.enabled`. A config given flat is read as nested (`RunConfig._flat_names`).
+# The grouped options under the flat names a person types (flags, config files, `RunConfig(group_size=4)`):
+# `--group-size` is `rl.group_size`, `--ray-address` is `ray.address`, `--export` is `export.enabled`. A config
+# given flat is read as nested (`RunConfig._flat_names`). Deployment parameters are nested: the Prefect server
+# checks them against RunConfig's JSON schema, which names the groups.
 FLAT_NAMES: dict[str, tuple[str, str]] = {
     **{name: ("rl", name) for name in RLOptions.model_fields},
     **{"ray_" + name: ("ray", name) for name in RayOptions.model_fields},

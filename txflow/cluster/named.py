@@ -447,12 +447,13 @@ class _Watch:
         return cluster.processes
 
 
-def attach(cfg: RunConfig) -> ClusterHandle:
-    """provision-coordinator of an attached run: a key of its own on the cluster, and a handle whose monitor
-    watches the cluster's processes (their death is this run's cluster fault, named)."""
+def attach(cfg: RunConfig, base_model_path: str) -> ClusterHandle:
+    """provision-coordinator of an attached run (its base model at `base_model_path`, as its pre-flight resolved
+    it): a key of its own on the cluster, and a handle whose monitor watches the cluster's processes (their death
+    is this run's cluster fault, named)."""
     from txflow.cluster.launchers import get_launcher
 
-    serves = check(cfg)
+    serves = check(cfg, base_model_path)
     deadline = time.monotonic() + cfg.startup_timeout_s
     while not healthy(serves):  # a cluster being (re)started: wait for it, bounded
         if time.monotonic() > deadline:

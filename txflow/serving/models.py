@@ -75,7 +75,7 @@ def attach(cluster: str, options: dict[str, str], state_dir: Path, timeout_s: fl
     cfg = named.attached_config(RunConfig(
         mode="sft", base_model=serves.base_model, cluster=cluster, run_id=f"serve-{secrets.token_hex(4)}",
         state_dir=str(state_dir), storage_options=options, startup_timeout_s=timeout_s, step_timeout_s=timeout_s))
-    handle = named.attach(cfg)
+    handle = named.attach(cfg, serves.base_model_path)
     try:
         named.verify(cfg, handle)
         tokenizer = load_tokenizer(handle.cluster.base_model_path)
