@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.txflow-installed
 
-.PHONY: demo test test-fast lint docs docs-check venv clean bench
+.PHONY: demo test test-fast lint docs docs-check venv clean bench mlflow-ui
 
 venv: $(STAMP)
 
@@ -56,6 +56,14 @@ docs-check: $(STAMP)
 
 test-fast: $(STAMP) lint
 	$(BIN)/python -m pytest -v -m "not e2e"
+
+# The MLflow UI over the runs of this checkout (.txflow/mlflow.db), from an environment of its own: the full
+# `mlflow` package pins other versions than txflow's (pyarrow), and txflow itself needs only its client.
+MLFLOW_UI := .venv-mlflow
+mlflow-ui:
+	test -x $(MLFLOW_UI)/bin/mlflow || ($(PYTHON) -m venv $(MLFLOW_UI) && \
+		$(MLFLOW_UI)/bin/python -m pip install --quiet --disable-pip-version-check mlflow==3.17.2)
+	$(MLFLOW_UI)/bin/mlflow ui --backend-store-uri sqlite:///$(CURDIR)/.txflow/mlflow.db
 
 clean:
 	rm -rf .txflow

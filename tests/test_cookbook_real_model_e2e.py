@@ -220,10 +220,11 @@ def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model_and_cha
     train.write_text("".join(json.dumps(conversation(r)) + "\n" for r in arithmetic[:64]))
     held.write_text("".join(json.dumps(conversation(r)) + "\n" for r in arithmetic[-6:]))
     state = reaper.watch(tmp_path / "state")
+    tracked = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the run and its evaluation, side by side in MLflow
     result = run_txflow(["run", "sft", "--base-model", SMOLLM2_MODEL, "--run-id", "chat", "--state-dir", str(state),
                          "--checkpoints", str(tmp_path / "ckpt"), "--dataset", str(train), "--eval-dataset", str(held),
-                         "--steps", "4", "--cluster", NAME, "--no-export", "--json"], warm["env"], tmp_path,
-                        timeout=1200)
+                         "--steps", "4", "--cluster", NAME, "--no-export", "--json", "--tracking-uri", tracked],
+                        warm["env"], tmp_path, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
     assert report["status"] == "passed" and report["eval_dataset"] == str(held)
@@ -234,6 +235,37 @@ def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model_and_cha
     assert [a["expected"] for a in restore["answers"]] == [r["answer"] for r in arithmetic[-6:]]
     assert report["cluster"]["ranks"] == []  # attached: it started and stopped nothing (the fixture checks the rest)
     chat_through_serve(warm, report["checkpoint_root"], conversation(arithmetic[-1])["messages"][:-1])
+    evaluate_with_inspect(warm, report["checkpoint_root"], tmp_path / "evals", tracked)
+
+
+def evaluate_with_inspect(warm, root: str, log_dir: Path, tracked: str) -> None:
+    """`txflow eval`: Inspect scores the base model and the adapter on the bundled arithmetic task through the
+    endpoint, each model's score in the report and in Inspect's own log beside it, and in MLflow: a run of its
+    own, and on the adapter's training run beside its metrics."""
+    from mlflow.tracking import MlflowClient
+
+    result = run_txflow(["eval", "--cluster", NAME, "--adapter", f"calc={root}", "--limit", "6", "--max-tokens", "8",
+                         "--log-dir", str(log_dir), "--tracking-uri", tracked, "--json"], warm["env"], warm["work"],
+                        timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    assert report["task"] == "arithmetic" and report["harness"] == "inspect_ai"
+    assert [s["model"] for s in report["scores"]] == [SMOLLM2_MODEL, "calc"]
+    assert json.loads((log_dir / "eval.json").read_text()) == report
+    for score in report["scores"]:
+        log = json.loads(Path(score["log"]).read_text())  # Inspect's own, under --log-dir
+        assert Path(score["log"]).parent == log_dir and log["eval"]["model"] == f"openai-api/txflow/{score['model']}"
+        right = [s["scores"]["match"]["value"] == "C" for s in log["samples"]]
+        assert len(right) == score["samples"] == 6 and score["accuracy"] == pytest.approx(sum(right) / 6)
+    base, calc = (s["accuracy"] for s in report["scores"])
+    client = MlflowClient(tracking_uri=tracked)
+    runs = {r.info.run_name: r for r in client.search_runs(client.get_experiment_by_name("txflow").experiment_id)}
+    assert set(runs) == {"chat", "eval arithmetic"}
+    assert runs["eval arithmetic"].data.metrics == {f"eval/arithmetic/{SMOLLM2_MODEL}/accuracy": base,
+                                                    "eval/arithmetic/calc/accuracy": calc}
+    trained = runs["chat"].data.metrics
+    assert trained["eval/arithmetic/accuracy"] == calc and trained["eval/arithmetic/base_accuracy"] == base
+    assert "nll" in trained  # beside the run's own per-step metrics
 
 
 def chat_through_serve(warm, root: str, messages: list[dict]) -> None:

@@ -36,3 +36,24 @@ def test_off_logs_nothing_and_the_default_is_the_working_directorys_store(monkey
     assert tracking.tracking_uri(RunConfig()) is None
     assert tracking.log_run(RunConfig(), SimpleNamespace()) is None  # nothing touched: no store, no error
     assert not (tmp_path / ".txflow").exists()
+
+
+def test_an_evaluation_is_a_run_of_its_own_and_its_scores_land_on_the_adapters_training_run(tmp_path):
+    from mlflow.tracking import MlflowClient
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client, experiment = tracking._experiment(uri)
+    trained = client.create_run(experiment, run_name="mine", tags={"txflow.run_root": "/runs/mine"}).info.run_id
+    other = client.create_run(experiment, run_name="other", tags={"txflow.run_root": "/runs/other"}).info.run_id
+    report = {"task": "arithmetic", "harness": "inspect_ai",
+              "scores": [{"model": "base", "accuracy": 0.25, "samples": 4, "log": "b.json"},
+                         {"model": "mine", "accuracy": 0.75, "samples": 4, "log": "m.json"}]}
+    run_id = tracking.log_eval(uri, report, {"mine": "/runs/mine"})
+    client = MlflowClient(tracking_uri=uri)
+    run = client.get_run(run_id)
+    assert run.info.run_name == "eval arithmetic" and run.data.tags["txflow.mode"] == "eval"
+    assert run.data.metrics == {"eval/arithmetic/base/accuracy": 0.25, "eval/arithmetic/mine/accuracy": 0.75}
+    assert client.get_run(trained).data.metrics == {"eval/arithmetic/accuracy": 0.75,
+                                                    "eval/arithmetic/base_accuracy": 0.25}
+    assert client.get_run(other).data.metrics == {}  # another run's root: untouched
+    assert tracking.log_eval(None, report, {}) is None  # tracking off

@@ -1,5 +1,5 @@
 """The `txflow` command, a module per command: `run` (sft, rl, custom; the options generated from `RunConfig` in
-`parser`, merged with a config file and the environment in `options`), `sweep`, `cluster`, `serve`, and a run's
+`parser`, merged with a config file and the environment in `options`), `sweep`, `cluster`, `serve`, `eval`, and a run's
 artifacts (`runs`, `discover`, `export`, `prune`, `promoted`, in `artifacts`).
 
 `txflow run` checks everything before it starts anything (the same pre-flight the flow runs), then starts the
@@ -17,6 +17,7 @@ import traceback
 
 from txflow.cli.artifacts import discover_cmd, export_cmd, promoted_cmd, prune_cmd, runs_cmd
 from txflow.cli.cluster import cluster_cmd, duration_s
+from txflow.cli.evaluate import eval_cmd
 from txflow.cli.options import config_values, load_config_file
 from txflow.cli.parser import _default_of, _parser, flag_of, versions
 from txflow.cli.run import last_line, run
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     return {"run": run, "export": export_cmd, "discover": discover_cmd, "prune": prune_cmd,
             "promoted": promoted_cmd, "cluster": cluster_cmd, "sweep": sweep_cmd, "runs": runs_cmd,
-            "serve": serve_cmd}[args.command](args)
+            "serve": serve_cmd, "eval": eval_cmd}[args.command](args)
 
 
 def entry() -> None:

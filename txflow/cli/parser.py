@@ -133,6 +133,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"txflow: invalid options: {message} (see {self.prog} --help)\n")
 
 
+def _cluster_and_adapters(parser, verb: str, base: str) -> None:
+    """What `serve` and `eval` share: the warm cluster, the adapters by name, the deadline, storage options."""
+    parser.add_argument("--cluster", required=True, metavar="NAME", help="the warm cluster to sample on "
+                        "(`txflow cluster up NAME`)")
+    parser.add_argument("--adapter", action="append", default=[], metavar="NAME=URL",
+                        help=f"{verb} a run's checked sampler as model NAME: URL is the run root (or that sampler "
+                             f"checkpoint); repeat for several; the base model is always {base}")
+    parser.add_argument("--timeout-s", type=float, default=300.0,
+                        help="deadline of a sample on the cluster, and of attaching to it (default: 300)")
+    parser.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="txflow", description="LoRA fine-tuning on a self-hosted SkyRL-tx cluster")
     parser.add_argument("--version", action="version", version=versions())
@@ -216,16 +228,23 @@ def _parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI's text API (/v1/models, /v1/completions, /v1/chat/completions) over "
                            "the base model and trained adapters, on a warm cluster; prints OPENAI_BASE_URL and "
                            "OPENAI_API_KEY to export")
-    serve.add_argument("--cluster", required=True, metavar="NAME", help="the warm cluster to sample on "
-                       "(`txflow cluster up NAME`)")
-    serve.add_argument("--adapter", action="append", default=[], metavar="NAME=URL",
-                       help="serve a run's checked sampler as model NAME: URL is the run root (or that sampler "
-                            "checkpoint); repeat for several; the base model is always served by its name")
+    _cluster_and_adapters(serve, "serve", "served by its name")
     serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="the port (default: 8000; 0: a free one)")
-    serve.add_argument("--timeout-s", type=float, default=300.0,
-                       help="deadline of a sample on the cluster, and of attaching to it (default: 300)")
-    serve.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE")
+    evaluate = sub.add_parser("eval", help="score the base model and trained adapters on a task with Inspect, "
+                              "through txflow's OpenAI-compatible endpoint on a warm cluster")
+    _cluster_and_adapters(evaluate, "score", "scored")
+    evaluate.add_argument("--task", default="arithmetic", metavar="TASK",
+                          help="`arithmetic` (the bundled held-out set) or a JSONL file of {\"prompt\", \"answer\"} "
+                               "rows, any fsspec URL (default: arithmetic)")
+    evaluate.add_argument("--limit", type=int, metavar="N", help="the first N samples only (default: all)")
+    evaluate.add_argument("--max-tokens", type=int, default=16, metavar="N",
+                          help="tokens each answer may take (default: 16)")
+    evaluate.add_argument("--log-dir", metavar="DIR", help="where Inspect's logs and eval.json go "
+                          "(default: .txflow/evals/<time>)")
+    evaluate.add_argument("--tracking-uri", metavar="URI", help="the MLflow store the scores go to, beside each "
+                          "adapter's training run (default: as `txflow run`'s; `off`: none)")
+    evaluate.add_argument("--json", action="store_true", help="print the scores as JSON on stdout")
     promoted = sub.add_parser("promoted", help="what is promoted under a name, with its figures and history")
     promoted.add_argument("root", help="the checkpoints root the runs promoted into")
     promoted.add_argument("name")

@@ -33,10 +33,8 @@ def serve_cmd(args) -> int:
     api_key = os.environ.get("TXFLOW_SERVE_API_KEY") or "sk-txflow-" + secrets.token_hex(16)
     register_secret(api_key)
     with tempfile.TemporaryDirectory(prefix="txflow-serve-") as state, sock:
-        try:
-            serving = models.attach(args.cluster, options, Path(state), args.timeout_s)
-        except Exception as exc:  # noqa: BLE001 (no such cluster, not up, no slot: one line)
-            print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
+        serving = attached(args, options, Path(state))
+        if serving is None:
             return 2
         try:
             models.load(serving, references)
@@ -52,3 +50,15 @@ def serve_cmd(args) -> int:
         finally:
             models.release(serving)
     return 0
+
+
+def attached(args, options: dict[str, str], state: Path):
+    """`--cluster` attached with a key of this process's own (`serve`, `eval`); None, said in one line, when it
+    cannot be (no such cluster, not up, no slot)."""
+    from txflow.serving import models
+
+    try:
+        return models.attach(args.cluster, options, state, args.timeout_s)
+    except Exception as exc:  # noqa: BLE001
+        print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
+        return None

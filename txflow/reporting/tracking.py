@@ -4,7 +4,7 @@ the adapter it exported; a sweep is one run with its members as children.
 
 Through MLflow's client (mlflow-skinny), one run at a time per call and no global state: a sweep's members log from
 threads of one process. By default into `sqlite:///.txflow/mlflow.db` in the working directory (every run of a
-checkout in one store, which `mlflow ui --backend-store-uri sqlite:///.txflow/mlflow.db` shows), its artifacts in
+checkout in one store, which `make mlflow-ui` shows), its artifacts in
 `.txflow/mlflow-artifacts/`. Tracking is a record, not a check: a store that cannot be written is a warning, never a
 failed run."""
 
@@ -27,7 +27,12 @@ DEFAULT_DB = Path(".txflow") / "mlflow.db"
 
 def tracking_uri(cfg: RunConfig) -> str | None:
     """Where the run logs to; None when tracking is off."""
-    uri = cfg.tracking_uri or os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{DEFAULT_DB.absolute()}"
+    return store_uri(cfg.tracking_uri)
+
+
+def store_uri(given: str | None) -> str | None:
+    """The store `given` names, else $TXFLOW_TRACKING_URI, else the checkout's database; None for `off`."""
+    uri = given or os.environ.get(TRACKING_URI_ENV) or f"sqlite:///{DEFAULT_DB.absolute()}"
     return None if uri.strip().lower() == OFF else uri
 
 
@@ -169,3 +174,37 @@ def finish_sweep(cfg: RunConfig, run_id: str | None, ranking: dict) -> None:
         client.set_terminated(run_id, "FINISHED" if ranking.get("best") else "FAILED")
     except Exception as exc:
         get_logger().warning(f"MLflow: the sweep's run {run_id} not finished ({type(exc).__name__})")
+
+
+def log_eval(uri: str | None, report: dict, run_roots: dict[str, str]) -> str | None:
+    """`txflow eval`'s scores: a run of their own (`eval <task>`: each model's accuracy, eval.json), and on the
+    training run of each adapter (found by its run root, `run_roots`: model name -> root) its score and the base
+    model's beside its own metrics. The eval run's id, or None when tracking is off or the store failed."""
+    if uri is None:
+        return None
+    try:
+        from mlflow.entities import Metric
+
+        client, experiment = _experiment(uri)
+        now = int(time.time() * 1000)
+        task = report["task"]
+        accuracy = {s["model"]: s["accuracy"] for s in report["scores"]}
+        run_id = client.create_run(experiment, run_name=f"eval {task}", tags={
+            "txflow.mode": "eval", "txflow.task": task, "txflow.harness": report["harness"]}).info.run_id
+        client.log_batch(run_id, metrics=[Metric(f"eval/{task}/{model}/accuracy", value, now, 0)
+                                          for model, value in accuracy.items()])
+        client.log_dict(run_id, report, "eval.json")
+        client.set_terminated(run_id, "FINISHED")
+        base = next(iter(accuracy))  # the base model is scored first
+        for model, root in run_roots.items():
+            trained = client.search_runs([experiment], f"tags.`txflow.run_root` = '{root}'", max_results=1,
+                                         order_by=["attributes.start_time DESC"])
+            if trained:
+                client.log_batch(trained[0].info.run_id, metrics=[
+                    Metric(f"eval/{task}/accuracy", accuracy[model], now, 0),
+                    Metric(f"eval/{task}/base_accuracy", accuracy[base], now, 0)])
+        get_logger().info(f"MLflow: the evaluation tracked as {run_id} at {scrub(uri)}")
+        return run_id
+    except Exception as exc:  # a record, not a check: the scores stand
+        get_logger().warning(f"MLflow: the evaluation not tracked at {scrub(uri)} ({type(exc).__name__})")
+        return None
