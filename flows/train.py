@@ -1,5 +1,6 @@
 """The `train` flow: provision-coordinator -> launch-workers -> train ->
-save-checkpoint -> discover-artifacts -> evaluate-restore, teardown of every
+save-checkpoint -> discover-artifacts -> evaluate-restore (-> evaluate, with
+`eval_task`), teardown of every
 process whatever happens, then, with no cluster left: export-adapter,
 prune-checkpoints (keep_last), the approval (approve) and promote
 (promote_as), each only when everything before it passed.
@@ -25,6 +26,7 @@ from prefect.concurrency.sync import concurrency
 
 from tasks.approve import approval
 from tasks.discover_artifacts import discover_artifacts
+from tasks.evaluate import evaluate
 from tasks.evaluate_restore import evaluate_restore
 from tasks.export_adapter import export_adapter
 from tasks.launch_workers import launch_workers
@@ -149,6 +151,8 @@ def _steps(cfg: RunConfig, handle: ClusterHandle, data, done: Progress) -> None:
     if done.discovered is None:
         done.discovered = done.run(discover_artifacts, cfg, done.saved)
     done.restore = done.run(evaluate_restore, cfg, handle, done.trained.metrics, done.saved, data)
+    if cfg.eval_task and done.restore.passed and done.evaluation is None:
+        done.evaluation = done.run(evaluate, cfg, handle, done.saved)
 
 
 def checked_train_flow(checked: Checked | None = None) -> Flow:

@@ -363,3 +363,8 @@ def test_children_inherit_no_credential_variable(monkeypatch):
     env = environ_without_secrets()
     assert env["TXFLOW_TEST_PLAIN"] == "kept"
     assert {"TINKER_API_KEY", "TXFLOW_DATABASE_URL", "TXFLOW_STORAGE_OPTIONS"}.isdisjoint(env)
+
+
+def test_an_evaluation_task_belongs_to_sft_and_rl():
+    assert "eval_task applies to sft and rl" in error_text(mode="custom", client="c.py", eval_task="arithmetic")
+    assert RunConfig(mode="rl", eval_task="arithmetic").eval_task == "arithmetic"

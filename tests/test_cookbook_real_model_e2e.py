@@ -223,7 +223,8 @@ def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model_and_cha
     tracked = f"sqlite:///{tmp_path / 'mlflow.db'}"  # the run and its evaluation, side by side in MLflow
     result = run_txflow(["run", "sft", "--base-model", SMOLLM2_MODEL, "--run-id", "chat", "--state-dir", str(state),
                          "--checkpoints", str(tmp_path / "ckpt"), "--dataset", str(train), "--eval-dataset", str(held),
-                         "--steps", "4", "--cluster", NAME, "--no-export", "--json", "--tracking-uri", tracked],
+                         "--steps", "4", "--cluster", NAME, "--no-export", "--json", "--tracking-uri", tracked,
+                         "--eval", "arithmetic"],
                         warm["env"], tmp_path, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
@@ -234,6 +235,12 @@ def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model_and_cha
     assert [a["prompt"] for a in restore["answers"]] == [r["prompt"] for r in arithmetic[-6:]]
     assert [a["expected"] for a in restore["answers"]] == [r["answer"] for r in arithmetic[-6:]]
     assert report["cluster"]["ranks"] == []  # attached: it started and stopped nothing (the fixture checks the rest)
+    # The flow's evaluate step: Inspect scored the base model and the adapter on the bundled arithmetic set, all
+    # 24 questions each, its logs under the run root.
+    scored = report["evaluation"]
+    assert (scored["task"], scored["harness"]) == ("arithmetic", "inspect_ai")
+    assert [(s["model"], s["samples"]) for s in scored["scores"]] == [(SMOLLM2_MODEL, 24), ("chat", 24)]
+    assert all(Path(s["log"]).parent == Path(report["checkpoint_root"]) / "eval" for s in scored["scores"])
     chat_through_serve(warm, report["checkpoint_root"], conversation(arithmetic[-1])["messages"][:-1])
     evaluate_with_inspect(warm, report["checkpoint_root"], tmp_path / "evals", tracked)
 
@@ -263,9 +270,11 @@ def evaluate_with_inspect(warm, root: str, log_dir: Path, tracked: str) -> None:
     assert set(runs) == {"chat", "eval arithmetic"}
     assert runs["eval arithmetic"].data.metrics == {f"eval/arithmetic/{SMOLLM2_MODEL}/accuracy": base,
                                                     "eval/arithmetic/calc/accuracy": calc}
-    trained = runs["chat"].data.metrics
-    assert trained["eval/arithmetic/accuracy"] == calc and trained["eval/arithmetic/base_accuracy"] == base
-    assert "nll" in trained  # beside the run's own per-step metrics
+    trained = runs["chat"]
+    history = {key: [m.value for m in client.get_metric_history(trained.info.run_id, key)]
+               for key in ("eval/arithmetic/accuracy", "eval/arithmetic/base_accuracy")}
+    assert calc in history["eval/arithmetic/accuracy"] and base in history["eval/arithmetic/base_accuracy"]
+    assert "nll" in trained.data.metrics  # beside the run's own per-step metrics
 
 
 def chat_through_serve(warm, root: str, messages: list[dict]) -> None:

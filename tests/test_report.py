@@ -94,6 +94,17 @@ def test_the_answers_before_and_after_training_are_shown_with_their_accuracy():
                                                "  held-out accuracy: 25% base model -> 75% trained"]
 
 
+def test_the_harness_scores_show_the_base_model_and_the_adapter_side_by_side():
+    report = RunReport.read(BEFORE.read_text())
+    assert report.evaluation is None and "scored by" not in run_report.markdown(report)  # older reports read
+    report.evaluation = {"task": "arithmetic", "harness": "inspect_ai",
+                         "scores": [{"model": "smollm2-135m", "accuracy": 0.25, "samples": 24, "log": "a.json"},
+                                    {"model": "mine", "accuracy": 0.5, "samples": 24, "log": "b.json"}]}
+    text = run_report.markdown(report)
+    assert "## arithmetic, scored by inspect_ai" in text
+    assert "| `smollm2-135m` | 25.0% | 24 |\n| `mine` | 50.0% | 24 |" in text
+
+
 def test_the_report_scrubs_the_dataset_and_every_url(tmp_path):
     from txflow.log import register_run_secrets
 

@@ -57,3 +57,11 @@ def test_an_evaluation_is_a_run_of_its_own_and_its_scores_land_on_the_adapters_t
                                                     "eval/arithmetic/base_accuracy": 0.25}
     assert client.get_run(other).data.metrics == {}  # another run's root: untouched
     assert tracking.log_eval(None, report, {}) is None  # tracking off
+
+
+def test_the_evaluate_steps_scores_are_metrics_at_the_last_step_the_base_models_beside():
+    report = SimpleNamespace(metrics=[{"step": 3, "nll": 1.0}], restore=None, export=None, evaluation={
+        "task": "arithmetic", "harness": "inspect_ai",
+        "scores": [{"model": "base", "accuracy": 0.25}, {"model": "mine", "accuracy": 0.5}]})
+    assert tracking.metrics_of(report)[1:] == [("eval/arithmetic/base_accuracy", 0.25, 3),
+                                               ("eval/arithmetic/accuracy", 0.5, 3)]

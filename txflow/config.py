@@ -359,6 +359,12 @@ class RunConfig(BaseModel, extra="forbid"):
         "model's chat template, loss on the assistant replies); rl {\"prompt\"} and what the reward reads. "
         "Default: the bundled dataset of the mode: the arithmetic task for a real model, toy data for the tiny one."
     )
+    eval_task: str | None = Field(
+        default=None,
+        description="sft and rl: after the restore check, a real harness (Inspect) scores the base model and the "
+        "trained adapter on this task through txflow's OpenAI-compatible endpoint, side by side in the report: "
+        "`arithmetic` (the bundled held-out set) or a JSONL file of {\"prompt\", \"answer\"} rows (`txflow eval`). "
+        "Its logs go under `<checkpoints>/<run_id>/eval/`.")
     eval_dataset: str | None = Field(
         default=None, description="sft: JSONL of held-out rows, in --dataset's formats, that the run evaluates the "
         "base and the trained model on (loss, answers, accuracy); every row of --dataset then trains. Default: "
@@ -477,6 +483,8 @@ class RunConfig(BaseModel, extra="forbid"):
                              f"rewards minus the group mean, so a group of one has no signal")
         if self.mode == "custom" and not self.custom.client:
             raise ValueError("custom mode needs --client PATH_OR_MODULE: the Tinker client program to run")
+        if self.eval_task and self.mode == "custom":
+            raise ValueError("eval_task applies to sft and rl (a custom client's adapters are its own)")
         if self.eval_dataset and self.mode != "sft":
             raise ValueError(f"eval_dataset applies to sft ({self.mode} evaluates on the prompts of its dataset)")
         if self.mode != "custom" and self.custom.client_python:

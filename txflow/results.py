@@ -141,6 +141,7 @@ class Progress:
     saved: Saved | None = None
     discovered: Discovered | None = None
     restore: RestoreCheck | None = None
+    evaluation: dict | None = None  # the evaluate step's scores (`txflow.serving.evaluation.report`)
     exported: Exported | None = None
     pruned: Pruned | None = None
     promoted: Promotion | None = None

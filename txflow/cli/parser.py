@@ -25,6 +25,7 @@ GROUP_TITLES = {"rl": "RL options", "ray": "Ray options", "custom": "custom clie
 # Flags whose name is not the field's name with '-' for '_'.
 FLAG_NAMES = {
     "storage_options": "--storage-option",
+    "eval_task": "--eval",
     "client_args": "--client-arg",
     "startup_timeout_s": "--startup-timeout",
     "step_timeout_s": "--step-timeout",

@@ -44,6 +44,8 @@ class RunReport(BaseModel):
     manifest: str | None
     artifacts: list[Artifact]
     restore: dict[str, Any] | None = Field(description="evaluate-restore's checks, the quality figures flattened in")
+    evaluation: dict[str, Any] | None = Field(
+        default=None, description="The evaluate step's (`eval_task`): the harness, the task, each model's score")
     export: ExportResult | None
     retention: dict[str, Any] | None
     promotion: Promotion | None
@@ -112,6 +114,7 @@ def build(cfg: RunConfig, progress: Progress, error: str | None) -> RunReport:
         manifest=discovered.manifest if discovered else None,
         artifacts=discovered.artifacts if discovered else [],
         restore=restore.as_report() if restore else None,
+        evaluation=progress.evaluation,
         export=progress.exported.result if progress.exported else None,
         retention=progress.pruned.as_report() if progress.pruned else None,
         promotion=progress.promoted,
@@ -234,6 +237,7 @@ def markdown(report: RunReport) -> str:
     if png is not None:  # inline: the Prefect UI shows a data URI, and cannot open a path in the run root
         lines += ["", f"![{CURVES[_curve_key(metrics)]}](data:image/png;base64,{base64.b64encode(png).decode()})"]
     lines += answers_markdown(restore)
+    lines += evaluation_markdown(report.evaluation)
     lines += export_markdown(report.export)
     lines += lifecycle_markdown(report)
     if (report.client_runs or 0) > 1:
@@ -251,6 +255,15 @@ def markdown(report: RunReport) -> str:
         lines += ["", "## Error", "", "```", report.error[-3000:], "```"]
     lines += ["", "## Timings (s)", ""] + [f"- {k}: {v:.1f}" for k, v in report.timings_s.items()]
     return "\n".join(lines)
+
+
+def evaluation_markdown(evaluation: dict | None) -> list[str]:
+    """The evaluate step's scores, the base model's and the trained adapter's side by side."""
+    if not evaluation:
+        return []
+    lines = ["", f"## {evaluation['task']}, scored by {evaluation['harness']}", "", "| model | accuracy | samples |",
+             "|---|---|---|"]
+    return lines + [f"| `{s['model']}` | {s['accuracy']:.1%} | {s['samples']} |" for s in evaluation["scores"]]
 
 
 def answers_markdown(restore: dict) -> list[str]:

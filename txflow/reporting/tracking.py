@@ -88,6 +88,11 @@ def metrics_of(report) -> list[tuple[str, float, int]]:
         rows += [(key, value, step) for key, value in _numbers(row).items() if key != "step"]
     last = max((step for _, _, step in rows), default=0)
     rows += [(f"eval/{key}", value, last) for key, value in _numbers(report.restore or {}).items()]
+    evaluation = getattr(report, "evaluation", None)
+    if evaluation:  # the harness's scores: the trained adapter's, and the base model's beside it
+        base, *trained = evaluation["scores"]
+        rows += [(f"eval/{evaluation['task']}/base_accuracy", base["accuracy"], last)]
+        rows += [(f"eval/{evaluation['task']}/accuracy", s["accuracy"], last) for s in trained]
     if report.export is not None:
         rows += [(f"export/{key}", value, last) for key, value in _numbers(report.export.model_dump()).items()]
     return rows

@@ -124,3 +124,36 @@ def write(report_: dict, log_dir: str) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report_, indent=2))
     return str(path)
+
+
+def evaluate_run(cfg, handle, saved) -> dict:
+    """The flow's evaluate step, on the run's own cluster while it is up: its committed sampler checkpoint in a
+    slot of its own (as `txflow serve` loads an adapter) beside the base model, both served on the endpoint and
+    scored by Inspect on `cfg.eval_task`; the logs under `<run root>/eval/`. The report's `evaluation`."""
+    import secrets
+
+    from txflow.log import get_logger, register_secret
+    from txflow.serving.models import Served, Serving
+    from txflow.training import evaluation as engine
+    from txflow.training.restore import restored_sampler
+    from txflow.training.tokenizer import load_tokenizer
+
+    client = handle.service_client()
+    sampler_url = next(c.url for c in saved.checkpoints if c.kind == "sampler")
+    sampler, slot = restored_sampler(cfg, handle, client, sampler_url, cfg.lora_rank)
+    try:
+        serving = Serving(cfg=cfg, handle=handle, tokenizer=load_tokenizer(handle.cluster.base_model_path),
+                          timeout_s=cfg.step_timeout_s)
+        serving.models[cfg.base_model] = Served(cfg.base_model, client.create_sampling_client(
+            base_model=handle.cluster.base_model_path))
+        serving.models[cfg.run_id] = Served(cfg.run_id, sampler)
+        api_key = "sk-txflow-" + secrets.token_hex(16)
+        register_secret(api_key)
+        with endpoint(serving, api_key) as base_url:
+            scores = run(base_url, api_key, [cfg.base_model, cfg.run_id], cfg.eval_task, f"{cfg.run_root}/eval",
+                         None, 16, cfg.plain_storage_options())
+    finally:
+        engine.unload(handle, slot.model_id)
+    result = report(task_rows(cfg.eval_task, cfg.plain_storage_options())[0], scores)
+    get_logger().info("evaluate: " + table(result).replace("\n", ";"))
+    return result
