@@ -207,6 +207,7 @@ def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model_and_cha
     cluster: the held-out loss falls and the report shows the eval rows' questions with both models' answers.
     Then `txflow serve` serves the adapter, and the `openai` client chats with it: its answer is the sampler's
     greedy continuation of the conversation as the model's chat template renders it."""
+    from txflow.serving import evaluation
     from txflow.training.datasets import bundled_dataset
 
     arithmetic = [json.loads(line) for line in open(bundled_dataset("sft", SMOLLM2_MODEL))]
@@ -216,7 +217,10 @@ def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model_and_cha
                              {"role": "user", "content": row["prompt"]},
                              {"role": "assistant", "content": row["completion"]}], "answer": row["answer"]}
 
-    train, held = tmp_path / "train.jsonl", tmp_path / "held.jsonl"
+    train, held, task = tmp_path / "train.jsonl", tmp_path / "held.jsonl", tmp_path / "sums.jsonl"
+    # The evaluate step's task: four questions of the bundled arithmetic set (each answer Inspect asks for costs
+    # seconds of sampling here), as a file of prompts and answers.
+    task.write_text("".join(json.dumps(row) + "\n" for row in evaluation.task_rows(evaluation.ARITHMETIC)[1][:4]))
     train.write_text("".join(json.dumps(conversation(r)) + "\n" for r in arithmetic[:64]))
     held.write_text("".join(json.dumps(conversation(r)) + "\n" for r in arithmetic[-6:]))
     state = reaper.watch(tmp_path / "state")
@@ -224,7 +228,7 @@ def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model_and_cha
     result = run_txflow(["run", "sft", "--base-model", SMOLLM2_MODEL, "--run-id", "chat", "--state-dir", str(state),
                          "--checkpoints", str(tmp_path / "ckpt"), "--dataset", str(train), "--eval-dataset", str(held),
                          "--steps", "4", "--cluster", NAME, "--no-export", "--json", "--tracking-uri", tracked,
-                         "--eval", "arithmetic"],
+                         "--eval", str(task)],
                         warm["env"], tmp_path, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout)
@@ -235,11 +239,11 @@ def test_sft_on_conversations_with_an_eval_dataset_trains_the_real_model_and_cha
     assert [a["prompt"] for a in restore["answers"]] == [r["prompt"] for r in arithmetic[-6:]]
     assert [a["expected"] for a in restore["answers"]] == [r["answer"] for r in arithmetic[-6:]]
     assert report["cluster"]["ranks"] == []  # attached: it started and stopped nothing (the fixture checks the rest)
-    # The flow's evaluate step: Inspect scored the base model and the adapter on the bundled arithmetic set, all
-    # 24 questions each, its logs under the run root.
+    # The flow's evaluate step: Inspect scored the base model and the adapter on the task, every question of it,
+    # its logs under the run root.
     scored = report["evaluation"]
-    assert (scored["task"], scored["harness"]) == ("arithmetic", "inspect_ai")
-    assert [(s["model"], s["samples"]) for s in scored["scores"]] == [(SMOLLM2_MODEL, 24), ("chat", 24)]
+    assert (scored["task"], scored["harness"]) == ("sums", "inspect_ai")
+    assert [(s["model"], s["samples"]) for s in scored["scores"]] == [(SMOLLM2_MODEL, 4), ("chat", 4)]
     assert all(Path(s["log"]).parent == Path(report["checkpoint_root"]) / "eval" for s in scored["scores"])
     chat_through_serve(warm, report["checkpoint_root"], conversation(arithmetic[-1])["messages"][:-1])
     evaluate_with_inspect(warm, report["checkpoint_root"], tmp_path / "evals", tracked)
@@ -251,7 +255,7 @@ def evaluate_with_inspect(warm, root: str, log_dir: Path, tracked: str) -> None:
     own, and on the adapter's training run beside its metrics."""
     from mlflow.tracking import MlflowClient
 
-    result = run_txflow(["eval", "--cluster", NAME, "--adapter", f"calc={root}", "--limit", "6", "--max-tokens", "8",
+    result = run_txflow(["eval", "--cluster", NAME, "--adapter", f"calc={root}", "--limit", "4", "--max-tokens", "8",
                          "--log-dir", str(log_dir), "--tracking-uri", tracked, "--json"], warm["env"], warm["work"],
                         timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -263,7 +267,7 @@ def evaluate_with_inspect(warm, root: str, log_dir: Path, tracked: str) -> None:
         log = json.loads(Path(score["log"]).read_text())  # Inspect's own, under --log-dir
         assert Path(score["log"]).parent == log_dir and log["eval"]["model"] == f"openai-api/txflow/{score['model']}"
         right = [s["scores"]["match"]["value"] == "C" for s in log["samples"]]
-        assert len(right) == score["samples"] == 6 and score["accuracy"] == pytest.approx(sum(right) / 6)
+        assert len(right) == score["samples"] == 4 and score["accuracy"] == pytest.approx(sum(right) / 4)
     base, calc = (s["accuracy"] for s in report["scores"])
     client = MlflowClient(tracking_uri=tracked)
     runs = {r.info.run_name: r for r in client.search_runs(client.get_experiment_by_name("txflow").experiment_id)}
