@@ -306,6 +306,7 @@ def test_sweep_help_lists_no_flag_a_sweep_refuses_and_refuses_it_saying_what_to_
     for flag in ("--run-id", "--promote-as", "--approve", "--client"):
         assert flag not in text, flag
     assert "--promote-best-as" in text and "--learning-rate" in text
+    assert "custom client options" not in text and "RL options" in text  # no heading over nothing
     assert cli_exit(["sweep", "sft", "--learning-rate", "1e-3,1e-2", "--run-id", "x"]) == 2
     assert "--run-id: a sweep names its runs <sweep-id>-NN: use --sweep-id" in capsys.readouterr().err
 

@@ -53,10 +53,12 @@ def _run_options(model: type[BaseModel], parser, prefix: str = "", only: tuple[s
         dest = prefix + name
         inner = _inner(info.annotation)
         if not prefix and name in GROUPED:
-            section = parser.add_argument_group(GROUP_TITLES[name], inner.__doc__)
-            for flat, (group, field) in FLAT_NAMES.items():
-                if group == name:
-                    _add_option(section, flat, field, inner.model_fields[field], flat in hidden)
+            flats = [(flat, field) for flat, (group, field) in FLAT_NAMES.items() if group == name]
+            # A group whose every flag this command hides has no heading in its help either.
+            shown = any(flat not in hidden for flat, _ in flats)
+            section = parser.add_argument_group(GROUP_TITLES[name], inner.__doc__) if shown else parser
+            for flat, field in flats:
+                _add_option(section, flat, field, inner.model_fields[field], flat in hidden)
         elif isinstance(inner, type) and issubclass(inner, BaseModel):
             _run_options(inner, parser, prefix=dest + ".")
         else:
