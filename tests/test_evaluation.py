@@ -49,10 +49,10 @@ def serving():
 
 
 def test_inspect_scores_each_served_model_through_the_endpoint_and_keeps_its_logs(serving, tmp_path):
-    name, rows = evaluation.task_rows(evaluation.ARITHMETIC)
+    name, rows = task = evaluation.task_rows(evaluation.ARITHMETIC)
     with evaluation.endpoint(serving, KEY) as base_url:
-        scores = evaluation.run(base_url, KEY, ["base", "trained"], evaluation.ARITHMETIC, str(tmp_path / "logs"),
-                                limit=6, max_tokens=8)
+        scores = evaluation.run(base_url, KEY, ["base", "trained"], task, str(tmp_path / "logs"), limit=6,
+                                max_tokens=8)
     report = evaluation.report(name, scores)
     by_model = {s["model"]: s for s in report["scores"]}
     assert by_model["trained"]["accuracy"] == 1.0 and by_model["base"]["accuracy"] == 0.0
@@ -71,8 +71,8 @@ def test_inspect_scores_each_served_model_through_the_endpoint_and_keeps_its_log
 def test_a_wrong_key_is_a_failed_evaluation_naming_the_model(serving, tmp_path):
     with evaluation.endpoint(serving, KEY) as base_url:
         with pytest.raises(RuntimeError, match="Inspect's evaluation of base on arithmetic did not finish"):
-            evaluation.run(base_url, "sk-not-this", ["base"], evaluation.ARITHMETIC, str(tmp_path), limit=1,
-                           max_tokens=8)
+            evaluation.run(base_url, "sk-not-this", ["base"], evaluation.task_rows(evaluation.ARITHMETIC),
+                           str(tmp_path), limit=1, max_tokens=8)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -24,7 +24,7 @@ def eval_cmd(args) -> int:
         options = command_storage_options(args.storage_option)
         if args.limit is not None and args.limit < 1:
             raise ValueError(f"--limit {args.limit}: at least 1 sample")
-        evaluation.task_rows(args.task, options)  # a task that cannot be read stops here
+        task = evaluation.task_rows(args.task, options)  # a task that cannot be read stops here
         adapters = models.parse_adapters(args.adapter)
         references = models.references(adapters, options)
     except ValueError as exc:
@@ -40,15 +40,14 @@ def eval_cmd(args) -> int:
         try:
             models.load(serving, references)
             with evaluation.endpoint(serving, api_key) as base_url:
-                scores = evaluation.run(base_url, api_key, list(serving.models), args.task, log_dir, args.limit,
-                                        args.max_tokens, options)
+                scores = evaluation.run(base_url, api_key, list(serving.models), task, log_dir, args.limit,
+                                        args.max_tokens)
         except RuntimeError as exc:
             print(f"txflow: {scrub(str(exc))}", file=sys.stderr)
             return 1
         finally:
             models.release(serving)
-    name = evaluation.task_rows(args.task, options)[0]
-    report = evaluation.report(name, scores)
+    report = evaluation.report(task[0], scores)
     path = evaluation.write(report, log_dir)
     from txflow.checkpoints import export
     from txflow.reporting import tracking

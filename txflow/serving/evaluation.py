@@ -57,14 +57,14 @@ def inspect_task(name: str, rows: list[dict]):
                 name=name)
 
 
-def run(base_url: str, api_key: str, models: list[str], task: str, log_dir: str, limit: int | None,
-        max_tokens: int, options: dict | None = None) -> list[Score]:
-    """Inspect's evaluation of `task` for each of `models` on the endpoint at `base_url`, greedy, each model's
-    log under `log_dir`; RuntimeError naming the model when Inspect's run does not succeed."""
+def run(base_url: str, api_key: str, models: list[str], task: tuple[str, list[dict]], log_dir: str,
+        limit: int | None, max_tokens: int) -> list[Score]:
+    """Inspect's evaluation of `task` (`task_rows`) for each of `models` on the endpoint at `base_url`, greedy,
+    each model's log under `log_dir`; RuntimeError naming the model when Inspect's run does not succeed."""
     from inspect_ai import eval as inspect_eval
     from inspect_ai.model import GenerateConfig, get_model
 
-    name, rows = task_rows(task, options)
+    name, rows = task
     scores = []
     for model in models:
         [log] = inspect_eval(inspect_task(name, rows),
@@ -138,6 +138,7 @@ def evaluate_run(cfg, handle, saved) -> dict:
     from txflow.training.restore import restored_sampler
     from txflow.training.tokenizer import load_tokenizer
 
+    task = task_rows(cfg.eval_task, cfg.plain_storage_options())
     client = handle.service_client()
     sampler_url = next(c.url for c in saved.checkpoints if c.kind == "sampler")
     sampler, slot = restored_sampler(cfg, handle, client, sampler_url, cfg.lora_rank)
@@ -150,10 +151,9 @@ def evaluate_run(cfg, handle, saved) -> dict:
         api_key = "sk-txflow-" + secrets.token_hex(16)
         register_secret(api_key)
         with endpoint(serving, api_key) as base_url:
-            scores = run(base_url, api_key, [cfg.base_model, cfg.run_id], cfg.eval_task, f"{cfg.run_root}/eval",
-                         None, 16, cfg.plain_storage_options())
+            scores = run(base_url, api_key, [cfg.base_model, cfg.run_id], task, f"{cfg.run_root}/eval", None, 16)
     finally:
         engine.unload(handle, slot.model_id)
-    result = report(task_rows(cfg.eval_task, cfg.plain_storage_options())[0], scores)
+    result = report(task[0], scores)
     get_logger().info("evaluate: " + table(result).replace("\n", ";"))
     return result
