@@ -75,8 +75,10 @@ clean:
 # hand (target <= 1.05); the demo with its export versus without (target <= 1.15); Ray start-up versus
 # local (target <= 1.2; needs root); 4 toy SFT runs as a sweep on one
 # shared cluster versus each with its own cluster, one after another (target <= 0.4), and the per-step
-# time of one adapter alone versus four side by side.
+# time of one adapter alone versus four side by side; the engine's SFT step against this machine's roofline (its
+# FLOPs at the measured matmul peak; target >= 50%) and the nightly RL step against its estimate (target <= 2x).
 bench: $(STAMP)
+	$(BIN)/python scripts/bench_roofline.py
 	$(BIN)/python scripts/bench_discovery.py --objects 10000
 	$(BIN)/python scripts/bench_flow.py
 	$(BIN)/python scripts/bench_flow.py --mode rl --cache off --long-steps 0
