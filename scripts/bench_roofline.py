@@ -8,7 +8,7 @@ Prints, for the demo's SFT step (4 rows, 64-token bucket) and the nightly RL ste
   forward + backward, in float32 and bfloat16; the best of them is the roofline's FLOP rate;
 - the bandwidth: a jitted sum over 1 GiB;
 - the SFT step: its FLOPs, the roofline time (FLOPs / peak), the measured forward + backward and optimizer
-  step, and the fraction of the roofline it reaches (target >= 0.5, issue 39);
+  step, and the fraction of the roofline it reaches (target >= 0.5);
 - the RL step: the estimate (prefill and training FLOPs at the peak, decoding at the larger of its FLOPs at
   the peak and its weight reads at the bandwidth, the optimizer's reads and writes at the bandwidth) beside the
   measured sample + forward_backward + optim_step, their ratio (target <= 2), and the sampled tokens per

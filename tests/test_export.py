@@ -316,6 +316,14 @@ def test_txflow_export_writes_an_adapter_a_fresh_process_loads(skyrl_sampler, tm
 
 
 
+def test_a_run_root_or_its_checked_sampler_locates_the_same_run(skyrl_sampler):
+    # `txflow eval` logs each adapter's scores on its training run, found by the root of the checked sampler.
+    root, reference = export.locate(str(skyrl_sampler["run_root"]) + "/", {})
+    assert root == str(skyrl_sampler["run_root"]) and reference == skyrl_sampler["reference"]
+    assert export.run_root_of(reference.sampler_url) == root
+    assert export.locate(reference.sampler_url, {})[0] == root
+
+
 @pytest.mark.parametrize("case", ["not a run", "not committed", "digest fails", "destination not empty",
                                   "base model not available"])
 def test_txflow_export_bad_input_exits_2_with_one_line(skyrl_sampler, tmp_path, case):

@@ -128,6 +128,11 @@ def load_instructions(base: str, merged: bool) -> str:
             "(with `--max-lora-rank` at least the adapter's r).")
 
 
+def run_root_of(sampler_url: str) -> str:
+    """The run root of a sampler checkpoint: it lies at <run root>/<model id>/sampler_weights/<name>.tar.gz."""
+    return sampler_url.rstrip("/").rsplit("/", 3)[0]
+
+
 def locate(url: str, options: dict) -> tuple[str, ExportReference]:
     """(run root, reference figures) for `txflow export URL`: URL is a run root, or the sampler checkpoint of
     one that evaluate-restore checked. Raises ExportError when it is neither, or the checkpoint is not
@@ -136,8 +141,7 @@ def locate(url: str, options: dict) -> tuple[str, ExportReference]:
 
     url = url.rstrip("/")
     is_sampler = url.endswith(".tar.gz")
-    # A sampler checkpoint lies at <run root>/<model id>/sampler_weights/<name>.tar.gz.
-    run_root = url.rsplit("/", 3)[0] if is_sampler else url
+    run_root = run_root_of(url) if is_sampler else url
     try:
         reference = read_reference(run_root, options)
     except (OSError, ValueError) as exc:

@@ -52,9 +52,10 @@ def eval_cmd(args) -> int:
     from txflow.checkpoints import export
     from txflow.reporting import tracking
 
-    # As the training run recorded its root: absolute, when it is a path.
+    # Each adapter's run root, where pre-flight found its checked sampler; as the training run recorded it:
+    # absolute, when it is a path.
     roots = {name: root if "://" in root else str(Path(root).absolute())
-             for name, root in ((name, export.locate(url, options)[0]) for name, url in adapters.items())}
+             for name, root in ((name, export.run_root_of(ref.sampler_url)) for name, ref in references.items())}
     tracking.log_eval(tracking.store_uri(args.tracking_uri), report, roots)
     if args.json:
         print(json.dumps(report, indent=2))
