@@ -31,9 +31,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 @dataclass(frozen=True)
 class Shapes:
     """What the FLOP count needs of a decoder-only model's config."""
@@ -132,18 +129,14 @@ def machine_peak(shapes: Shapes, tokens: int, repeat: int) -> dict:
 
 
 def engine(model_dir: str, adapters: int, rank: int):
-    """SkyRL-tx's backend with the changes every rank gets (`txflow.upstream.skyrl_tx.ranks.run`), a model of
-    LoRA `rank` created."""
+    """SkyRL-tx's backend with the changes every rank gets (`txflow.upstream.skyrl_tx.ranks.install`), a model
+    of LoRA `rank` created."""
     from tx.tinker import types
     from tx.tinker.backends import jax as backend
 
-    from txflow.upstream.skyrl_tx import losses, models, ranks
+    from txflow.upstream.skyrl_tx import ranks
 
-    losses.install_backend()
-    ranks.loss_chunks_fit_the_batch()
-    ranks.lora_computes_each_examples_adapter()
-    models.install()
-    ranks.sample_prompts_share_a_bucket()
+    ranks.install()
     impl = backend.JaxBackendImpl(model_dir, backend.JaxBackendConfig(max_lora_adapters=adapters,
                                                                       max_lora_rank=rank))
     impl.create_model("m", types.LoraConfig(rank=rank, alpha=32.0, seed=0))

@@ -151,12 +151,9 @@ def sample_prompts_share_a_bucket(floor: int = SAMPLE_BUCKET_FLOOR) -> None:
     backend.JaxBackendImpl.sample = sample
 
 
-def run(module: str, argv: list[str], patch=None) -> None:
-    """Import upstream's entry point `module`, install what every rank gets and then `patch(entry)`,
-    and run it with `argv`."""
-    import importlib
-
-    entry = importlib.import_module(module)  # the slow part (~8 s), before any gate
+def install() -> None:
+    """Every change a rank gets in upstream's backend and model code (also what a benchmark of the engine in
+    one process installs, so that it measures what the ranks run)."""
     install_checkpoint_io()
     default_sigterm_after_distributed_init()
     compilation_cache_written_by_every_rank()
@@ -166,6 +163,15 @@ def run(module: str, argv: list[str], patch=None) -> None:
     models.install()
     optimizer_compile_logged()
     sample_prompts_share_a_bucket()
+
+
+def run(module: str, argv: list[str], patch=None) -> None:
+    """Import upstream's entry point `module`, install what every rank gets and then `patch(entry)`,
+    and run it with `argv`."""
+    import importlib
+
+    entry = importlib.import_module(module)  # the slow part (~8 s), before any gate
+    install()
     if patch is not None:
         patch(entry)
     sys.argv = [module, *argv]
