@@ -331,6 +331,16 @@ PATCHES: tuple[Patch, ...] = (
         until="upstream compiles fewer sampling shapes.",
     ),
     Patch(
+        slug="rank-imports",
+        module="ranks",
+        what="A rank tells transformers there is no torch (`USE_TORCH=0`, unless set) and imports peft at its first "
+             "use (a sampler save's `adapter_config.json`, written by peft as before).",
+        why="Upstream's backend imports transformers (which imports torch when it is installed) for configs and "
+            "tokenizers, and peft (which imports torch) for one config file: 9 s of a rank's start on 2 cores, "
+            "6.5 of them for code the JAX engine never runs.",
+        until="upstream imports peft where it writes the config.",
+    ),
+    Patch(
         slug="tied-head-lora",
         module="models, lora_config",
         what="The head applies the embedding's LoRA (`tied_head`: the one shared matrix `E + s A B` at both "

@@ -3,12 +3,17 @@ default SIGTERM action after `jax.distributed.initialize` (`default-sigterm`), T
 compilation cache written by every rank (`compilation-cache`), loss chunks sized to the batch (`loss-chunks`), each
 example's own adapter in every LoRA linear layer (`lora-per-example`), the model code of `models`
 (`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`) and the
-optimizer's compile in the log."""
+optimizer's compile in the log; `run` imports upstream without torch (`rank-imports`)."""
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
+import os
 import sys
+import threading
+import types
 
 from txflow.upstream.skyrl_tx import losses, models
 from txflow.upstream.skyrl_tx.checkpoint_io import install_checkpoint_io
@@ -165,12 +170,45 @@ def install() -> None:
     sample_prompts_share_a_bucket()
 
 
+class DeferredModule(types.ModuleType):
+    """A module that imports the real one at its first attribute access, as `import name` would have."""
+
+    _lock = threading.Lock()
+
+    def __getattr__(self, attr: str):
+        with self._lock:  # the engine's threads may reach it together
+            real = self.__dict__.get("_real")
+            if real is None:
+                if sys.modules.get(self.__name__) is self:
+                    del sys.modules[self.__name__]
+                real = importlib.import_module(self.__name__)
+                self._real = real
+        return getattr(real, attr)
+
+
+def defer_import(name: str) -> None:
+    """`import name` from now on gives a `DeferredModule` (the real module loads when it is first used)."""
+    if name not in sys.modules:
+        module = DeferredModule(name)
+        module.__spec__ = importlib.util.find_spec(name)  # found, not loaded: what `import` and find_spec ask
+        sys.modules[name] = module
+
+
+def imports_without_torch() -> None:
+    """Upstream's backend imports transformers for configs and tokenizers, which imports torch when it is installed,
+    and peft for one `LoraConfig(...).save_pretrained` at a sampler save, which imports torch too: 9 s of a rank's
+    start, 6 of them torch, transformers' torch side and peft, none of which the JAX engine runs. Transformers is
+    told there is no torch and peft loads at its first use (`rank-imports`)."""
+    os.environ.setdefault("USE_TORCH", "0")
+    if os.environ["USE_TORCH"].upper() in ("0", "FALSE", "OFF", "NO"):
+        defer_import("peft")  # (torch, when asked for, walks the imported modules and would load it mid-import)
+
+
 def run(module: str, argv: list[str], patch=None) -> None:
     """Import upstream's entry point `module`, install what every rank gets and then `patch(entry)`,
     and run it with `argv`."""
-    import importlib
-
-    entry = importlib.import_module(module)  # the slow part (~8 s), before any gate
+    imports_without_torch()
+    entry = importlib.import_module(module)  # the slow part (~3 s), before any gate
     install()
     if patch is not None:
         patch(entry)
