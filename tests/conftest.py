@@ -190,3 +190,6 @@ def pytest_xdist_make_scheduler(config, log):
             return module if "together" in declared_marks(config.rootpath / module) else nodeid
 
     return SharedFixturesTogether(config, log)
+
+
+pytest_plugins = ["tests.time_limits"]  # every test well within its time limit
