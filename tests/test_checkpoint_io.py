@@ -1,13 +1,16 @@
 """txflow's state checkpoint I/O in the SkyRL-tx backend (txflow.upstream.skyrl_tx.checkpoint_io, the
-`rank0-checkpoint-io` change), in one process on the tiny model: exact round trip, one file, checkpoints of upstream's
-Orbax format still load, clear errors. The multi-process, no-shared-disk path runs end to end in
-tests/test_s3_e2e.py."""
+`rank0-checkpoint-io` and `adapter-state-program` changes), in one process on the tiny model: exact round trip, one
+file, checkpoints of upstream's Orbax format still load, clear errors, an adapter's slices those of upstream. The
+multi-process, no-shared-disk path runs end to end in tests/test_s3_e2e.py."""
 
 from __future__ import annotations
 
 import jax
 import numpy as np
 import pytest
+from flax import nnx
+from tx.tinker.backends import jax as jax_backend
+from tx.utils import models
 
 from txflow.upstream.skyrl_tx import checkpoint_io, layout
 from txflow.upstream.tiny_model import resolve_base_model
@@ -22,14 +25,20 @@ def backend():
     originals = {n: JaxBackendImpl.__dict__[n]
                  for n in ("save_checkpoint", "load_checkpoint", "load_sampler_checkpoint")}
     upstream_save = originals["save_checkpoint"]
+    slicing = {(module, name): getattr(module, name) for module in (models, jax_backend)
+               for name in ("extract_adapter_state", "insert_adapter_state")}
     checkpoint_io.install_checkpoint_io()
+    checkpoint_io.adapter_state_in_one_program()
     try:
-        impl = JaxBackendImpl(resolve_base_model("tiny"), JaxBackendConfig(max_lora_adapters=12, max_lora_rank=8))
+        impl = JaxBackendImpl(resolve_base_model("tiny"), JaxBackendConfig(max_lora_adapters=16, max_lora_rank=8))
         impl.upstream_save = lambda path, model_id: upstream_save(impl, path, model_id)
+        impl.upstream_slicing = {name: function for (_, name), function in slicing.items()}
         yield impl
     finally:
         for name, function in originals.items():
             setattr(JaxBackendImpl, name, function)
+        for (module, name), function in slicing.items():
+            setattr(module, name, function)
 
 
 def new_model(backend, model_id: str, rank: int = 4, seed: int = 0) -> None:
@@ -114,3 +123,28 @@ def test_a_state_load_restores_the_optimizer_only_when_asked(backend, tmp_path):
     # A model that trained before the load loses its moments too, not only a new one.
     backend.load_checkpoint(tmp_path / "trained.tar.gz", "with-optimizer", load_optimizer=False)
     assert_same_state(optimizer_of(backend, "with-optimizer"), fresh)
+
+
+def test_an_adapters_state_is_sliced_and_put_back_as_upstream_does_in_any_slot(backend):
+    # `adapter-state-program`: one program for every slot, the slot a traced argument, the same arrays as upstream's
+    # program per slot.
+    upstream_extract, upstream_insert = (backend.upstream_slicing[n] for n in ("extract_adapter_state",
+                                                                              "insert_adapter_state"))
+    new_model(backend, "slot-a", rank=8, seed=9)
+    new_model(backend, "slot-b", rank=8, seed=10)
+    for model_id in ("slot-a", "slot-b"):
+        index = backend.models[model_id].adapter_index
+        for state in (backend.lora_params, nnx.state(backend.optimizers[model_id])):
+            assert_same_state(jax.tree.leaves(models.extract_adapter_state(index, state, 8)),
+                              jax.tree.leaves(upstream_extract(index, state, 8)))
+    a = backend.models["slot-a"].adapter_index
+    everything = [np.asarray(x) for x in jax.tree.leaves(backend.lora_params)]
+    moved = jax.tree.map(lambda x: (x + 1).astype(x.dtype), upstream_extract(a, backend.lora_params, 8))
+    models.insert_adapter_state(a, backend.lora_params, moved, 8)
+    assert_same_state(jax.tree.leaves(upstream_extract(a, backend.lora_params, 8)), jax.tree.leaves(moved))
+    upstream_insert(a, backend.lora_params, upstream_extract(a, backend.lora_params, 8), 8)  # no-op by upstream
+    after = [np.asarray(x) for x in jax.tree.leaves(backend.lora_params)]
+    # Only slot a moved: every other slot (slot-b's included) is as it was.
+    assert any(not np.array_equal(x[a], y[a]) for x, y in zip(everything, after))
+    others = [i for i in range(backend.config.max_lora_adapters) if i != a]  # slots come first in every LoRA leaf
+    assert all(np.array_equal(x[others], y[others]) for x, y in zip(everything, after))

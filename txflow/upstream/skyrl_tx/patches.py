@@ -331,6 +331,16 @@ PATCHES: tuple[Patch, ...] = (
         until="upstream compiles fewer sampling shapes.",
     ),
     Patch(
+        slug="adapter-state-program",
+        module="checkpoint_io",
+        what="One program slices an adapter's weights and optimizer state out of the slot-stacked arrays, and one "
+             "puts them back, for every slot (the slot a traced argument).",
+        why="Upstream's `extract_adapter_state` and `insert_adapter_state` are compiled per slot index "
+            "(`static_argnames`): each save or restore in a slot the process had not used traced and compiled "
+            "again (3-8 s for SmolLM2).",
+        until="upstream passes the adapter index as an array.",
+    ),
+    Patch(
         slug="rank-imports",
         module="ranks",
         what="A rank tells transformers there is no torch (`USE_TORCH=0`, unless set) and imports peft at its first "

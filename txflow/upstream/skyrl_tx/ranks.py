@@ -1,9 +1,9 @@
-"""What every rank process gets before upstream's entry point runs: txflow's checkpoint I/O (`rank0-checkpoint-io`), the
-default SIGTERM action after `jax.distributed.initialize` (`default-sigterm`), Tinker's losses (`tinker-losses`), the
-compilation cache written by every rank (`compilation-cache`), loss chunks sized to the batch (`loss-chunks`), each
-example's own adapter in every LoRA linear layer (`lora-per-example`), the model code of `models`
-(`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`) and the
-optimizer's compile in the log; `run` imports upstream without torch (`rank-imports`)."""
+"""What every rank process gets before upstream's entry point runs: txflow's checkpoint I/O (`rank0-checkpoint-io`,
+`adapter-state-program`), the default SIGTERM action after `jax.distributed.initialize` (`default-sigterm`), Tinker's
+losses (`tinker-losses`), the compilation cache written by every rank (`compilation-cache`), loss chunks sized to the
+batch (`loss-chunks`), each example's own adapter in every LoRA linear layer (`lora-per-example`), the model code of
+`models` (`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`)
+and the optimizer's compile in the log; `run` imports upstream without torch (`rank-imports`)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import threading
 import types
 
 from txflow.upstream.skyrl_tx import losses, models
-from txflow.upstream.skyrl_tx.checkpoint_io import install_checkpoint_io
+from txflow.upstream.skyrl_tx.checkpoint_io import adapter_state_in_one_program, install_checkpoint_io
 
 
 def default_sigterm_after_distributed_init() -> None:
@@ -160,6 +160,7 @@ def install() -> None:
     """Every change a rank gets in upstream's backend and model code (also what a benchmark of the engine in
     one process installs, so that it measures what the ranks run)."""
     install_checkpoint_io()
+    adapter_state_in_one_program()
     default_sigterm_after_distributed_init()
     compilation_cache_written_by_every_rank()
     losses.install_backend()
