@@ -205,7 +205,7 @@ def adapter_state_in_one_program() -> None:
     with programs compiled for each slot index (`static_argnames`), so every restore into a slot the process had not
     used traced and compiled two programs again. Here the slot is a traced argument: one program each for every slot
     (`adapter-state-program`), the same arrays. Measured on SmolLM2, in one process with a warm compilation cache:
-    loads into two new slots 3.9 and 5.1 s upstream, 3.1 and 1.2 s here (cold: 9.5 and 7.5 s, 7.0 and 0.9 s)."""
+    loads into two new slots 3.9 and 5.1 s upstream, 2.9 and 0.6 s here (cold: 9.5 and 7.5 s, 8.3 and 0.5 s)."""
     import functools
 
     import jax
@@ -217,17 +217,7 @@ def adapter_state_in_one_program() -> None:
     if getattr(models.insert_adapter_state, "txflow", False):
         return
     extract_one = jax.jit(models.extract_adapter_state.__wrapped__, static_argnames=("rank",))
-
-    @functools.partial(jax.jit, static_argnames=("rank",))
-    def inserted(adapter_index, lora_params, new_params, rank):
-        def insert(path, p, new):
-            if path[-2].key == "lora_A":
-                return p.at[adapter_index, ..., :, :rank].set(new)
-            if path[-2].key == "lora_B":
-                return p.at[adapter_index, ..., :rank, :].set(new)
-            return new
-
-        return jax.tree.map_with_path(insert, lora_params, new_params)
+    insert_one = nnx.jit(models.insert_adapter_state.__wrapped__, static_argnames=("rank",))  # in place, as upstream
 
     @functools.wraps(models.extract_adapter_state.__wrapped__)
     def extract_adapter_state(adapter_index, lora_params, rank):
@@ -235,9 +225,7 @@ def adapter_state_in_one_program() -> None:
 
     @functools.wraps(models.insert_adapter_state.__wrapped__)
     def insert_adapter_state(adapter_index, lora_params, new_params, rank):
-        # Upstream's updates `lora_params` in place (nnx.jit); a plain jit over the arrays traces in a fraction of
-        # the time, and nnx.update puts its result in place.
-        nnx.update(lora_params, inserted(jnp.int32(adapter_index), lora_params, new_params, rank=rank))
+        return insert_one(jnp.int32(adapter_index), lora_params, new_params, rank=rank)
 
     insert_adapter_state.txflow = True
     for module in (models, backend):
