@@ -198,7 +198,7 @@ def defer_import(name: str) -> None:
 def imports_without_torch() -> None:
     """Upstream's backend imports transformers for configs and tokenizers, which imports torch when it is installed,
     and peft for one `LoraConfig(...).save_pretrained` at a sampler save, which imports torch too: 9 s of a rank's
-    start, 6 of them torch, transformers' torch side and peft, none of which the JAX engine runs. Transformers is
+    start, 6.5 of them torch, transformers' torch side and peft, none of which the JAX engine runs. Transformers is
     told there is no torch and peft loads at its first use (`rank-imports`)."""
     os.environ.setdefault("USE_TORCH", "0")
     if os.environ["USE_TORCH"].upper() in ("0", "FALSE", "OFF", "NO"):
