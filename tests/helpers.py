@@ -279,7 +279,7 @@ def lease_race(run_root: str, contenders: int = 8) -> list[str]:
     now = time.time()
     fs.pipe_file(path, json.dumps({"run_id": "dead", "host": "another-host", "pid": 1, "renewed_at": now - 700,
                                    "expires_at": now - 100}).encode())
-    start, won = threading.Barrier(contenders), []
+    start, won, errors = threading.Barrier(contenders), [], []
 
     def contender(i: int) -> None:
         start.wait()
@@ -288,12 +288,16 @@ def lease_race(run_root: str, contenders: int = 8) -> list[str]:
             won.append(f"run{i}")
         except lease.LeaseHeld:
             pass
+        except Exception as exc:  # a contender must either get the lease or be told who holds it
+            errors.append(exc)
 
     threads = [threading.Thread(target=contender, args=(i,)) for i in range(contenders)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join()
+    if errors:
+        raise errors[0]
     return won
 
 

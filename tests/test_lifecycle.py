@@ -344,6 +344,26 @@ def test_of_many_runs_taking_over_one_dead_lease_at_once_exactly_one_gets_it(tmp
     assert json.loads((tmp_path / "r" / lease.LEASE).read_text())["run_id"] == won[0]
 
 
+def test_a_lease_that_keeps_changing_under_each_read_counts_as_changed_while_watched(monkeypatch):
+    """On S3 a read fails EINVAL when the lease changed between s3fs's HEAD and GET; when it does so at each
+    of the reader's tries, other runs are writing it: a run watching it (before a takeover) learns it changed,
+    and does not crash. Seen on CI: one of the contenders in the S3 takeover race died of it."""
+    import errno
+
+    def changing(fs, path):
+        raise OSError(errno.EINVAL, "At least one of the pre-conditions you specified did not hold")
+
+    monkeypatch.setattr(lease, "_read", changing)
+    assert lease._unchanged_for(None, "lease", "etag-1", ttl_s=0.2, poll_s=0.01) is None
+
+    def failing(fs, path):
+        raise OSError(errno.EACCES, "denied")
+
+    monkeypatch.setattr(lease, "_read", failing)
+    with pytest.raises(PermissionError):
+        lease._unchanged_for(None, "lease", "etag-1", ttl_s=0.2, poll_s=0.01)
+
+
 @pytest.mark.parametrize(("code", "status", "lost"), [("PreconditionFailed", 412, True),
                                                    ("ConditionalRequestConflict", 409, True), ("SlowDown", 503, False)])
 def test_an_s3_write_that_another_write_beat_is_a_lost_race_and_nothing_else_is(code, status, lost):

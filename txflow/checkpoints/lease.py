@@ -228,7 +228,12 @@ def _unchanged_for(fs, path: str, seen: Version, ttl_s: float, poll_s: float) ->
     began = time.monotonic()
     while time.monotonic() - began < ttl_s:
         time.sleep(min(poll_s, max(0.0, ttl_s - (time.monotonic() - began))))
-        _, now = _read(fs, path)
+        try:
+            _, now = _read(fs, path)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            return None  # it changed under each of _read's looks: other runs are writing it, so it changed
         if now != seen:
             return None
     return seen
