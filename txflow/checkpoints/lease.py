@@ -179,6 +179,12 @@ def _remove(fs, path: str, seen: Version) -> None:
         fs.rm_file(path)
 
 
+def _changed_while_read(exc: OSError) -> bool:
+    """Whether s3fs failed a read because the object changed between its HEAD and its GET (If-Match failed):
+    EINVAL from the request, or s3fs's FileExpired (EBUSY) that it raises from it."""
+    return exc.errno in (errno.EINVAL, errno.EBUSY)
+
+
 def _read(fs, path: str) -> tuple[dict | None, Version | None]:
     """The lease at `path` and its version, (None, None) when there is none; ({}, version) when it is
     unreadable (no holder can be named)."""
@@ -194,7 +200,7 @@ def _read(fs, path: str) -> tuple[dict | None, Version | None]:
         except FileNotFoundError:
             return None, None
         except OSError as exc:
-            if exc.errno != errno.EINVAL or attempt == 2:  # EINVAL: it changed between s3fs's HEAD and GET
+            if not _changed_while_read(exc) or attempt == 2:
                 raise
     try:
         record = json.loads(raw)
@@ -231,7 +237,7 @@ def _unchanged_for(fs, path: str, seen: Version, ttl_s: float, poll_s: float) ->
         try:
             _, now = _read(fs, path)
         except OSError as exc:
-            if exc.errno != errno.EINVAL:
+            if not _changed_while_read(exc):
                 raise
             return None  # it changed under each of _read's looks: other runs are writing it, so it changed
         if now != seen:
