@@ -1,7 +1,9 @@
 """txflow's state checkpoint I/O in the SkyRL-tx backend (txflow.upstream.skyrl_tx.checkpoint_io, the
 `rank0-checkpoint-io` and `adapter-state-program` changes), in one process on the tiny model: exact round trip, one
 file, checkpoints of upstream's Orbax format still load, clear errors, an adapter's slices those of upstream. The
-multi-process, no-shared-disk path runs end to end in tests/test_s3_e2e.py."""
+multi-process, no-shared-disk path runs end to end in tests/test_s3_e2e.py. Also, on the same engine, a model's
+optimizer step writes only its own slot (`optimizer-own-slot`; through the real cluster in
+tests/test_shared_cluster_e2e.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from flax import nnx
 from tx.tinker.backends import jax as jax_backend
 from tx.utils import models
 
-from txflow.upstream.skyrl_tx import checkpoint_io, layout
+from txflow.upstream.skyrl_tx import checkpoint_io, layout, ranks
 from txflow.upstream.tiny_model import resolve_base_model
 
 pytestmark = [pytest.mark.together]
@@ -27,8 +29,10 @@ def backend():
     upstream_save = originals["save_checkpoint"]
     slicing = {(module, name): getattr(module, name) for module in (models, jax_backend)
                for name in ("extract_adapter_state", "insert_adapter_state")}
+    upstream_optimizer = JaxBackendImpl.__dict__["_create_loss_and_grad_fn"]
     checkpoint_io.install_checkpoint_io()
     checkpoint_io.adapter_state_in_one_program()
+    ranks.optimizer_steps_only_its_own_slot()
     try:
         impl = JaxBackendImpl(resolve_base_model("tiny"), JaxBackendConfig(max_lora_adapters=16, max_lora_rank=8))
         impl.upstream_save = lambda path, model_id: upstream_save(impl, path, model_id)
@@ -39,6 +43,7 @@ def backend():
             setattr(JaxBackendImpl, name, function)
         for (module, name), function in slicing.items():
             setattr(module, name, function)
+        JaxBackendImpl._create_loss_and_grad_fn = upstream_optimizer
 
 
 def new_model(backend, model_id: str, rank: int = 4, seed: int = 0) -> None:
@@ -148,3 +153,40 @@ def test_an_adapters_state_is_sliced_and_put_back_as_upstream_does_in_any_slot(b
     assert any(not np.array_equal(x[a], y[a]) for x, y in zip(everything, after))
     others = [i for i in range(backend.config.max_lora_adapters) if i != a]  # slots come first in every LoRA leaf
     assert all(np.array_equal(x[others], y[others]) for x, y in zip(everything, after))
+
+
+def optimizer_step_of(impl, model_id: str, weight_decay: float) -> None:
+    """One cross-entropy forward_backward on two rows, then AdamW at lr 0.1 with `weight_decay`."""
+    from tx.tinker import types
+
+    rows = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20]]
+    impl.forward_backward(types.PreparedModelPassBatch(
+        all_input_ids=rows, all_targets=[r[1:] + [r[0]] for r in rows],
+        all_token_weights=[[0.0] * 5 + [1.0] * 3 for _ in rows], all_sampling_logprobs=[[0.0] * 8 for _ in rows],
+        all_advantages=[[0.0] * 8 for _ in rows], all_model_ids=[model_id] * 2,
+        all_loss_fn_types=[types.LOSS_TYPES["cross_entropy"]] * 2, all_loss_fn_configs=[None] * 2,
+        request_batch_slices=[("r", model_id, 0, 2)]))
+    impl.optim_step(model_id, types.OptimStepInput(adam_params=types.AdamParams(
+        learning_rate=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=weight_decay)))
+
+
+def slot_of(impl, model_id: str) -> list[np.ndarray]:
+    index = impl.models[model_id].adapter_index
+    return [np.asarray(leaf)[index].copy() for leaf in jax.tree.leaves(impl.lora_params)]
+
+
+def test_a_step_with_weight_decay_leaves_the_neighbours_adapter_as_it_was(backend):
+    """Upstream's step shrank the neighbour's weights by lr * weight_decay (5% here) at each of my steps (the same
+    test without the change fails so); here they stay bit for bit, and my own slot is updated."""
+    new_model(backend, "mine", rank=8, seed=11)
+    new_model(backend, "neighbour", rank=8, seed=12)
+    # The neighbour's lora_B is no longer zero after a step of its own: its outputs depend on its lora_A.
+    optimizer_step_of(backend, "neighbour", weight_decay=0.0)
+    optimizer_step_of(backend, "mine", weight_decay=0.0)
+    neighbour, mine = slot_of(backend, "neighbour"), slot_of(backend, "mine")
+    optimizer_step_of(backend, "mine", weight_decay=0.5)
+
+    assert all(np.array_equal(a, b) for a, b in zip(slot_of(backend, "neighbour"), neighbour))
+    assert any(not np.array_equal(a, b) for a, b in zip(slot_of(backend, "mine"), mine))
+    optimizer_step_of(backend, "neighbour", weight_decay=0.0)  # the neighbour still trains
+    assert any(not np.array_equal(a, b) for a, b in zip(slot_of(backend, "neighbour"), neighbour))

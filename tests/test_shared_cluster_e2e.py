@@ -175,6 +175,44 @@ def test_each_runs_key_opens_only_its_own_work_and_release_frees_it(shared):
     assert status(shared)["healthy"] and status(shared)["attached_runs"] == []
 
 
+def test_a_neighbours_weight_decay_leaves_my_adapter_as_it_was(shared):
+    """Two runs' adapters on one cluster: A's optimizer steps with AdamW's weight decay, and B's model computes the
+    same logprobs, bit for bit, before and after them (`optimizer-own-slot`; upstream's optimizer decayed every
+    slot's weights, B's among them, at each of A's steps)."""
+    import tinker
+
+    from txflow.cluster import named
+    from txflow.training.clients import lora_client
+
+    _, a = attached("decay-a")
+    _, b = attached("decay-b")
+    try:
+        client_a, client_b = (lora_client(h, h.service_client(), 8, 60) for h in (a, b))
+        datum = tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints([1, 2, 3, 4, 5, 6]),
+                                   loss_fn_inputs={"target_tokens": [2, 3, 4, 5, 6, 7], "weights": [1.0] * 6})
+
+        def train(handle, client, weight_decay: float) -> None:
+            handle.wait(client.forward_backward([datum], "cross_entropy"), "forward_backward", 120)
+            handle.wait(client.optim_step(tinker.types.AdamParams(learning_rate=0.1, weight_decay=weight_decay)),
+                        "optim_step", 120)
+
+        def logprobs(handle, client) -> list[float]:
+            out = handle.wait(client.forward([datum], "cross_entropy"), "forward", 120)
+            return out.loss_fn_outputs[0]["logprobs"].tolist()
+
+        train(b, client_b, 0.0)  # B's lora_B is no longer zero: its logprobs depend on every LoRA weight it has
+        train(a, client_a, 0.0)
+        before_b, before_a = logprobs(b, client_b), logprobs(a, client_a)
+        for _ in range(2):
+            train(a, client_a, 0.5)
+        assert logprobs(a, client_a) != before_a  # A trained
+        assert logprobs(b, client_b) == before_b  # B's adapter is as it was
+    finally:
+        named.release(a)
+        named.release(b)
+    wait_for(lambda: status(shared)["free_slots"] == ADAPTERS - 1, 60, "every slot free again")
+
+
 def start_run(shared, run_id: str, *args: str, hold_at: str = "") -> subprocess.Popen:
     """`txflow run sft` attached to the shared cluster, in the background; its report on stdout, its log in
     `<work>/<run_id>.log`, its state in `<work>/<run_id>/`; `hold_at`: a hold point (txflow.processes.holds) it

@@ -341,6 +341,16 @@ PATCHES: tuple[Patch, ...] = (
         until="upstream passes the adapter index as an array.",
     ),
     Patch(
+        slug="optimizer-own-slot",
+        module="ranks",
+        what="A model's optimizer step writes back only its own adapter slot; every other slot keeps its weights "
+             "bit for bit.",
+        why="Upstream's `nnx.Optimizer` of each model covers the LoRA weights of every slot, and AdamW's weight "
+            "decay applies to all it covers: one run's `optim_step` with `weight_decay > 0` shrank every other "
+            "run's adapter on the cluster.",
+        until="upstream's optimizer covers the model's own slot only.",
+    ),
+    Patch(
         slug="rank-imports",
         module="ranks",
         what="A rank tells transformers there is no torch (`USE_TORCH=0`, unless set) and imports peft at its first "

@@ -2,8 +2,9 @@
 `adapter-state-program`), the default SIGTERM action after `jax.distributed.initialize` (`default-sigterm`), Tinker's
 losses (`tinker-losses`), the compilation cache written by every rank (`compilation-cache`), loss chunks sized to the
 batch (`loss-chunks`), each example's own adapter in every LoRA linear layer (`lora-per-example`), the model code of
-`models` (`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`)
-and the optimizer's compile in the log; `run` imports upstream without torch (`rank-imports`)."""
+`models` (`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`),
+the optimizer's compile in the log, and each model's optimizer step confined to its own slot (`optimizer-own-slot`);
+`run` imports upstream without torch (`rank-imports`)."""
 
 from __future__ import annotations
 
@@ -131,6 +132,49 @@ def optimizer_compile_logged() -> None:
     JaxBackendImpl.optim_step = optim_step
 
 
+def optimizer_steps_only_its_own_slot() -> None:
+    """Upstream gives each model an `nnx.Optimizer` over the LoRA weights of every slot, so AdamW's weight decay
+    (`lr * weight_decay * w`, applied to every parameter it covers) shrank every other run's adapter on the
+    cluster at each of this model's steps: a neighbour's `optim_step` with `weight_decay > 0` reached another run's
+    weights. Here the step writes only its own slot back (`optimizer-own-slot`); the others keep their values bit
+    for bit. Its own slot's update is upstream's, and the optimizer's state keeps its shape (its checkpoints too).
+    With `weight_decay = 0` nothing changes: Adam's update of a slot without gradients is 0 there."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tx.tinker.backends.jax import JaxBackendImpl
+
+    upstream = JaxBackendImpl._create_loss_and_grad_fn
+    if getattr(upstream, "txflow", False):
+        return
+
+    @functools.wraps(upstream)
+    def create_loss_and_grad_fn(self):
+        upstream(self)
+        step = self._compute_grads_and_update
+        step = getattr(step, "__wrapped__", step)  # nnx.jit's function (the eager one as it is)
+        slots = self.config.max_lora_adapters
+
+        def keep_other_slots(before, after, adapter_index):
+            if after.shape[0] != slots:  # every LoRA weight is stacked by slot on its first axis
+                raise ValueError(f"a LoRA weight of shape {after.shape} is not stacked by slot ({slots} slots)")
+            mine = (jnp.arange(slots) == adapter_index).reshape((slots,) + (1,) * (after.ndim - 1))
+            return jnp.where(mine, after, before)
+
+        def compute_grads_and_update(accumulated_grads, lora_params, optimizer, adapter_index):
+            before = nnx.as_pure(lora_params)
+            result = step(accumulated_grads, lora_params, optimizer, adapter_index)
+            nnx.update(lora_params, jax.tree.map(lambda b, a: keep_other_slots(b, a, adapter_index), before,
+                                                 nnx.as_pure(lora_params)))
+            return result
+
+        self._compute_grads_and_update = (compute_grads_and_update if self.config.enforce_eager
+                                          else nnx.jit(compute_grads_and_update))
+
+    create_loss_and_grad_fn.txflow = True
+    JaxBackendImpl._create_loss_and_grad_fn = create_loss_and_grad_fn
+
+
 # Every sampling batch's prompts are padded to at least this many tokens (`sampling-buckets`).
 SAMPLE_BUCKET_FLOOR = 64
 
@@ -168,6 +212,7 @@ def install() -> None:
     lora_computes_each_examples_adapter()
     models.install()
     optimizer_compile_logged()
+    optimizer_steps_only_its_own_slot()
     sample_prompts_share_a_bucket()
 
 
