@@ -17,10 +17,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from profile_engine_step import memory_mib  # noqa: E402
+
 
 def rss_mib() -> int:
-    status = Path("/proc/self/status").read_text().splitlines()
-    return int(next(line.split()[1] for line in status if line.startswith("VmRSS:"))) // 1024
+    return memory_mib()["VmRSS"]
 
 
 class Peak:
