@@ -24,5 +24,5 @@ def cluster_flow(name: str = "warm", config: RunConfig = RunConfig()) -> dict:
     with private_files():
         handle = named.up(config, name)
         get_logger().info(f"cluster {name} up on {handle.cluster.base_url}; cancel this flow run to stop it")
-        records = named.hold(handle, name)
+        records = named.hold(handle, name, config)
     return {"name": name, "processes": [r.exit_text for r in records]}

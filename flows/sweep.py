@@ -119,12 +119,13 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
                                                      "lora_ranks": sorted({m.lora_rank for m in members})})
     if parent is not None:
         members = [m.model_copy(update={"tracking_parent": parent}) for m in members]
-    reports, errors, running = {}, {}, {}
+    reports, errors, running, spans = {}, {}, {}, {}
     lock = threading.Lock()
 
     def member(cfg: RunConfig):
         with lock:
             running[cfg.run_id] = threading.get_ident()
+        started_at = time.time()
         try:
             report = train_flow(config=cfg)
         except RunFailed as failed:
@@ -136,6 +137,7 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
         finally:
             with lock:
                 running.pop(cfg.run_id, None)
+                spans[cfg.run_id] = (started_at, time.time())
         with lock:
             reports[cfg.run_id] = report
 
@@ -154,7 +156,7 @@ def _sweep(config: RunConfig, members: list[RunConfig], sweep_id: str, promote_b
         pool.shutdown(wait=False)
         if handle is not None:
             named.stop(handle, name)
-    result = ranking.ranking(members, reports, errors)
+    result = ranking.ranking(members, reports, errors, spans)
     result["sweep_id"], result["cluster"] = sweep_id, name
     result["promoted"] = None
     if promote_best_as and result["best"]:

@@ -7,6 +7,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -200,6 +203,37 @@ def test_the_txflow_command_hands_over_its_output_and_exit_code(tmp_path):
     assert (artifact["kind"], artifact["complete"], artifact["bytes"]) == ("sampler", False, 11)
     assert tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"] == {
         "txflow": "txflow.cli:entry"}
+
+
+# A command interrupted while a non-daemon thread is still blocked (a worker waiting on a request to the cluster the
+# run's teardown just released): the interpreter's own exit would join that thread without bound.
+INTERRUPTED_WITH_A_BLOCKED_THREAD = """
+import os, signal, sys, threading, time
+from txflow import cli
+from txflow.cli.run import on_sigterm
+
+def main():
+    threading.Thread(target=time.sleep, args=(600,), name="blocked").start()
+    signal.signal(signal.SIGTERM, on_sigterm)
+    os.kill(os.getpid(), getattr(signal, sys.argv[1]))
+    time.sleep(600)
+
+cli.main = main
+cli.entry()
+"""
+
+
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_an_interrupted_command_exits_as_the_signal_says_without_waiting_on_its_threads(signame):
+    """SIGTERM (`txflow run` turns it into Ctrl-C's KeyboardInterrupt) and Ctrl-C: once the interrupt has
+    unwound `main` (the flow's teardown with it), the command exits 128 + the signal's number within the
+    bounded wait for its threads (10 s), and says it was interrupted in one line, without a traceback."""
+    # The thread sleeps 600 s: an exit that waited for it would outlast the timeout.
+    result = subprocess.run([sys.executable, "-c", INTERRUPTED_WITH_A_BLOCKED_THREAD, signame], capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 128 + getattr(signal, signame), result.stderr[-2000:]
+    assert result.stderr.splitlines()[-1] == f"txflow: interrupted ({signame})", result.stderr[-2000:]
+    assert "Traceback" not in result.stderr
 
 
 @pytest.mark.parametrize("command, given_by", [(["discover", "s3://bucket/runs"], "flag"),

@@ -147,11 +147,12 @@ def test_every_process_is_stopped_after_sigterm_to_the_flow_process(tmp_path, tx
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(alive_pids(state)) == 3
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=90) != 0
+        assert proc.wait(timeout=90) == 128 + signal.SIGTERM
     finally:
         if proc.poll() is None:
             proc.kill()
         log.close()
+    assert "txflow: interrupted (SIGTERM)" in (tmp_path / "txflow.log").read_text()
     assert alive_pids(state) == []
     # Nothing the flow process started survives it (Prefect's temporary server included).
     assert [c.pid for c in children if c.is_running() and c.status() != psutil.STATUS_ZOMBIE] == []

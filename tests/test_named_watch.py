@@ -92,3 +92,40 @@ def test_without_a_cause_from_the_holder_deaths_are_named_as_found(cluster_of):
     serves = serves.model_copy(update={"holder_pid": gone.pid, "holder_start_time": None})
     failure = first_failure(serves, cluster, {})
     assert failure.rank == 0 and f"holder of cluster warm (pid {gone.pid}) is gone" in failure.message
+
+
+def test_the_holder_releases_only_runs_whose_process_it_sees_gone(tmp_path, monkeypatch):
+    """`reap` (the holder, every 2 s): a run key whose process on this machine is gone is released; one whose
+    process still runs, one attached from another machine (only that machine can tell), a key given out (it
+    expires) are left as they are, and nothing of the cluster's is asked about them. The release itself, on the
+    real API: tests/test_shared_cluster_e2e.py."""
+    import json
+    import socket
+    from types import SimpleNamespace
+
+    from pydantic import SecretStr
+
+    monkeypatch.setenv(named.CLUSTERS_DIR_ENV, str(tmp_path))
+    (tmp_path / "c").mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    me = {"pid": os.getpid(), "start": procfs.start_time(os.getpid())}
+    keys = {"running": {"owner": "running", "kind": "run", **me, "host": socket.gethostname()},
+            "elsewhere": {"owner": "elsewhere", "kind": "run", "pid": dead.pid, "start": 1, "host": "another-node"},
+            "notebook": {"owner": "alice", "kind": "key", "expires": 1e12},
+            "gone": {"owner": "gone", "kind": "run", "pid": dead.pid, "start": 1, "host": socket.gethostname()}}
+    (tmp_path / "c" / named.RUN_KEYS).write_text(json.dumps(keys))
+    asked = []
+
+    def get(url, params, headers, timeout):  # the API's answer for the one run it should ask about
+        asked.append(params["owner"])
+        return SimpleNamespace(raise_for_status=lambda: None, json=lambda: {"sessions": [], "models": []})
+
+    monkeypatch.setattr(named.httpx, "get", get)
+    monkeypatch.setattr(named, "load_serves", lambda name: None)
+    monkeypatch.setattr(named, "database_url", lambda serves, cfg=None: f"sqlite:///{tmp_path / 'tinker.db'}")
+    handle = SimpleNamespace(cluster=SimpleNamespace(base_url="http://127.0.0.1:1", api_key=SecretStr("k"),
+                                                     checkpoints_base=str(tmp_path / "staging")))
+    assert named.reap("c", handle) == ["gone"] and asked == ["gone"]
+    assert set(json.loads((tmp_path / "c" / named.RUN_KEYS).read_text())) == {"running", "elsewhere", "notebook"}
+    assert named.reap("c", handle) == [] and asked == ["gone"]

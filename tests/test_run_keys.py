@@ -245,6 +245,13 @@ def test_a_runs_key_is_told_what_it_holds_and_nothing_of_anothers(served):
     assert client.get(auth.OWNED_PATH, headers={"X-API-Key": KEY_A2}).json() == {"sessions": [], "models": []}
     assert client.get(auth.OWNED_PATH, headers={"X-API-Key": CLUSTER_KEY}).status_code == 400  # owns everything
     assert client.get(auth.OWNED_PATH).status_code == 401
+    # The cluster's own key asks for a run key's holdings by its digest (the holder releasing a run that died);
+    # a run's key asking for another's gets its own.
+    of_b = {"owner": auth.key_digest(KEY_B)}
+    assert client.get(auth.OWNED_PATH, params=of_b, headers={"X-API-Key": CLUSTER_KEY}).json() == {
+        "sessions": [session_b], "models": [model_b]}
+    assert client.get(auth.OWNED_PATH, params=of_b, headers={"X-API-Key": KEY_A}).json() == {
+        "sessions": [session_a], "models": [model_a]}
 
 
 def test_a_key_given_out_opens_until_it_expires(tmp_path):

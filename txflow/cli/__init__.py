@@ -9,10 +9,13 @@ the flow's modules import.
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import os
+import signal
 import sys
 import threading
+import time
 import traceback
 
 from txflow.cli.artifacts import discover_cmd, export_cmd, promoted_cmd, prune_cmd, runs_cmd
@@ -50,20 +53,29 @@ def entry() -> None:
     """The `txflow` command: `main`, then an exit without the interpreter's teardown of every module
     (torch's, Prefect's: ~2 s after the run is over, measured). When `main` returns, everything of the
     run is done and written: the flow's teardown, Prefect's log and event workers drained, the server
-    stopped. An exception still takes the ordinary way out, with its traceback."""
+    stopped. An interrupt (Ctrl-C, SIGTERM) leaves the same way once the flow's teardown has run: the
+    interpreter's own exit would wait without bound for every non-daemon thread (a worker still blocked
+    on a request to the cluster it just released), and a cancelled run must end."""
+    # `kill -USR1 <pid>`: every thread's stack on stderr (the run's log), for a command that seems stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     try:
         code = main()
     except BrokenPipeError:  # `txflow discover URL | head`: the reader had what it wanted
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         code = 0
+    except KeyboardInterrupt as exc:  # the teardown ran on the way here (the flow's `finally`, its hooks)
+        signum = getattr(exc, "signum", signal.SIGINT)
+        sys.stderr.write(f"txflow: interrupted ({signal.Signals(signum).name})\n")
+        code = 128 + signum
     except Exception:  # what nothing caught still reaches the terminal, with every known secret masked
         from txflow.log import scrub
 
         sys.stderr.write(scrub(traceback.format_exc()))
         code = 1
-    for thread in threading.enumerate():  # none today; a non-daemon thread would still get to finish
+    deadline = time.monotonic() + 10  # a non-daemon thread gets to finish, within bounds
+    for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
-            thread.join(timeout=10)
+            thread.join(timeout=max(0.0, deadline - time.monotonic()))
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

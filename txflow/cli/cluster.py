@@ -104,7 +104,7 @@ def cluster_cmd(args) -> int:
         return 2
     print(f"txflow: cluster {args.name} up on {handle.cluster.base_url}; attach runs with --cluster {args.name}",
           file=sys.stderr, flush=True)
-    records = named.hold(handle, args.name)
+    records = named.hold(handle, args.name, config)
     print(f"txflow: cluster {args.name} stopped: " + ", ".join(f"{r.role} pid {r.pid} exit {r.exit_text}"
                                                               for r in records), file=sys.stderr)
     return 0 if not handle.monitor.failures else 1

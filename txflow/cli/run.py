@@ -16,9 +16,17 @@ from txflow.log import scrub
 from txflow.processes import umask
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt (so the flow's teardown runs the same way); the
+    command exits 128 + its number, as a shell reports a process the signal ended."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
 def on_sigterm(signum, frame):
-    # Turn SIGTERM into the same path as Ctrl-C, so the flow's teardown runs.
-    raise KeyboardInterrupt(f"signal {signum}")
+    raise Interrupted(signum)
 
 
 def run(args) -> int:

@@ -9,7 +9,8 @@ to the run that attached with it (the `api-key-check` change).
 A run with `cluster` set attaches instead of provisioning: it registers a key of its own, checks that the
 cluster is up, serves its base model and rank, and has a free adapter slot (waiting for one up to
 `startup_timeout_s`), and watches the cluster's processes as its own. Its teardown (`release`) unloads its
-models, removes its staging and revokes its key; the cluster stays up.
+models, removes its staging and revokes its key; the cluster stays up. A run killed before its teardown could run
+(SIGKILL, out of memory) is released by the holder instead (`reap`), within seconds of its death.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -34,11 +36,12 @@ from txflow.cluster.records import Cluster, ProcessRecord
 from txflow.config import RUN_ID_PATTERN, RunConfig, checked_cluster_name
 from txflow.log import get_logger, register_secret
 from txflow.processes import procfs
-from txflow.upstream.skyrl_tx.auth import key_digest
+from txflow.upstream.skyrl_tx.auth import OWNED_PATH, key_digest
 
 CLUSTERS_DIR_ENV = "TXFLOW_CLUSTERS_DIR"
 SERVES = "serves.json"
 RUN_KEYS = "run-keys.json"
+REAP_INTERVAL_S = 2.0  # how often the holder looks for attached runs that died without their teardown
 # The RunConfig fields that shape a cluster (`txflow cluster up` takes these); the rest belong to runs.
 CLUSTER_FIELDS = ("base_model", "processes", "devices_per_process", "launcher", "ray", "host", "mesh", "database_url",
                   "max_lora_rank", "lora_adapters", "startup_timeout_s", "concurrency_limit", "api_max_body_mb",
@@ -157,15 +160,21 @@ def up(cfg: RunConfig, name: str) -> ClusterHandle:
     return handle
 
 
-def hold(handle: ClusterHandle, name: str, stop_when=lambda: False) -> list[ProcessRecord]:
-    """Keep the cluster until SIGTERM or SIGINT (`down`), `stop_when()`, or a process of it dies; then stop
-    it. Returns its records with their exit codes."""
+def hold(handle: ClusterHandle, name: str, cfg: RunConfig | None = None,
+         stop_when=lambda: False) -> list[ProcessRecord]:
+    """Keep the cluster until SIGTERM or SIGINT (`down`), `stop_when()`, or a process of it dies, releasing the
+    attached runs that die without their teardown (`reap`; `cfg`: the config it was started with, which names
+    a database it was given); then stop it. Returns its records with their exit codes."""
     stopping = []
     previous = {}
     if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
         previous = {s: signal.signal(s, lambda *_: stopping.append(True)) for s in (signal.SIGTERM, signal.SIGINT)}
+    next_reap, failed_reaps = 0.0, set()
     try:
         while not stopping and not stop_when() and not handle.monitor.failed.is_set():
+            if time.monotonic() >= next_reap:
+                reap(name, handle, cfg, failed_reaps)
+                next_reap = time.monotonic() + REAP_INTERVAL_S
             handle.monitor.failed.wait(0.2)
         if handle.monitor.failures:
             cause = handle.monitor.first_failure()
@@ -180,6 +189,44 @@ def hold(handle: ClusterHandle, name: str, stop_when=lambda: False) -> list[Proc
         for s, h in previous.items():
             signal.signal(s, h)
     return records
+
+
+def reap(name: str, handle: ClusterHandle, cfg: RunConfig | None = None, failed: set[str] | None = None) -> list[str]:
+    """Release the runs attached to the cluster whose process is gone without its teardown (SIGKILL, out of
+    memory): what their key holds unloaded, their staging removed, their key revoked, as their `release` would
+    have; the engine itself would free their slots only when their sessions time out, minutes later. Run by the
+    holder with the cluster's own key; a run on another machine is left alone (its process cannot be seen from
+    here). Returns the run ids released; a failure is tried again at the next call, logged the first time (the
+    digests in `failed`)."""
+    directory = cluster_dir(name)
+    gone = {digest: record for digest, record in _read_keys(directory).items()
+            if record.get("kind", "run") == "run" and record.get("pid") is not None and not _holder_alive(record)}
+    if not gone:
+        return []
+    log = get_logger()
+    serves = load_serves(name)
+    base, key = handle.cluster.base_url, handle.cluster.api_key.get_secret_value()
+    reaped = []
+    for digest, record in gone.items():
+        try:
+            response = httpx.get(f"{base}{OWNED_PATH}", params={"owner": digest}, headers={"X-API-Key": key},
+                                 timeout=10)
+            response.raise_for_status()
+            unloaded = _free(name, base, key, database_url(serves, cfg), response.json()["sessions"],
+                             Path(handle.cluster.checkpoints_base))
+        except Exception as exc:  # the API busy or going: the next call tries again
+            if failed is None or digest not in failed:
+                log.warning(f"cluster {name}: could not release run {record['owner']}, whose process is gone "
+                            f"({exc}); trying again")
+            if failed is not None:
+                failed.add(digest)
+            continue
+        with _locked_keys(directory) as keys:
+            keys.pop(digest, None)
+        reaped.append(record["owner"])
+        log.info(f"cluster {name}: run {record['owner']} (pid {record['pid']}) is gone without its teardown: "
+                 f"{len(unloaded)} model(s) unloaded, its key revoked")
+    return reaped
 
 
 def stop(handle: ClusterHandle, name: str) -> list[ProcessRecord]:
@@ -292,7 +339,7 @@ def status(name: str) -> dict:
     out["healthy"] = ok
     out["free_slots"] = free_slots(serves, database_url(serves)) if ok and serves.sqlite else None
     out["attached_runs"] = sorted({r["owner"] for r in _read_keys(cluster_dir(name)).values()
-                                   if r.get("kind", "run") == "run"}) if ok else []
+                                   if r.get("kind", "run") == "run" and _holder_alive(r, unknown=True)}) if ok else []
     return out
 
 
@@ -320,8 +367,14 @@ def _read_keys(directory: Path) -> dict[str, dict]:
             for digest, record in keys.items()}
 
 
-def _holder_alive(record: dict) -> bool:
-    return record.get("pid") is not None and procfs.is_alive(record["pid"], record.get("start"))
+def _holder_alive(record: dict, unknown: bool = False) -> bool:
+    """Whether the process that attached with a run key still runs; `unknown` for a record without one. A
+    process on another machine (`host`) counts as alive: only that machine could tell."""
+    if record.get("pid") is None:
+        return unknown
+    if record.get("host", socket.gethostname()) != socket.gethostname():
+        return True
+    return procfs.is_alive(record["pid"], record.get("start"))
 
 
 def revoke(name: str, run_id: str) -> None:
@@ -476,7 +529,8 @@ def attach(cfg: RunConfig, base_model_path: str) -> ClusterHandle:
                                    f"{record['pid']}); give this run another --run-id")
             del keys[digest]  # this process's earlier attach, or a run that died without releasing
         keys[key_digest(key)] = {"owner": cfg.run_id, "kind": "run", "pid": os.getpid(),
-                                 "start": procfs.start_time(os.getpid()), "created": time.time()}
+                                 "start": procfs.start_time(os.getpid()), "host": socket.gethostname(),
+                                 "created": time.time()}
     handle = ClusterHandle.watch(cluster, _Watch(serves, get_launcher(cluster=cluster)))
     handle.compiles.skip_past()
     handle.shared, handle.release = cfg.cluster, release
@@ -513,8 +567,6 @@ def verify(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
 def owned(handle: ClusterHandle) -> dict[str, list[str]]:
     """What the run's key holds on the shared cluster, as its API recorded it: `sessions` and `models`, its
     own clients' and those of a custom client it started with that key."""
-    from txflow.upstream.skyrl_tx.auth import OWNED_PATH
-
     response = httpx.get(f"{handle.cluster.base_url}{OWNED_PATH}",
                          headers={"X-API-Key": handle.cluster.api_key.get_secret_value()}, timeout=10)
     response.raise_for_status()
@@ -538,32 +590,38 @@ def release(handle: ClusterHandle, db_url: str | None = None) -> list[ProcessRec
     serves = load_serves(name)
     unloaded = []
     if serves is not None and sessions:
-        key = handle.cluster.api_key.get_secret_value()
-        try:
-            models = loaded_models(db_url or database_url(serves), sessions, unloading=False)
-            every = loaded_models(db_url or database_url(serves), sessions, unloading=None)
-        except Exception as exc:  # no database (a cluster never up): nothing of the run's is loaded
-            log.warning(f"cluster {name}: could not list the run's models ({exc})")
-            models, every = [], []
-        for model_id in models:
-            try:
-                httpx.post(f"{handle.cluster.base_url}/api/v1/unload_model",
-                           json={"model_id": model_id, "type": "unload_model"}, headers={"X-API-Key": key},
-                           timeout=10).raise_for_status()
-                unloaded.append(model_id)
-            except Exception as exc:  # a dead cluster frees nothing more; its adapters went with it
-                log.warning(f"cluster {name}: could not unload {model_id} ({exc})")
-    else:
-        every = []
-    staging = Path(handle.cluster.checkpoints_base)
-    for model_id in every:  # committed already, or imported from the durable copy: staging only
-        _remove_tree(staging / model_id)
+        unloaded = _free(name, handle.cluster.base_url, handle.cluster.api_key.get_secret_value(),
+                         db_url or database_url(serves), sessions, Path(handle.cluster.checkpoints_base))
     with _locked_keys(cluster_dir(name)) as keys:  # this attach's key only: never another of the run id
         keys.pop(key_digest(handle.cluster.api_key.get_secret_value()), None)
     alive = serves is not None and healthy(serves)
     log.info(f"released from cluster {name}: {len(unloaded)} model(s) unloaded, the run's key revoked; "
              + ("the cluster stays up" if alive else "the cluster is down (not this run's to restart)"))
     return []
+
+
+def _free(name: str, base_url: str, key: str, db_url: str, sessions: list[str], staging: Path) -> list[str]:
+    """Unload the models of `sessions` still loaded (with `key`: the run's own, or the cluster's) and remove the
+    staging of every model they had; returns the models unloaded. What fails is logged: a dead cluster's
+    adapters went with it."""
+    log = get_logger()
+    try:
+        models = loaded_models(db_url, sessions, unloading=False)
+        every = loaded_models(db_url, sessions, unloading=None)
+    except Exception as exc:  # no database (a cluster never up): nothing of the run's is loaded
+        log.warning(f"cluster {name}: could not list the run's models ({exc})")
+        models, every = [], []
+    unloaded = []
+    for model_id in models:
+        try:
+            httpx.post(f"{base_url}/api/v1/unload_model", json={"model_id": model_id, "type": "unload_model"},
+                       headers={"X-API-Key": key}, timeout=10).raise_for_status()
+            unloaded.append(model_id)
+        except Exception as exc:
+            log.warning(f"cluster {name}: could not unload {model_id} ({exc})")
+    for model_id in every:  # committed already, or imported from the durable copy: staging only
+        _remove_tree(staging / model_id)
+    return unloaded
 
 
 def _remove_tree(path: Path) -> None:

@@ -48,19 +48,22 @@ def figure(report: RunReport) -> float | None:
     return float(value) if isinstance(value, int | float) else None
 
 
-def ranking(members: list[RunConfig], reports: dict[str, RunReport | None], errors: dict[str, str]) -> dict:
-    """The sweep's ranking: passed members by their figure, best first, then the failed ones."""
+def ranking(members: list[RunConfig], reports: dict[str, RunReport | None], errors: dict[str, str],
+            spans: dict[str, tuple[float, float]] | None = None) -> dict:
+    """The sweep's ranking: passed members by their figure, best first, then the failed ones. `spans`: when the
+    sweep started each member and when it ended (unix times; a member waiting for free slots starts late)."""
     rows = []
     for member in members:
         report = reports.get(member.run_id)
         restore = (report.restore or {}) if report else {}
+        started_at, finished_at = (spans or {}).get(member.run_id, (None, None))
         rows.append({"run_id": member.run_id, "learning_rate": member.learning_rate, "lora_rank": member.lora_rank,
                      "status": report.status if report else "failed",
                      "error": (report.error if report else None) or errors.get(member.run_id),
                      "figure": figure(report) if report else None,
                      "gain": next((v for k, v in restore.items() if k.endswith("_gain")), None),
                      "p_value": restore.get("sign_flip_p"),
-                     "run_root": member.run_root})
+                     "run_root": member.run_root, "started_at": started_at, "finished_at": finished_at})
     mode = members[0].mode if members else "sft"
     key, lower = RANK_BY.get(mode, ("figure", True))
 

@@ -23,8 +23,9 @@ on anything else, on the listings (they span runs) and on any route this check d
 keys, not run ids (two processes given one run id own nothing of each other's), and what a key that left
 the file created is forgotten. The check reads a body and a checkpoint path exactly as the route will
 (`read_body`, `tinker_model_id`): what it cannot read so is refused, never let through as naming nothing.
-The cluster's own key (`API_KEY_ENV`) stays unscoped. Upstream has no owners at all: can go when it scopes
-keys."""
+The cluster's own key (`API_KEY_ENV`) stays unscoped; it may ask what a run's key holds (`OWNED_PATH?owner=`
+its digest), which the cluster's holder releases when that run died without its teardown. Upstream has no
+owners at all: can go when it scopes keys."""
 
 from __future__ import annotations
 
@@ -350,9 +351,12 @@ class KeyCheck:
         else:
             return await _refuse(send, 401, REFUSED)
         if scope["path"] == OWNED_PATH:  # what a run's own key holds: what its teardown frees and commits
-            if owner is None:
-                return await _refuse(send, 400, json.dumps({"detail": "the cluster's own key is not scoped: it "
-                                                                      "owns everything"}).encode())
+            if owner is None:  # the cluster's own key: what the run key of `owner` (its digest) holds
+                # (the holder releases a run that died without its teardown: `txflow.cluster.named.reap`)
+                owner = parse_qs(query).get("owner", [None])[0]
+                if owner is None:
+                    return await _refuse(send, 400, json.dumps({"detail": "the cluster's own key is not scoped: "
+                                                                          "name a run key's ?owner="}).encode())
             return await _answer(send, 200, await self.owners.owned(scope.get("app") or self.app, owner))
         raw = await self._body(receive)
         if raw is None:
