@@ -4,6 +4,9 @@ each step it prints the resident set before forward_backward, its peak during it
 (sampled every 10 ms). Not part of txflow; run it with MALLOC_ARENA_MAX=2, as every rank runs.
 
     MALLOC_ARENA_MAX=2 python scripts/profile_engine_memory.py --base-model smollm2-135m --slots 8 [--steps 5]
+        [--models 1]
+
+`--models N` creates N models (as N runs attached to a shared cluster would) and trains the first.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ def main() -> int:
     parser.add_argument("--base-model", required=True)
     parser.add_argument("--slots", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--models", type=int, default=1)
     args = parser.parse_args()
 
     import bench_roofline
@@ -57,6 +61,12 @@ def main() -> int:
     batch = bench_roofline.train_batch([[(i * 7 + j) % 4000 + 10 for j in range(60)] for i in range(4)], 10,
                                        "cross_entropy")
     print(f"{args.slots} slots: {rss_mib()} MiB with the model created", flush=True)
+    if args.models > 1:
+        from tx.tinker import types
+
+        for i in range(1, args.models):
+            impl.create_model(f"other-{i}", types.LoraConfig(rank=32, alpha=32.0, seed=i))
+        print(f"{args.models} models: {rss_mib()} MiB", flush=True)
     for step in range(1, args.steps + 1):
         before = peak.reset()
         impl.forward_backward(batch)

@@ -29,10 +29,11 @@ def backend():
     upstream_save = originals["save_checkpoint"]
     slicing = {(module, name): getattr(module, name) for module in (models, jax_backend)
                for name in ("extract_adapter_state", "insert_adapter_state")}
-    upstream_optimizer = JaxBackendImpl.__dict__["_create_loss_and_grad_fn"]
+    upstream_optimizer = {n: JaxBackendImpl.__dict__[n] for n in (
+        "_create_loss_and_grad_fn", "create_model", "_extract_checkpoint_data", "_insert_checkpoint_data")}
     checkpoint_io.install_checkpoint_io()
     checkpoint_io.adapter_state_in_one_program()
-    ranks.optimizer_steps_only_its_own_slot()
+    ranks.optimizer_covers_its_own_slot()
     try:
         impl = JaxBackendImpl(resolve_base_model("tiny"), JaxBackendConfig(max_lora_adapters=16, max_lora_rank=8))
         impl.upstream_save = lambda path, model_id: upstream_save(impl, path, model_id)
@@ -43,7 +44,9 @@ def backend():
             setattr(JaxBackendImpl, name, function)
         for (module, name), function in slicing.items():
             setattr(module, name, function)
-        JaxBackendImpl._create_loss_and_grad_fn = upstream_optimizer
+        for name, function in upstream_optimizer.items():
+            setattr(JaxBackendImpl, name, function)
+        del JaxBackendImpl.new_optimizer
 
 
 def new_model(backend, model_id: str, rank: int = 4, seed: int = 0) -> None:
@@ -139,9 +142,10 @@ def test_an_adapters_state_is_sliced_and_put_back_as_upstream_does_in_any_slot(b
     new_model(backend, "slot-b", rank=8, seed=10)
     for model_id in ("slot-a", "slot-b"):
         index = backend.models[model_id].adapter_index
-        for state in (backend.lora_params, nnx.state(backend.optimizers[model_id])):
-            assert_same_state(jax.tree.leaves(models.extract_adapter_state(index, state, 8)),
-                              jax.tree.leaves(upstream_extract(index, state, 8)))
+        # The optimizer's state is a one-slot view (`optimizer-own-slot`): its slot index is 0.
+        for state, at in ((backend.lora_params, index), (nnx.state(backend.optimizers[model_id]), 0)):
+            assert_same_state(jax.tree.leaves(models.extract_adapter_state(at, state, 8)),
+                              jax.tree.leaves(upstream_extract(at, state, 8)))
     a = backend.models["slot-a"].adapter_index
     everything = [np.asarray(x) for x in jax.tree.leaves(backend.lora_params)]
     moved = jax.tree.map(lambda x: (x + 1).astype(x.dtype), upstream_extract(a, backend.lora_params, 8))
@@ -155,8 +159,8 @@ def test_an_adapters_state_is_sliced_and_put_back_as_upstream_does_in_any_slot(b
     assert all(np.array_equal(x[others], y[others]) for x, y in zip(everything, after))
 
 
-def optimizer_step_of(impl, model_id: str, weight_decay: float) -> None:
-    """One cross-entropy forward_backward on two rows, then AdamW at lr 0.1 with `weight_decay`."""
+def optimizer_step_of(impl, model_id: str, weight_decay: float, optimize: bool = True) -> None:
+    """One cross-entropy forward_backward on two rows, then (`optimize`) AdamW at lr 0.1 with `weight_decay`."""
     from tx.tinker import types
 
     rows = [[5, 6, 7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18, 19, 20]]
@@ -166,6 +170,8 @@ def optimizer_step_of(impl, model_id: str, weight_decay: float) -> None:
         all_advantages=[[0.0] * 8 for _ in rows], all_model_ids=[model_id] * 2,
         all_loss_fn_types=[types.LOSS_TYPES["cross_entropy"]] * 2, all_loss_fn_configs=[None] * 2,
         request_batch_slices=[("r", model_id, 0, 2)]))
+    if not optimize:
+        return
     impl.optim_step(model_id, types.OptimStepInput(adam_params=types.AdamParams(
         learning_rate=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=weight_decay)))
 
@@ -190,3 +196,58 @@ def test_a_step_with_weight_decay_leaves_the_neighbours_adapter_as_it_was(backen
     assert any(not np.array_equal(a, b) for a, b in zip(slot_of(backend, "mine"), mine))
     optimizer_step_of(backend, "neighbour", weight_decay=0.0)  # the neighbour still trains
     assert any(not np.array_equal(a, b) for a, b in zip(slot_of(backend, "neighbour"), neighbour))
+
+
+def test_a_models_optimizer_holds_its_own_slot_and_steps_as_upstreams_over_every_slot(backend):
+    """`optimizer-own-slot`: Adam's moments of one slot per model (upstream's `nnx.Optimizer` held every slot's), and
+    a step equal to upstream's on the model's slot, AdamW's weight decay on: weights and both moments within 1e-6
+    (the two programs fuse Adam's arithmetic differently: measured, at most one float32 rounding apart)."""
+    import optax
+    from tx.tinker import types
+
+    new_model(backend, "exact", rank=8, seed=13)
+    index = backend.models["exact"].adapter_index
+    slots = backend.config.max_lora_adapters
+    moments = [leaf for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.state(backend.optimizers["exact"]))[0]
+               if "lora_" in jax.tree_util.keystr(path)]
+    assert moments and all(leaf.shape[0] == 1 for leaf in moments)
+    weights = [leaf for leaf in jax.tree.leaves(backend.lora_params)]
+    assert sum(m.size for m in moments) == 2 * sum(w.size for w in weights) // slots  # mu and nu of one slot
+    adam = types.AdamParams(learning_rate=0.1, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.3)
+    for _ in range(2):  # the second step from moments that are no longer zero
+        optimizer_step_of(backend, "exact", weight_decay=0.0, optimize=False)
+        grads, before = backend.accumulated_grads, nnx.as_pure(backend.lora_params)
+        # Upstream's step (its `compute_grads_and_update`), over every slot, from the same moments.
+        with jax.set_mesh(backend.mesh):
+            full = nnx.Optimizer(backend.model, optax.inject_hyperparams(optax.adamw)(learning_rate=0.0),
+                                 wrt=backend.model.is_lora_param)
+            mine = nnx.as_pure(nnx.state(backend.optimizers["exact"]))
+            nnx.update(full, jax.tree.map(lambda f, m: f.at[index].set(m[0]) if f.ndim and f.shape[0] == slots
+                                          else m, nnx.as_pure(nnx.state(full)), mine))
+            hp = full.opt_state.hyperparams
+            for name, value in (("learning_rate", 0.1), ("b1", 0.9), ("b2", 0.95), ("eps", 1e-8),
+                                ("weight_decay", 0.3)):
+                hp[name][...] = value
+
+            @nnx.jit
+            def upstream_step(lora_params, optimizer, grads, adapter_index):
+                optimizer.update(lora_params, grads.get_mean(adapter_index))
+
+            upstream_step(backend.lora_params, full, grads, jax.numpy.int32(index))
+        expected = [np.asarray(leaf)[index].copy() for leaf in jax.tree.leaves(backend.lora_params)]
+        expected_moments = [np.asarray(leaf)[index] for path, leaf in jax.tree_util.tree_flatten_with_path(
+            nnx.state(full))[0] if "lora_" in jax.tree_util.keystr(path)]
+        nnx.update(backend.lora_params, before)  # back to where the step started, then txflow's step
+        backend.accumulated_grads = grads
+        backend.optim_step("exact", types.OptimStepInput(adam_params=adam))
+        assert_close(slot_of(backend, "exact"), expected)
+        assert_close([np.asarray(leaf)[0] for path, leaf in jax.tree_util.tree_flatten_with_path(
+            nnx.state(backend.optimizers["exact"]))[0] if "lora_" in jax.tree_util.keystr(path)], expected_moments)
+        assert any(not np.array_equal(a, b[index]) for a, b in zip(expected, jax.tree.leaves(before)))  # it moved
+
+
+def assert_close(a: list[np.ndarray], b: list[np.ndarray]) -> None:
+    assert len(a) == len(b) and all(x.shape == y.shape for x, y in zip(a, b))
+    worst = max(float(np.max(np.abs(x - y), initial=0.0)) for x, y in zip(a, b))
+    print(f"max |difference| {worst:.3g}")
+    assert worst <= 1e-6

@@ -127,12 +127,16 @@ def _load_state(self, upstream, checkpoint_path, model_id, load_optimizer: bool)
 
 
 def _fresh_optimizer(self, model_id) -> None:
-    """Give `model_id` the optimizer upstream's `create_model` gives a new model: Adam's moments and step
-    count at zero (its hyperparameters come with every optim_step)."""
+    """Give `model_id` the optimizer `create_model` gives a new model: Adam's moments and step count at zero (its
+    hyperparameters come with every optim_step); that of its own slot with `optimizer-own-slot` (`new_optimizer`),
+    else upstream's."""
     import jax
     import optax
     from flax import nnx
 
+    if hasattr(self, "new_optimizer"):
+        self.optimizers[model_id] = self.new_optimizer(self.models[model_id].adapter_index)
+        return
     with jax.set_mesh(self.mesh):
         tx = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0)
         self.optimizers[model_id] = nnx.Optimizer(self.model, tx, wrt=self.model.is_lora_param)

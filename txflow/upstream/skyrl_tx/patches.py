@@ -343,11 +343,13 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         slug="optimizer-own-slot",
         module="ranks",
-        what="A model's optimizer step writes back only its own adapter slot; every other slot keeps its weights "
-             "bit for bit.",
-        why="Upstream's `nnx.Optimizer` of each model covers the LoRA weights of every slot, and AdamW's weight "
-            "decay applies to all it covers: one run's `optim_step` with `weight_decay > 0` shrank every other "
-            "run's adapter on the cluster.",
+        what="A model's optimizer holds Adam's moments of its own adapter slot only (upstream's optimizer over a "
+             "one-slot view of the LoRA weights), and its step reads and writes that slot alone; every other slot "
+             "keeps its weights bit for bit. The checkpoint's optimizer state is the slice it was upstream.",
+        why="Upstream's `nnx.Optimizer` of each model covers the LoRA weights of every slot: AdamW's weight decay "
+            "applies to all it covers, so one run's `optim_step` with `weight_decay > 0` shrank every other run's "
+            "adapter on the cluster; and each model held two moments of every slot (k models on S slots: 2kS "
+            "slots of moments, all but k of them zeros), which its step read and wrote.",
         until="upstream's optimizer covers the model's own slot only.",
     ),
     Patch(

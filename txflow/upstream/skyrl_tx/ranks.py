@@ -3,7 +3,7 @@
 losses (`tinker-losses`), the compilation cache written by every rank (`compilation-cache`), loss chunks sized to the
 batch (`loss-chunks`), each example's own adapter in every LoRA linear layer (`lora-per-example`), the model code of
 `models` (`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`),
-the optimizer's compile in the log, and each model's optimizer step confined to its own slot (`optimizer-own-slot`);
+the optimizer's compile in the log, and each model's optimizer over its own slot only (`optimizer-own-slot`);
 `run` imports upstream without torch (`rank-imports`)."""
 
 from __future__ import annotations
@@ -132,16 +132,38 @@ def optimizer_compile_logged() -> None:
     JaxBackendImpl.optim_step = optim_step
 
 
-def optimizer_steps_only_its_own_slot() -> None:
-    """Upstream gives each model an `nnx.Optimizer` over the LoRA weights of every slot, so AdamW's weight decay
-    (`lr * weight_decay * w`, applied to every parameter it covers) shrank every other run's adapter on the
-    cluster at each of this model's steps: a neighbour's `optim_step` with `weight_decay > 0` reached another run's
-    weights. Here the step writes only its own slot back (`optimizer-own-slot`); the others keep their values bit
-    for bit. Its own slot's update is upstream's, and the optimizer's state keeps its shape (its checkpoints too).
-    With `weight_decay = 0` nothing changes: Adam's update of a slot without gradients is 0 there."""
+def slot_optimizer(self, adapter_index: int):
+    """The optimizer `optimizer-own-slot` gives a model: upstream's (`nnx.Optimizer`, AdamW through
+    `inject_hyperparams`, its rate set at each step) over a one-slot view of the LoRA weights, so its moments are
+    the model's slot alone, shaped as upstream's with the slot axis of length 1 (the same tree, the same paths: the
+    checkpoint's optimizer state, upstream's slot slice, keeps its format)."""
     import jax
-    import jax.numpy as jnp
+    import optax
     from flax import nnx
+
+    weights = nnx.state(self.model, self.model.is_lora_param)
+    slots = self.config.max_lora_adapters
+    for leaf in jax.tree.leaves(weights):  # what the step's slicing relies on (upstream's slicing does too)
+        if leaf.shape[0] != slots:
+            raise ValueError(f"a LoRA weight of shape {leaf.shape} is not stacked by slot ({slots} slots)")
+    with jax.set_mesh(self.mesh):
+        tx = optax.inject_hyperparams(optax.adamw)(learning_rate=0.0)
+        view = jax.tree.map(lambda w: w[adapter_index:adapter_index + 1], weights)
+        return nnx.Optimizer(view, tx, wrt=self.model.is_lora_param)
+
+
+def optimizer_covers_its_own_slot() -> None:
+    """Upstream gives each model an `nnx.Optimizer` over the LoRA weights of every slot: Adam's two moments of every
+    slot for each model (k models on a cluster of S slots hold 2kS slots of moments, ~1.45 GB a model on SmolLM2's
+    32-slot warm cluster, all but its own slot zeros), a step that reads and writes all of them, and AdamW's weight
+    decay (`lr * weight_decay * w`, on every parameter it covers) shrank every other run's adapter on the cluster at
+    each of this model's steps. Here a model's optimizer holds its own slot only (`slot_optimizer`), and its step
+    reads that slot's mean gradient and weights, updates them as upstream's step does, and writes that slot back
+    (`optimizer-own-slot`); every other slot keeps its weights bit for bit. The checkpoint's optimizer state is the
+    same slice as upstream's (slot index 0 of the one-slot view), so checkpoints load either way."""
+    import jax
+    from flax import nnx
+    from tx.tinker.backends import jax as backend
     from tx.tinker.backends.jax import JaxBackendImpl
 
     upstream = JaxBackendImpl._create_loss_and_grad_fn
@@ -151,28 +173,61 @@ def optimizer_steps_only_its_own_slot() -> None:
     @functools.wraps(upstream)
     def create_loss_and_grad_fn(self):
         upstream(self)
-        step = self._compute_grads_and_update
-        step = getattr(step, "__wrapped__", step)  # nnx.jit's function (the eager one as it is)
-        slots = self.config.max_lora_adapters
-
-        def keep_other_slots(before, after, adapter_index):
-            if after.shape[0] != slots:  # every LoRA weight is stacked by slot on its first axis
-                raise ValueError(f"a LoRA weight of shape {after.shape} is not stacked by slot ({slots} slots)")
-            mine = (jnp.arange(slots) == adapter_index).reshape((slots,) + (1,) * (after.ndim - 1))
-            return jnp.where(mine, after, before)
 
         def compute_grads_and_update(accumulated_grads, lora_params, optimizer, adapter_index):
-            before = nnx.as_pure(lora_params)
-            result = step(accumulated_grads, lora_params, optimizer, adapter_index)
-            nnx.update(lora_params, jax.tree.map(lambda b, a: keep_other_slots(b, a, adapter_index), before,
-                                                 nnx.as_pure(lora_params)))
-            return result
+            def slot(w):  # the slot axis comes first in every LoRA weight; `adapter_index` is traced
+                return jax.lax.dynamic_slice_in_dim(w, adapter_index, 1, axis=0)
+
+            count = accumulated_grads.counts[adapter_index]
+            view = jax.tree.map(slot, lora_params)
+            optimizer.update(view, jax.tree.map(lambda g: slot(g) / count.astype(g.dtype),
+                                                accumulated_grads.grad_sum))
+            nnx.update(lora_params, jax.tree.map(
+                lambda w, mine: jax.lax.dynamic_update_slice_in_dim(w, mine, adapter_index, axis=0),
+                nnx.as_pure(lora_params), nnx.as_pure(view)))
+            return accumulated_grads.reset_adapter(adapter_index)
 
         self._compute_grads_and_update = (compute_grads_and_update if self.config.enforce_eager
                                           else nnx.jit(compute_grads_and_update))
 
+    def create_model(self, model_id, lora_config):
+        # Upstream's `create_model`, with the optimizer of the model's own slot.
+        used = {m.adapter_index for m in self.models.values()}
+        free = set(range(1, self.config.max_lora_adapters)) - used
+        if not free:
+            raise ValueError(f"Maximum number of LoRA adapters ({self.config.max_lora_adapters}) reached")
+        adapter_index = min(free)
+        if not (0 < lora_config.rank <= self.config.max_lora_rank):
+            raise ValueError(f"LoRA rank {lora_config.rank} must be between 1 and {self.config.max_lora_rank}")
+        self.models[model_id] = backend.types.ModelMetadata(adapter_index=adapter_index, lora_config=lora_config)
+        self.optimizers[model_id] = slot_optimizer(self, adapter_index)
+        backend.init_lora_adapter(self.model, adapter_index, lora_config)
+        backend.logger.info(f"Created model {model_id} with adapter_index={adapter_index}, config={lora_config}")
+
+    def extract_checkpoint_data(self, model_id):
+        model = self.models[model_id]
+        rank = model.lora_config.rank
+        return {"lora_weights": backend.extract_adapter_state(model.adapter_index, self.lora_params, rank),
+                "optimizer_state": backend.extract_adapter_state(0, nnx.state(self.optimizers[model_id]), rank),
+                "lora_config": model.lora_config.model_dump()}
+
+    def insert_checkpoint_data(self, model_id, checkpoint_data):
+        model = self.models[model_id]
+        rank = checkpoint_data["lora_config"]["rank"]
+        if model.lora_config.rank != rank:
+            raise ValueError(f"Rank mismatch: checkpoint has rank {rank}, model configured with rank "
+                             f"{model.lora_config.rank}")
+        backend.insert_adapter_state(model.adapter_index, self.lora_params, checkpoint_data["lora_weights"], rank)
+        backend.insert_adapter_state(0, nnx.state(self.optimizers[model_id]), checkpoint_data["optimizer_state"],
+                                     rank)
+
     create_loss_and_grad_fn.txflow = True
     JaxBackendImpl._create_loss_and_grad_fn = create_loss_and_grad_fn
+    # The rank-0 wrapper serialises a broadcast call's arguments by the method's annotations: keep upstream's.
+    for name, replacement in (("create_model", create_model), ("_extract_checkpoint_data", extract_checkpoint_data),
+                              ("_insert_checkpoint_data", insert_checkpoint_data)):
+        setattr(JaxBackendImpl, name, functools.wraps(getattr(JaxBackendImpl, name))(replacement))
+    JaxBackendImpl.new_optimizer = slot_optimizer  # what a state load without the optimizer gives (checkpoint_io)
 
 
 # Every sampling batch's prompts are padded to at least this many tokens (`sampling-buckets`).
@@ -212,7 +267,7 @@ def install() -> None:
     lora_computes_each_examples_adapter()
     models.install()
     optimizer_compile_logged()
-    optimizer_steps_only_its_own_slot()
+    optimizer_covers_its_own_slot()
     sample_prompts_share_a_bucket()
 
 
