@@ -129,3 +129,55 @@ def test_the_holder_releases_only_runs_whose_process_it_sees_gone(tmp_path, monk
     assert named.reap("c", handle) == ["gone"] and asked == ["gone"]
     assert set(json.loads((tmp_path / "c" / named.RUN_KEYS).read_text())) == {"running", "elsewhere", "notebook"}
     assert named.reap("c", handle) == [] and asked == ["gone"]
+
+
+def test_a_run_attaching_again_leaves_its_ids_earlier_keys_to_the_holder_which_releases_the_gone_one(tmp_path,
+                                                                                                    monkeypatch):
+    """A run id attaching again after its run died without its teardown (or after this process's earlier
+    attach) registers its own key beside the earlier one, never in its place: only the holder may ask what
+    another key holds, and its `reap` unloads that and revokes the key once its process is gone. A live run of
+    the same id on this machine is refused."""
+    import json
+    import socket
+    from types import SimpleNamespace
+
+    from pydantic import SecretStr
+
+    monkeypatch.setenv(named.CLUSTERS_DIR_ENV, str(tmp_path))
+    (tmp_path / "c").mkdir()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    here = socket.gethostname()
+    me = {"pid": os.getpid(), "start": procfs.start_time(os.getpid()), "host": here}
+    keys = {"gone": {"owner": "again", "kind": "run", "pid": dead.pid, "start": 1, "host": here},
+            "earlier": {"owner": "again", "kind": "run", **me}}
+    path = tmp_path / "c" / named.RUN_KEYS
+    path.write_text(json.dumps(keys))
+    cfg = SimpleNamespace(cluster="c", run_id="again")
+    named._register_run_key(cfg, "tml-new")
+    now = json.loads(path.read_text())
+    assert set(now) == {"gone", "earlier", named.key_digest("tml-new")}
+    new = now[named.key_digest("tml-new")]
+    assert new["owner"] == "again" and new["pid"] == os.getpid()
+
+    asked = []
+    monkeypatch.setattr(named.httpx, "get", lambda url, params, headers, timeout: asked.append(params["owner"]) or
+                        SimpleNamespace(raise_for_status=lambda: None, json=lambda: {"sessions": [], "models": []}))
+    monkeypatch.setattr(named, "load_serves", lambda name: None)
+    monkeypatch.setattr(named, "database_url", lambda serves, cfg=None: f"sqlite:///{tmp_path / 'tinker.db'}")
+    handle = SimpleNamespace(cluster=SimpleNamespace(base_url="http://127.0.0.1:1", api_key=SecretStr("k"),
+                                                     checkpoints_base=str(tmp_path / "staging")))
+    assert named.reap("c", handle) == ["again"] and asked == ["gone"]
+    assert set(json.loads(path.read_text())) == {"earlier", named.key_digest("tml-new")}
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        path.write_text(json.dumps({"live": {"owner": "again", "kind": "run", "pid": live.pid,
+                                             "start": procfs.start_time(live.pid), "host": here}}))
+        with pytest.raises(named.AttachFailed, match=rf"run id again is attached to cluster c already \(pid "
+                                                      rf"{live.pid}\); give this run another --run-id"):
+            named._register_run_key(cfg, "tml-twin")
+        assert set(json.loads(path.read_text())) == {"live"}
+    finally:
+        live.kill()
+        live.wait()

@@ -500,6 +500,25 @@ class _Watch:
         return cluster.processes
 
 
+def _register_run_key(cfg: RunConfig, key: str) -> None:
+    """The run's key in the cluster's run keys, with what tells the holder whether the run's process lives
+    (pid, start time, host); refused while a run of this id attaches from another live process."""
+    with _locked_keys(cluster_dir(cfg.cluster)) as keys:
+        for record in keys.values():
+            if record.get("kind", "run") != "run" or record["owner"] != cfg.run_id:
+                continue
+            if record.get("pid") != os.getpid() and _holder_alive(record):
+                raise AttachFailed(f"run id {cfg.run_id} is attached to cluster {cfg.cluster} already (pid "
+                                   f"{record['pid']}); give this run another --run-id")
+            # A key of a run of this id that died without its teardown, or of this process's earlier attach,
+            # stays: only the holder may ask what another key holds (the cluster's key), and its `reap`
+            # unloads that and revokes the key once the key's process is gone. Forgotten here, the key's
+            # models would hold their slots until the engine timed out their sessions.
+        keys[key_digest(key)] = {"owner": cfg.run_id, "kind": "run", "pid": os.getpid(),
+                                 "start": procfs.start_time(os.getpid()), "host": socket.gethostname(),
+                                 "created": time.time()}
+
+
 def attach(cfg: RunConfig, base_model_path: str) -> ClusterHandle:
     """provision-coordinator of an attached run (its base model at `base_model_path`, as its pre-flight resolved
     it): a key of its own on the cluster, and a handle whose monitor watches the cluster's processes (their death
@@ -520,17 +539,7 @@ def attach(cfg: RunConfig, base_model_path: str) -> ClusterHandle:
     key = "tml-" + secrets.token_hex(16)
     register_secret(key)
     cluster.api_key = SecretStr(key)
-    with _locked_keys(cluster_dir(cfg.cluster)) as keys:
-        for digest, record in list(keys.items()):
-            if record.get("kind", "run") != "run" or record["owner"] != cfg.run_id:
-                continue
-            if record.get("pid") != os.getpid() and _holder_alive(record):
-                raise AttachFailed(f"run id {cfg.run_id} is attached to cluster {cfg.cluster} already (pid "
-                                   f"{record['pid']}); give this run another --run-id")
-            del keys[digest]  # this process's earlier attach, or a run that died without releasing
-        keys[key_digest(key)] = {"owner": cfg.run_id, "kind": "run", "pid": os.getpid(),
-                                 "start": procfs.start_time(os.getpid()), "host": socket.gethostname(),
-                                 "created": time.time()}
+    _register_run_key(cfg, key)
     handle = ClusterHandle.watch(cluster, _Watch(serves, get_launcher(cluster=cluster)))
     handle.compiles.skip_past()
     handle.shared, handle.release = cfg.cluster, release
