@@ -215,6 +215,9 @@ from txflow.cli.run import on_sigterm
 def main():
     threading.Thread(target=time.sleep, args=(600,), name="blocked").start()
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Ctrl-C as a terminal's foreground job gets it: a command started in the background (`make test &`)
+    # inherits SIGINT ignored, and Python then leaves it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     os.kill(os.getpid(), getattr(signal, sys.argv[1]))
     time.sleep(600)
 
