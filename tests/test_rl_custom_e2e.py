@@ -36,7 +36,16 @@ def test_rl_run_improves_reward_and_restores_exactly(tmp_path, txflow_env, reape
     assert {("state", "directory", True), ("sampler", "tarball", True)} <= kinds
     # Sampling clients' transient weights do not stay in the durable root.
     assert not [a for a in report["artifacts"] if "/sampler_weights/ss" in a["url"]]
+    # Two forward passes in all: the live model's loss on its rollouts and the restored state's. (RL's bar
+    # compares rewards: the base model's loss, which SFT's bar needs, is not computed.)
+    assert forward_passes(state / "logs" / "rank0.log") == 2
     assert alive_pids(state) == []
+
+
+def forward_passes(rank_log) -> int:
+    """The forward requests rank 0's engine processed, from its timing lines (wrapped in the log)."""
+    text = " ".join(rank_log.read_text().split())
+    return sum(int(n) for n in re.findall(r"process_batch_requests\(forward, n=(\d+)\)", text))
 
 
 def test_ppo_with_substeps_clips_and_so_differs_from_importance_sampling(tmp_path, txflow_env, reaper):

@@ -130,8 +130,9 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
                               for kind in ("state", "sampler"))
     restored = lora_client(handle, client, cfg.lora_rank, timeout)
     try:
-        # The fresh adapter is zero (LoRA's B starts at 0): this is the base model's loss, for free.
-        base_loss = evaluation.eval_loss(restored, live.examples, handle, timeout)
+        # The fresh adapter is zero (LoRA's B starts at 0): this is the base model's loss, for free. SFT's bar
+        # only: RL's compares rewards, and this forward costs as much as the restored one (6 s of the nightly's).
+        base_loss = evaluation.eval_loss(restored, live.examples, handle, timeout) if cfg.mode == "sft" else None
         load_state(cfg, handle, restored, state_url)
         loss_after = evaluation.eval_loss(restored, live.examples, handle, timeout)
     finally:
