@@ -505,15 +505,14 @@ def _register_run_key(cfg: RunConfig, key: str) -> None:
     (pid, start time, host); refused while a run of this id attaches from another live process."""
     with _locked_keys(cluster_dir(cfg.cluster)) as keys:
         for record in keys.values():
-            if record.get("kind", "run") != "run" or record["owner"] != cfg.run_id:
-                continue
-            if record.get("pid") != os.getpid() and _holder_alive(record):
+            if (record.get("kind", "run") == "run" and record["owner"] == cfg.run_id
+                    and record.get("pid") != os.getpid() and _holder_alive(record)):
                 raise AttachFailed(f"run id {cfg.run_id} is attached to cluster {cfg.cluster} already (pid "
                                    f"{record['pid']}); give this run another --run-id")
-            # A key of a run of this id that died without its teardown, or of this process's earlier attach,
-            # stays: only the holder may ask what another key holds (the cluster's key), and its `reap`
-            # unloads that and revokes the key once the key's process is gone. Forgotten here, the key's
-            # models would hold their slots until the engine timed out their sessions.
+        # A key of a run of this id that died without its teardown, or of this process's earlier attach, stays:
+        # only the holder may ask what another key holds (the cluster's key), and its `reap` unloads that and
+        # revokes the key once the key's process is gone. Forgotten here, the key's models would hold their slots
+        # until the engine timed out their sessions.
         keys[key_digest(key)] = {"owner": cfg.run_id, "kind": "run", "pid": os.getpid(),
                                  "start": procfs.start_time(os.getpid()), "host": socket.gethostname(),
                                  "created": time.time()}
