@@ -1,6 +1,7 @@
-"""The `tied-head-from-arguments` and `scanned-layers` changes: the decoder layers under a scan compute what upstream's
-loop computes (losses, gradients, logprobs, greedy tokens, in float32, on the tiny Qwen3 model and on SmolLM2-135M), and
-no program holds the model's weights as constants."""
+"""The `tied-head-from-arguments`, `scanned-layers` and `scan-in-float32-on-cpu` changes: the decoder layers under a
+scan compute what upstream's loop computes (losses, gradients, logprobs, greedy tokens, in float32, on the tiny Qwen3
+model and on SmolLM2-135M), a bfloat16 model's layers compute in float32 on a CPU, and no program holds the model's
+weights as constants."""
 
 from __future__ import annotations
 
@@ -39,21 +40,22 @@ def upstream_model_code(monkeypatch):
     monkeypatch.setattr(GeneratorMixin, "_prefill_and_decode", staticmethod(getattr(sampling, "upstream", sampling)))
 
 
-def build(name: str):
-    """The named model in float32 with a trained-looking adapter in slot 1 (its B not zero, so that both LoRA
-    factors get gradients) and a batch of token rows of unequal lengths."""
+def build(name: str, dtype=jnp.float32):
+    """The named model in `dtype` (float32 unless given) with a trained-looking adapter in slot 1 (its B not zero,
+    so that both LoRA factors get gradients) and a batch of token rows of unequal lengths."""
     path = resolve_base_model(name)
     config = ModelConfig(AutoConfig.from_pretrained(path), max_lora_adapters=2, max_lora_rank=8,
                          shard_attention_heads=True, loss_chunk_size=1024, gradient_checkpointing=False)
     mesh = jax.make_mesh((1, 1, 1), ("fsdp", "ep", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 3)
     with jax.set_mesh(mesh), nnx.use_eager_sharding(True):
-        model = get_model_class(config)(config, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        model = get_model_class(config)(config, dtype=dtype, rngs=nnx.Rngs(0))
         load_safetensors(path, config, model)
         init_lora_adapter(model, 1, LoraConfig(rank=8, alpha=16.0, seed=3))
     keys = iter(jax.random.split(jax.random.key(7), 1000))
     for path_, variable in nnx.to_flat_state(nnx.state(model, nnx.Param)):
         if path_[-1] == "lora_B":
-            variable[...] = variable[...].at[1].set(0.02 * jax.random.normal(next(keys), variable.shape[1:]))
+            variable[...] = variable[...].at[1].set(
+                (0.02 * jax.random.normal(next(keys), variable.shape[1:])).astype(variable.dtype))
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(1, min(config.vocab_size, 5000), (ROWS, LENGTH)), dtype=jnp.int32)
     mask = jnp.asarray([[1] * (LENGTH - 3 * i) + [0] * (3 * i) for i in range(ROWS)], dtype=jnp.int32)
@@ -113,6 +115,34 @@ def test_the_scanned_layers_compute_what_upstreams_loop_computes(name, sample, u
     assert Llama3Model.__call__.upstream is not None and Qwen3Model.__call__.upstream is not None
     scan = figures(model, mesh, tokens, mask, sample)
     assert_equal_figures(loop, scan)
+
+
+def bfloat16_dots(text: str) -> int:
+    """How many dot products of a lowered program's StableHLO text take bfloat16 operands."""
+    return sum("xbf16>" in line.split("->")[0].split(" : ")[-1]
+               for line in text.splitlines() if "stablehlo.dot_general" in line)
+
+
+def test_a_bfloat16_models_layers_compute_in_float32_under_the_scan_on_a_cpu(upstream_model_code, monkeypatch):
+    # `scan-in-float32-on-cpu`. What XLA is asked: the training program of the bfloat16 model keeps bfloat16 dots
+    # only outside its layers (the embedding's LoRA, the head), and its gradients stay bfloat16 as the state is.
+    model, mesh, tokens, mask = build(TINY_MODEL, dtype=jnp.bfloat16)
+    models.install()
+
+    def lowered():
+        jax.clear_caches()
+        program, lora, rest = loss_program(model)
+        with jax.set_mesh(mesh):
+            return program.lower(lora, rest, tokens, mask).as_text(), program(lora, rest, tokens, mask)[1]
+
+    widened, grads = lowered()
+    with monkeypatch.context() as undo:
+        undo.setattr(models, "widened", lambda weights: None)
+        narrow, _ = lowered()
+    print(f"bfloat16 dots: {bfloat16_dots(narrow)} with the layers in bfloat16, {bfloat16_dots(widened)} widened")
+    assert 0 < bfloat16_dots(widened) and bfloat16_dots(widened) * 3 < bfloat16_dots(narrow)
+    assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
+    # Same figures as without it in float32: test_the_scanned_layers_compute_what_upstreams_loop_computes.
 
 
 def constants_of(text: str) -> list[int]:
