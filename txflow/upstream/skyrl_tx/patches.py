@@ -329,8 +329,8 @@ PATCHES: tuple[Patch, ...] = (
         what="On a CPU, a bfloat16 model's decoder layers run under the scan in float32: the stacked weights are "
              "widened once per call and every submodule of the layer computes in float32; the hidden state, KV "
              "cache, final norm and head keep the model's dtype, and so do its state, checkpoints and exports. "
-             "Training and prefill figures move by bfloat16 rounding, toward the float32 model's "
-             "(tests/test_scanned_layers.py).",
+             "Training and prefill figures move by bfloat16 rounding; float32 models compute what they did "
+             "(tests/test_scanned_layers.py, which also holds the layers' dots to float32).",
         why="XLA's CPU runtime converts the operands of every bfloat16 dot; under the scan it does so per layer in "
             "the forward and again in the backward. SmolLM2's SFT step (4 x 64 tokens, 2 cores) took 3.59 s in "
             "bfloat16 and 1.89 s widened, its program compiled in 11 s instead of 15.",
