@@ -24,6 +24,7 @@ from txflow.checkpoints.export import (
     ExportError,
     ExportResult,
     load_instructions,
+    noise_note,
 )
 from txflow.checkpoints.markers import COMMIT_SUFFIX
 
@@ -145,8 +146,8 @@ def model_card(result: ExportResult, run: dict, merged: bool) -> str:
               for key, value in (run.get("quality") or {}).items()]
     lines += ["", "## Proof", "",
               f"transformers + peft (CPU, float32) reproduce SkyRL-tx's restored sampler: max |Δ logprob| "
-              f"{result.max_abs_logprob_diff:.2e} (bound {result.logprob_bound:g}), greedy tokens identical: "
-              f"{result.greedy_tokens_match}; compared against {result.compared_against}."]
+              f"{result.max_abs_logprob_diff:.2e} (bound {result.logprob_bound:.3g}{noise_note(result)}), greedy "
+              f"tokens identical: {result.greedy_tokens_match}; compared against {result.compared_against}."]
     if result.cluster_max_abs_logprob_diff is not None:
         lines.append(f"The cluster computed in the base model's dtype; its figures differ from SkyRL-tx's float32 "
                      f"forward by that dtype's noise: max |Δ logprob| {result.cluster_max_abs_logprob_diff:.3g}, mean "

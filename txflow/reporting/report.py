@@ -11,7 +11,7 @@ import fsspec
 from pydantic import BaseModel, Field
 
 from txflow.checkpoints.discovery import Artifact
-from txflow.checkpoints.export import ExportResult, load_instructions
+from txflow.checkpoints.export import ExportResult, load_instructions, noise_note
 from txflow.checkpoints.promotion import Promotion
 from txflow.config import RunConfig
 from txflow.log import get_logger, scrub
@@ -340,7 +340,8 @@ def export_markdown(block: ExportResult | None) -> list[str]:
     verdict = "passed" if block.passed else "FAILED"
     lines = ["", "## Exported adapter", "",
              f"- proof: **{verdict}**: transformers + peft reproduce SkyRL's restored sampler with max |Δ logprob| "
-             f"{block.max_abs_logprob_diff:.2e} (bound {block.logprob_bound:g}), greedy tokens match: "
+             f"{block.max_abs_logprob_diff:.2e} (bound {block.logprob_bound:.3g}{noise_note(block)}), greedy "
+             f"tokens match: "
              f"{block.greedy_tokens_match}",
              f"- source: `{block.sampler_url}`; LoRA r {block.r}, alpha {block.lora_alpha:g} on "
              f"{', '.join(block.target_modules)}"]
