@@ -2,9 +2,9 @@
 
 A real model's first request of each shape waits for XLA: seconds to a minute on a CPU, and nothing else
 moves meanwhile. The engine logs each program it compiles (`JIT compiling for <program> seq_len=<n> in
-progress...`, then `... took <s>s`; upstream's lines for train and sample, txflow's for the optimizer,
-`txflow.upstream.skyrl_tx.ranks`); this watcher turns them into the run's own log lines and keeps the seconds
-for the report's `timings_s` (`compile <program> <n>`)."""
+progress...`, then `... took <s>s`; upstream's lines, written for every shape of a train, forward or sample
+program and for the optimizer by `txflow.upstream.skyrl_tx.ranks`); this watcher turns them into the run's own
+log lines and adds up each program's seconds for the report's `timings_s` (`compile <program> <n>`)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from txflow.log import get_logger
 
 STARTED = re.compile(r"JIT compiling for (\w+) seq_len=(\d+) in progress")
 FINISHED = re.compile(r"JIT compilation for (\w+) seq_len=(\d+) took ([0-9.]+)s")
-UNITS = {"train": "sequences of {n} tokens", "sample": "prompts of {n} tokens", "optimizer": "the adapters"}
+UNITS = {"train": "sequences of {n} tokens", "forward": "sequences of {n} tokens", "sample": "prompts of {n} tokens",
+         "optimizer": "the adapters"}
 
 
 def program_name(kind: str, length: str) -> str:

@@ -211,6 +211,19 @@ PATCHES: tuple[Patch, ...] = (
         until="JAX writes the cache from every process (tests/test_compilation_cache.py's control then fails).",
     ),
     Patch(
+        slug="compile-log",
+        module="ranks",
+        what="Each shape of a train, forward or sampling program is logged when it first runs (`JIT compiling for "
+             "forward seq_len=64 ...`), and so is the optimizer's program; the run says what it waits for and its "
+             "report adds up each program's seconds (tests/test_compile_log.py).",
+        why="Upstream logs a compile the first time it meets a length, as `train` for a forward_backward and a "
+            "forward alike and as `sample` for every sampling program of that length: a forward, another "
+            "micro-batch row count, or a sampling batch with prompt logprobs or another new-token count "
+            "compiled in silence after the first of its length (the demo's first evaluation: 9.5 s in no "
+            "report).",
+        until="upstream keys its compile log by the program's shape.",
+    ),
+    Patch(
         slug="load-optimizer-flag",
         module="tinker_compat, engine, checkpoint_io",
         what="The API stores the flag with the request (`tinker_compat.load_weights`), the engine passes it on "

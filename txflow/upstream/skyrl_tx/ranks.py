@@ -3,8 +3,8 @@
 losses (`tinker-losses`), the compilation cache written by every rank (`compilation-cache`), loss chunks sized to the
 batch (`loss-chunks`), each example's own adapter in every LoRA linear layer (`lora-per-example`), the model code of
 `models` (`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`),
-the optimizer's compile in the log, and each model's optimizer over its own slot only (`optimizer-own-slot`);
-`run` imports upstream without torch (`rank-imports`)."""
+every program's compile in the log under what it computes (`compile-log`), and each model's optimizer over its own
+slot only (`optimizer-own-slot`); `run` imports upstream without torch (`rank-imports`)."""
 
 from __future__ import annotations
 
@@ -130,6 +130,94 @@ def optimizer_compile_logged() -> None:
         return result
 
     JaxBackendImpl.optim_step = optim_step
+
+
+def every_program_compile_logged() -> None:
+    """Each model-pass and sampling program is logged when it first compiles, named by what it computes
+    (`compile-log`), so that the run can say what it waits for and the report has its seconds
+    (`txflow.cluster.compiles`).
+
+    Upstream logs a compile the first time it meets a length: `train` for a forward_backward and a forward alike,
+    `sample` for every sampling program of that length. But a forward is a program of its own, and so is each
+    micro-batch's row count, and a sampling batch's prompt-logprob flag, new-token count and prefill rows: each
+    came after the first of its length compiled in silence (the demo's first evaluation, a forward of 64 tokens:
+    9.5 s in no report). Here each shape is logged the first time it comes, as `train`, `forward` or `sample` of
+    its length; the run adds up the compiles of one name."""
+    import contextlib
+    import time
+
+    from tx.tinker.backends.jax import JaxBackendImpl
+    from tx.utils import generator
+    from tx.utils.log import logger
+
+    if hasattr(generator.GeneratorMixin.generate, "upstream"):
+        return
+    compiled: set[tuple] = set()  # one engine per process
+    current: dict[str, tuple] = {}  # the shapes the call in progress will run, by the kind it is logged as
+
+    @contextlib.contextmanager
+    def logged(kind: str, length: int, shapes: set[tuple], enforce_eager: bool = False):
+        if enforce_eager or shapes <= compiled:
+            yield
+            return
+        logger.info(f"JIT compiling for {kind} seq_len={length} in progress...")
+        began = time.time()
+        yield
+        compiled.update(shapes)
+        logger.info(f"JIT compilation for {kind} seq_len={length} took {time.time() - began:.2f}s")
+
+    upstream_pass = JaxBackendImpl._model_pass
+
+    def _model_pass(self, prepared_batch, model_pass_fn):
+        kind = "forward" if model_pass_fn is self._forward else "train"
+        total, fsdp = len(prepared_batch.all_input_ids), self.mesh.shape["fsdp"]
+        micro = self._micro_batch_size(total) if total else 1
+        length = backend_round(max((len(ids) for ids in prepared_batch.all_input_ids), default=0))
+        current["pass"] = (kind, length, {(kind, length, -(-min(micro, total - start) // fsdp) * fsdp)
+                                          for start in range(0, total, micro)})
+        try:
+            return upstream_pass(self, prepared_batch, model_pass_fn)
+        finally:
+            current.pop("pass", None)
+
+    @contextlib.contextmanager
+    def _jit_timing_context(self, seq_len: int, mode: str):
+        # Upstream's metrics keep their figures by length; the log says what compiled.
+        times = self.metrics.train_seq_len_jit_times if mode == "train" else self.metrics.sample_seq_len_jit_times
+        began = time.time()
+        if mode == "train" and "pass" in current:
+            kind, length, shapes = current["pass"]
+            with logged(kind, length, shapes, self.config.enforce_eager):
+                yield
+        else:  # sampling is logged by `generate`, which knows the program's shape
+            yield
+        times.setdefault(seq_len, time.time() - began)
+
+    upstream_generate = generator.GeneratorMixin.generate
+
+    @functools.wraps(upstream_generate)
+    def generate(self, input_ids, attention_mask, *, sampling_params, adapter_indices=None, prompt_logprobs=False,
+                 tokenizer=None):
+        # The arguments `_prefill_and_decode` is compiled for (upstream's `generate` derives them so), and the
+        # rows its prefill runs on (`prefill-once-per-prompt`).
+        plan = None if prompt_logprobs else models.shared_prompts(input_ids, attention_mask, adapter_indices)
+        shape = ("sample", *input_ids.shape, max(p.max_tokens for p in sampling_params),
+                 max((p.top_k for p in sampling_params if p.top_k > 0), default=0),
+                 any(p.top_p < 1.0 for p in sampling_params), bool(prompt_logprobs),
+                 None if plan is None else len(plan[0]))
+        with logged("sample", input_ids.shape[1], {shape}):
+            return upstream_generate(self, input_ids, attention_mask, sampling_params=sampling_params,
+                                     adapter_indices=adapter_indices, prompt_logprobs=prompt_logprobs,
+                                     tokenizer=tokenizer)
+
+    def backend_round(length: int) -> int:
+        from tx.tinker.backends import jax as backend
+
+        return backend.round_up_seq_len(length)
+
+    generate.upstream = upstream_generate
+    JaxBackendImpl._model_pass, JaxBackendImpl._jit_timing_context = _model_pass, _jit_timing_context
+    generator.GeneratorMixin.generate = generate
 
 
 def slot_optimizer(self, adapter_index: int):
@@ -267,6 +355,7 @@ def install() -> None:
     lora_computes_each_examples_adapter()
     models.install()
     optimizer_compile_logged()
+    every_program_compile_logged()
     optimizer_covers_its_own_slot()
     sample_prompts_share_a_bucket()
 
