@@ -120,7 +120,7 @@ def failure(result: ExportResult) -> str | None:
     problems = [result.problem] if result.problem else []
     if result.logprob_bound > LOGPROB_CEILING:
         problems.append(f"float32 cannot reproduce this model's figures closely enough to prove the export: its own "
-                        f"float32 logprobs are {result.float32_noise:.3g} from float64 ones, a bound of "
+                        f"float32 logprobs are {result.float32_noise or 0.0:.3g} from float64 ones, a bound of "
                         f"{result.logprob_bound:.3g} > {LOGPROB_CEILING:g} would not tell a wrong export")
     if not result.max_abs_logprob_diff <= result.logprob_bound:
         problems.append(f"PEFT adapter: max |Δ logprob| {result.max_abs_logprob_diff:.3g} > {result.logprob_bound:g} "

@@ -341,8 +341,7 @@ def export_markdown(block: ExportResult | None) -> list[str]:
     lines = ["", "## Exported adapter", "",
              f"- proof: **{verdict}**: transformers + peft reproduce SkyRL's restored sampler with max |Δ logprob| "
              f"{block.max_abs_logprob_diff:.2e} (bound {block.logprob_bound:.3g}{noise_note(block)}), greedy "
-             f"tokens match: "
-             f"{block.greedy_tokens_match}",
+             f"tokens match: {block.greedy_tokens_match}",
              f"- source: `{block.sampler_url}`; LoRA r {block.r}, alpha {block.lora_alpha:g} on "
              f"{', '.join(block.target_modules)}"]
     if block.problem:

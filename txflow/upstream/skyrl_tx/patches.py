@@ -219,7 +219,7 @@ PATCHES: tuple[Patch, ...] = (
         why="Upstream logs a compile the first time it meets a length, as `train` for a forward_backward and a "
             "forward alike and as `sample` for every sampling program of that length: a forward, another "
             "micro-batch row count, or a sampling batch with prompt logprobs or another new-token count "
-            "compiled in silence after the first of its length (the demo's first evaluation: 9.5 s in no "
+            "compiled in silence after the first of its length (the demo's evaluation forward: 4.8 s, in no "
             "report).",
         until="upstream keys its compile log by the program's shape.",
     ),

@@ -140,8 +140,8 @@ def every_program_compile_logged() -> None:
     Upstream logs a compile the first time it meets a length: `train` for a forward_backward and a forward alike,
     `sample` for every sampling program of that length. But a forward is a program of its own, and so is each
     micro-batch's row count, and a sampling batch's prompt-logprob flag, new-token count and prefill rows: each
-    came after the first of its length compiled in silence (the demo's first evaluation, a forward of 64 tokens:
-    9.5 s in no report). Here each shape is logged the first time it comes, as `train`, `forward` or `sample` of
+    came after the first of its length compiled in silence (the demo's evaluation forward of 64 tokens: 4.8 s,
+    in no report). Here each shape is logged the first time it comes, as `train`, `forward` or `sample` of
     its length; the run adds up the compiles of one name."""
     import contextlib
     import time
