@@ -146,6 +146,7 @@ def every_program_compile_logged() -> None:
     import contextlib
     import time
 
+    from tx.tinker.backends import jax as backend
     from tx.tinker.backends.jax import JaxBackendImpl
     from tx.utils import generator
     from tx.utils.log import logger
@@ -172,7 +173,7 @@ def every_program_compile_logged() -> None:
         kind = "forward" if model_pass_fn is self._forward else "train"
         total, fsdp = len(prepared_batch.all_input_ids), self.mesh.shape["fsdp"]
         micro = self._micro_batch_size(total) if total else 1
-        length = backend_round(max((len(ids) for ids in prepared_batch.all_input_ids), default=0))
+        length = backend.round_up_seq_len(max((len(ids) for ids in prepared_batch.all_input_ids), default=0))
         current["pass"] = (kind, length, {(kind, length, -(-min(micro, total - start) // fsdp) * fsdp)
                                           for start in range(0, total, micro)})
         try:
@@ -209,11 +210,6 @@ def every_program_compile_logged() -> None:
             return upstream_generate(self, input_ids, attention_mask, sampling_params=sampling_params,
                                      adapter_indices=adapter_indices, prompt_logprobs=prompt_logprobs,
                                      tokenizer=tokenizer)
-
-    def backend_round(length: int) -> int:
-        from tx.tinker.backends import jax as backend
-
-        return backend.round_up_seq_len(length)
 
     generate.upstream = upstream_generate
     JaxBackendImpl._model_pass, JaxBackendImpl._jit_timing_context = _model_pass, _jit_timing_context
