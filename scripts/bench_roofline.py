@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 @dataclass(frozen=True)
@@ -84,6 +86,14 @@ def train_flops(shapes: Shapes, rows: int, length: int, rank: int) -> float:
     forward = forward_flops(shapes, tokens, length, rank, tokens)
     lora = shapes.layers * sum(2 * rank * (i + o) for i, o in shapes.linears().values()) * tokens
     return 2 * forward + lora
+
+
+def packed_train_flops(shapes: Shapes, packed_rows: int, packed_length: int, rows: int, length: int,
+                       rank: int) -> float:
+    """train_flops of a micro-batch packed by `packed-prefixes`: the layers over the packed rows, the output head
+    (forward, and backward to the hidden states) over every original row's padded positions, gathered back."""
+    head = 2 * 2 * shapes.vocab * shapes.hidden  # per position: the forward and the gradient to the hidden state
+    return train_flops(shapes, packed_rows, packed_length, rank) + head * (rows * length - packed_rows * packed_length)
 
 
 def timed(function, *args, repeat: int) -> float:
@@ -262,7 +272,14 @@ def main() -> int:
     decode_flops = max_tokens * forward_flops(shapes, rollouts, prompt_bucket + max_tokens, args.lora_rank,
                                               rollouts)
     decode_bytes = max_tokens * shapes.weight_bytes(itemsize)
-    train = train_flops(shapes, rollouts, train_length, args.lora_rank)
+    # The engine trains the 16 rows packed, each prompt once (`packed-prefixes`); `unpacked` is what it would compute
+    # row by row.
+    from txflow.upstream.skyrl_tx import packing
+
+    plan = packing.plan_for([np.asarray(row) for row in rl_train.all_input_ids], [1] * rollouts, train_length)
+    unpacked = train_flops(shapes, rollouts, train_length, args.lora_rank)
+    train = unpacked if plan is None else packed_train_flops(shapes, plan.rows, plan.length, rollouts, train_length,
+                                                             args.lora_rank)
     parts = {"prefill": prefill / flop_rate, "decode": max(decode_flops / flop_rate, decode_bytes / bandwidth),
              "forward_backward": train / flop_rate, "optimizer": optimizer_estimate}
     rl_estimate = sum(parts.values())
@@ -278,6 +295,8 @@ def main() -> int:
                      "achieved_gflops": round(sft_flops / sft_s / 1e9, 1)},
         "rl_step": {"prompts": prompts, "samples": samples, "max_tokens": max_tokens,
                     "prompt_bucket": prompt_bucket, "train_bucket": train_length,
+                    "packed": None if plan is None else f"{plan.rows} x {plan.length}",
+                    "forward_backward_gflop": round(train / 1e9, 1), "unpacked_gflop": round(unpacked / 1e9, 1),
                     "estimate_s": {k: round(v, 3) for k, v in parts.items()} | {"total": round(rl_estimate, 3)},
                     "measured_s": {"sample": round(sample_s, 3), "forward_backward": round(rl_fb_s, 3),
                                    "optimizer": round(rl_optimizer_s, 3), "total": round(rl_measured, 3)},
@@ -297,7 +316,8 @@ def main() -> int:
           f"{s['optimizer_s']} s (estimate {s['optimizer_estimate_s']} s); step/roofline "
           f"{s['fraction_of_roofline']:.0%} of the roofline (target 50%)")
     print(f"RL step ({r['prompts']} prompts x {r['samples']} samples of {r['max_tokens']} tokens; buckets "
-          f"{r['prompt_bucket']}/{r['train_bucket']}): estimate {r['estimate_s']['total']} s {r['estimate_s']}, "
+          f"{r['prompt_bucket']}/{r['train_bucket']}; trained packed as {r['packed']}: {r['forward_backward_gflop']} "
+          f"GFLOP, {r['unpacked_gflop']} row by row): estimate {r['estimate_s']['total']} s {r['estimate_s']}, "
           f"measured {r['measured_s']['total']} s {r['measured_s']}: {r['measured_over_estimate']}x the estimate "
           f"(target <= 2); sampled {r['sampled_tokens_per_s']} tokens/s, bandwidth's limit for these rows "
           f"{r['decode_tokens_per_s_at_bandwidth']} tokens/s")

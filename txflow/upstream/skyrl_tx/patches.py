@@ -421,6 +421,21 @@ PATCHES: tuple[Patch, ...] = (
             "upstream's program prefilled each.",
         until="upstream shares a request's prefill across its samples.",
     ),
+    Patch(
+        slug="packed-prefixes",
+        module="packing",
+        what="A forward_backward or forward micro-batch whose rows share a prefix (the same tokens for the same "
+             "adapter: an RL group's prompt) runs packed when that halves the tokens it computes: each prefix once, "
+             "then each row's own tokens, positions continuing the prefix, and a mask under which a row's tokens "
+             "see the prefix and their own earlier tokens only; each row's hidden states are gathered back and "
+             "upstream's logprobs, losses and gradients computed on them (same figures in float32, "
+             "tests/test_packing.py). The nightly's RL forward_backward on SmolLM2 (4 prompts of 74 tokens x 4 "
+             "samples, in one process): 3.4 s instead of 8.5 s. Other batches, and engines of several processes "
+             "or devices, keep upstream's program.",
+        why="Upstream computes every row of a batch whole, so an RL step computed each prompt once per sample "
+            "(three quarters of the nightly's forward_backward).",
+        until="upstream shares a prompt's computation across its samples in training.",
+    ),
 )
 
 BY_SLUG: dict[str, Patch] = {patch.slug: patch for patch in PATCHES}

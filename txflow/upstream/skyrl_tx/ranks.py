@@ -3,8 +3,9 @@
 losses (`tinker-losses`), the compilation cache written by every rank (`compilation-cache`), loss chunks sized to the
 batch (`loss-chunks`), each example's own adapter in every LoRA linear layer (`lora-per-example`), the model code of
 `models` (`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`),
-every program's compile in the log under what it computes (`compile-log`), and each model's optimizer over its own
-slot only (`optimizer-own-slot`); `run` imports upstream without torch (`rank-imports`)."""
+every program's compile in the log under what it computes (`compile-log`), each model's optimizer over its own
+slot only (`optimizer-own-slot`), and the rows of a training micro-batch that share a prompt computed once
+(`packed-prefixes`); `run` imports upstream without torch (`rank-imports`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import sys
 import threading
 import types
 
-from txflow.upstream.skyrl_tx import losses, models
+from txflow.upstream.skyrl_tx import losses, models, packing
 from txflow.upstream.skyrl_tx.checkpoint_io import adapter_state_in_one_program, install_checkpoint_io
 
 
@@ -174,8 +175,13 @@ def every_program_compile_logged() -> None:
         total, fsdp = len(prepared_batch.all_input_ids), self.mesh.shape["fsdp"]
         micro = self._micro_batch_size(total) if total else 1
         length = backend.round_up_seq_len(max((len(ids) for ids in prepared_batch.all_input_ids), default=0))
-        current["pass"] = (kind, length, {(kind, length, -(-min(micro, total - start) // fsdp) * fsdp)
-                                          for start in range(0, total, micro)})
+        adapters = [getattr(self.models.get(m), "adapter_index", 0) for m in prepared_batch.all_model_ids]
+        shapes = set()
+        for start in range(0, total, micro):  # a micro-batch's rows, padded to the devices, and its packing
+            rows = prepared_batch.all_input_ids[start:start + micro]
+            packed = packing.shapes_of(self, rows, adapters[start:start + micro], length)[1:]
+            shapes.add((kind, length, -(-len(rows) // fsdp) * fsdp, *packed))
+        current["pass"] = (kind, length, shapes)
         try:
             return upstream_pass(self, prepared_batch, model_pass_fn)
         finally:
@@ -354,6 +360,7 @@ def install() -> None:
     every_program_compile_logged()
     optimizer_covers_its_own_slot()
     sample_prompts_share_a_bucket()
+    packing.model_passes_pack_shared_prefixes()
 
 
 class DeferredModule(types.ModuleType):

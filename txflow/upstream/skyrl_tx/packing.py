@@ -1,0 +1,226 @@
+"""Rows that share a prompt are computed once per micro-batch (`packed-prefixes`).
+
+An RL step trains each prompt's group of samples: 4 rows of SmolLM2's arithmetic prompt (72-74 tokens) and 4 sampled
+tokens each, for the nightly. Upstream computes every row of a forward_backward whole, so three quarters of such a
+step computed again what the row before it had computed. Here the rows of a micro-batch that share a prefix (the
+same tokens for the same adapter) are packed into one row: the prefix once, then each row's own tokens, with
+positions that continue the prefix for each of them and an attention mask under which a row's tokens see the
+prefix and their own earlier tokens only. Each original row's hidden states are gathered back from its packed row,
+and the logprobs, the losses and their gradients are computed on them as upstream computes them: the same function
+of the weights (the gradient of a shared position is the sum over the rows that read it, which the gather's
+transpose adds up), in fewer FLOPs. Same figures in float32 (tests/test_packing.py).
+
+Only for a micro-batch that packing halves at least, in a single-process, single-device engine (a sharded batch is
+split over the devices by rows); any other batch runs upstream's program, so SFT batches, whose rows share no
+prefix, are untouched. Can go when upstream shares a prompt's computation across its samples in training."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+# A prefix shorter than this is not worth a packed row: its mask and gathers cost more than the tokens saved.
+MIN_SHARED = 16
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a micro-batch's rows are packed: `rows` packed rows (a power of two, the last ones empty) of `length`
+    tokens, and where each original row's positions are found in them."""
+
+    ids: np.ndarray  # (packed rows, length) token ids
+    positions: np.ndarray  # (packed rows, length) each token's position in its original row
+    mask: np.ndarray  # (packed rows, length, length) which packed position attends to which
+    adapters: np.ndarray  # (packed rows,) the adapter of each packed row
+    source_rows: np.ndarray  # (rows,) the packed row of each original row
+    source_columns: np.ndarray  # (rows, width) where each original position is in its packed row
+
+    @property
+    def rows(self) -> int:
+        return len(self.ids)
+
+    @property
+    def length(self) -> int:
+        return self.ids.shape[1]
+
+
+def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    differ = np.nonzero(a[:n] != b[:n])[0]
+    return int(differ[0]) if len(differ) else n
+
+
+def plan_for(rows: list[np.ndarray], adapters: list[int], width: int) -> Plan | None:
+    """The packing of a micro-batch's `rows` (each its real tokens, unpadded; upstream pads them to `width`), or
+    None when it would not halve the tokens computed: rows join the first group of the same adapter whose prefix
+    they share for at least MIN_SHARED tokens while the group's packed row stays within twice `width` (attention
+    grows with its square); packed rows are padded to one of upstream's length buckets, and their count to a power
+    of two (each shape is a program)."""
+    from tx.utils.models import round_up_seq_len
+
+    groups: list[tuple[int, int, list[int]]] = []  # (adapter, shared prefix length, member rows)
+    for i, row in enumerate(rows):
+        for g, (adapter, prefix, members) in enumerate(groups):
+            if adapter != adapters[i]:
+                continue
+            shared = shared_prefix(rows[members[0]][:prefix], row)
+            if shared >= MIN_SHARED and packed_length(rows, [*members, i], shared) <= 2 * width:
+                groups[g] = (adapter, shared, [*members, i])
+                break
+        else:
+            groups.append((int(adapters[i]), len(row), [i]))
+    packed = 1 << (len(groups) - 1).bit_length()
+    length = round_up_seq_len(max(packed_length(rows, members, prefix) for _, prefix, members in groups))
+    if 2 * packed * length > len(rows) * width:
+        return None
+    ids = np.zeros((packed, length), np.int32)
+    positions = np.zeros((packed, length), np.int32)
+    segment = np.full((packed, length), -2)  # -1: the shared prefix; i: row i's own tokens; -2: padding
+    source_rows = np.zeros(len(rows), np.int32)
+    # upstream's padding of a row (to `width`) reads column 0: it has no weight and is not returned
+    source_columns = np.zeros((len(rows), width), np.int32)
+    adapter_of = np.full(packed, groups[0][0], np.int32)
+    for p, (adapter, prefix, members) in enumerate(groups):
+        adapter_of[p] = adapter
+        ids[p, :prefix] = rows[members[0]][:prefix]
+        positions[p, :prefix] = np.arange(prefix)
+        segment[p, :prefix] = -1
+        at = prefix
+        for m in members:
+            own = rows[m][prefix:]
+            ids[p, at:at + len(own)] = own
+            positions[p, at:at + len(own)] = np.arange(prefix, prefix + len(own))
+            segment[p, at:at + len(own)] = m
+            source_rows[m] = p
+            source_columns[m, :prefix] = np.arange(prefix)
+            source_columns[m, prefix:len(rows[m])] = np.arange(at, at + len(own))
+            at += len(own)
+    query, key = segment[:, :, None], segment[:, None, :]
+    causal = np.tril(np.ones((length, length), bool))[None]
+    # A token sees the prefix and its own row's earlier tokens; every position sees itself, so that a padding
+    # position's softmax has a term (its output is never read).
+    mask = (causal & (key != -2) & ((key == -1) | (key == query))) | np.eye(length, dtype=bool)[None]
+    return Plan(ids, positions, mask, adapter_of, source_rows, source_columns)
+
+
+def packed_length(rows: list[np.ndarray], members: list[int], prefix: int) -> int:
+    return prefix + sum(len(rows[m]) - prefix for m in members)
+
+
+def micro_batch_plan(input_ids, attention_mask, adapter_indices) -> Plan | None:
+    """The plan of a micro-batch as upstream hands it to its program (padded arrays on the device)."""
+    ids, lengths = np.asarray(input_ids), np.asarray(attention_mask).sum(axis=1)
+    return plan_for([ids[i, :n] for i, n in enumerate(lengths)], list(np.asarray(adapter_indices)), ids.shape[1])
+
+
+def attention_reads_a_packed_mask() -> None:
+    """Llama's and Qwen3's attention take a mask of one row per query position (`packed-prefixes`), which a packed
+    batch passes instead of upstream's padding mask; every other call is upstream's."""
+    import jax
+    from tx.models import llama3, qwen3
+
+    for module in (llama3, qwen3):
+        upstream = module.dot_product_attention
+        if hasattr(upstream, "upstream"):
+            continue
+
+        def dot_product_attention(q, k, v, attention_mask, is_causal, head_dim, upstream=upstream):
+            if attention_mask.ndim == 3:
+                return jax.nn.dot_product_attention(q, k, v, scale=1.0 / head_dim**0.5,
+                                                    mask=attention_mask[:, None].astype(bool))
+            return upstream(q, k, v, attention_mask, is_causal, head_dim)
+
+        dot_product_attention.upstream = upstream
+        module.dot_product_attention = dot_product_attention
+
+
+def packed_program(graphdef, checkpointed: bool, backward: bool):
+    """Upstream's forward_backward (or forward) program on a packed micro-batch: the model over the packed rows,
+    each original row's hidden states gathered back, then upstream's logprobs, losses and gradient sum on them
+    (`JaxBackendImpl._create_loss_and_grad_fn`, whose steps this repeats: they are closures there)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from tx.tinker.loss_fns import LOSS_FUNCTIONS
+
+    def target_logprobs(lora, rest, packed_ids, packed_mask, packed_positions, packed_adapters, source_rows,
+                        source_columns, adapter_indices, target_ids):
+        model = nnx.merge(graphdef, lora, rest)
+        hidden = model(packed_ids, attention_mask=packed_mask, positions=packed_positions,
+                       adapter_indices=packed_adapters).last_hidden_state
+        return model.compute_logprobs(hidden[source_rows[:, None], source_columns], target_ids, adapter_indices)
+
+    if checkpointed:
+        target_logprobs = jax.checkpoint(target_logprobs, policy=None)
+
+    def loss(lora, rest, plan, adapter_indices, target_ids, loss_mask, loss_fn_types, sampling_logprobs,
+             advantages):
+        logprobs = target_logprobs(lora, rest, *plan, adapter_indices, target_ids)
+        per_token = jax.vmap(lambda kind, *args: jax.lax.switch(kind, LOSS_FUNCTIONS, *args))(
+            loss_fn_types, logprobs, loss_mask, sampling_logprobs, advantages)
+        per_row = per_token.sum(axis=-1) / jnp.maximum(loss_mask.sum(axis=-1), 1e-9)
+        return per_row.sum(), (logprobs, per_token)
+
+    def run(accumulated, lora, rest, plan, adapter_indices, *batch):
+        if not backward:
+            _, (logprobs, per_token) = loss(lora, rest, plan, adapter_indices, *batch)
+            return accumulated, per_token, logprobs
+        (_, (logprobs, per_token)), grads = jax.value_and_grad(loss, has_aux=True)(lora, rest, plan,
+                                                                                 adapter_indices, *batch)
+        return accumulated.add(grads, adapter_indices), per_token, logprobs
+
+    return jax.jit(run, donate_argnums=(0,) if backward else ())
+
+
+class PackingPass:
+    """A model-pass program of upstream's engine that runs a micro-batch packed when its plan says so."""
+
+    def __init__(self, engine, upstream, backward: bool):
+        self.engine, self.upstream, self.backward = engine, upstream, backward
+
+    @functools.cached_property
+    def packed(self):
+        return packed_program(self.engine.graphdef, self.engine.config.gradient_checkpointing, self.backward)
+
+    def __call__(self, accumulated, lora, rest, input_ids, attention_mask, adapter_indices, target_ids, *batch):
+        plan = micro_batch_plan(input_ids, attention_mask, adapter_indices) if packs(self.engine) else None
+        if plan is None:
+            return self.upstream(accumulated, lora, rest, input_ids, attention_mask, adapter_indices, target_ids,
+                                 *batch)
+        arrays = (plan.ids, plan.mask, plan.positions, plan.adapters, plan.source_rows, plan.source_columns)
+        return self.packed(accumulated, lora, rest, arrays, adapter_indices, target_ids, *batch)
+
+
+def packs(engine) -> bool:
+    """Whether the engine packs micro-batches at all: one process, one device, its programs compiled."""
+    import jax
+
+    return jax.process_count() == 1 and engine.mesh.size == 1 and not engine.config.enforce_eager
+
+
+def shapes_of(engine, rows: list[list[int]], adapters: list[int], length: int) -> tuple:
+    """What a micro-batch's program is compiled for (`compile-log`): its row count, and its packed rows when packed."""
+    plan = plan_for([np.asarray(r) for r in rows], adapters, length) if packs(engine) else None
+    return (len(rows),) if plan is None else (len(rows), "packed", plan.rows)
+
+
+def model_passes_pack_shared_prefixes() -> None:
+    """The engine's forward_backward and forward programs pack rows that share a prefix (`packed-prefixes`)."""
+    from tx.tinker.backends.jax import JaxBackendImpl
+
+    attention_reads_a_packed_mask()
+    upstream = JaxBackendImpl._create_loss_and_grad_fn
+    if hasattr(upstream, "upstream"):
+        return
+
+    @functools.wraps(upstream)
+    def _create_loss_and_grad_fn(self):
+        upstream(self)
+        self._forward_backward_and_accumulate = PackingPass(self, self._forward_backward_and_accumulate, True)
+        self._forward = PackingPass(self, self._forward, False)
+
+    _create_loss_and_grad_fn.upstream = upstream
+    JaxBackendImpl._create_loss_and_grad_fn = _create_loss_and_grad_fn
