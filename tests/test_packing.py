@@ -108,3 +108,40 @@ def test_a_packed_micro_batch_gives_upstreams_logprobs_losses_and_gradients(engi
     for got, want in zip(packed["grads"], upstream["grads"], strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(want).max())))
     assert list(packed["counts"]) == list(upstream["counts"])
+
+
+def test_a_packed_program_is_logged_the_first_time_its_shape_comes(engine, monkeypatch):
+    # `compile-log` names each program the first time its shape comes: a packed micro-batch is a program of its own,
+    # beside upstream's for the same rows and length.
+    import logging
+    import re
+
+    from tx.utils.generator import GeneratorMixin
+    from tx.utils.log import logger
+
+    from txflow.upstream.skyrl_tx import ranks
+
+    for owner, name in ((backend.JaxBackendImpl, "_model_pass"), (backend.JaxBackendImpl, "_jit_timing_context"),
+                        (GeneratorMixin, "generate")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # upstream's again after the test
+    ranks.every_program_compile_logged()
+    lines: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        def compiles(rows) -> list[str]:
+            engine.forward(model_pass(rows, "importance_sampling"))
+            found = [f"{m[1]} {m[2]}" for line in lines
+                     if (m := re.match(r"JIT compiling for (\w+) seq_len=(\d+)", line))]
+            lines.clear()
+            return found
+
+        shared = prompted_rows(2, 4, 5)  # packed: 2 rows of 64
+        unshared = [list(np.random.default_rng(i).integers(1, 200, 35)) for i in range(8)]
+        assert compiles(shared) == ["forward 48"]
+        assert compiles(shared) == []
+        assert compiles(unshared) == ["forward 48"]  # the same rows and length, upstream's program
+        assert compiles(unshared) == []
+    finally:
+        logger.removeHandler(handler)

@@ -202,9 +202,11 @@ def packs(engine) -> bool:
 
 
 def shapes_of(engine, rows: list[list[int]], adapters: list[int], length: int) -> tuple:
-    """What a micro-batch's program is compiled for (`compile-log`): its row count, and its packed rows when packed."""
-    plan = plan_for([np.asarray(r) for r in rows], adapters, length) if packs(engine) else None
-    return (len(rows),) if plan is None else (len(rows), "packed", plan.rows)
+    """What a micro-batch's program is compiled for (`compile-log`): its row count, and when packed its packed rows
+    and their length."""
+    installed = isinstance(getattr(engine, "_forward", None), PackingPass)
+    plan = plan_for([np.asarray(r) for r in rows], adapters, length) if installed and packs(engine) else None
+    return (len(rows),) if plan is None else (len(rows), "packed", plan.rows, plan.length)
 
 
 def model_passes_pack_shared_prefixes() -> None:
