@@ -223,10 +223,11 @@ def model_dir(tmp_path: Path, model_type: str, hidden_size: int) -> str:
     ("qwen2", 896, 5.32e-4),
 ])
 def test_the_learning_rate_of_a_real_model_follows_the_cookbooks_rule(tmp_path, model_type, hidden_size, expected):
-    for mode in ("sft", "rl"):
+    # RL takes half of it: at the full rule the nightly's RL on SmolLM2 collapsed on some seeds (docs/modes.md).
+    for mode, share in (("sft", 1.0), ("rl", 0.5)):
         rate, why = default_learning_rate(mode, model_dir(tmp_path, model_type, hidden_size))
-        assert rate == pytest.approx(expected, rel=2e-3)
-        assert f"hidden size {hidden_size}" in why
+        assert rate == pytest.approx(expected * share, rel=5e-3)
+        assert f"hidden size {hidden_size}" in why and ("half" in why) == (mode == "rl")
         assert RunConfig(mode=mode, base_model=str(tmp_path)).resolved().learning_rate == rate
 
 
@@ -255,6 +256,9 @@ def test_the_defaults_line_says_where_the_learning_rate_comes_from():
     line = RunConfig(base_model=SMOLLM2_MODEL).resolved().defaults_line()
     assert line.startswith("base model smollm2-135m: learning rate 0.00132 (the cookbook's LoRA rule for a llama "
                            "model of hidden size 576)")
+    line = RunConfig(mode="rl", base_model=SMOLLM2_MODEL).resolved().defaults_line()
+    assert line.startswith("base model smollm2-135m: learning rate 0.00066 (half the cookbook's LoRA rule for a "
+                           "llama model of hidden size 576, for RL)")
 
 
 @pytest.mark.parametrize("base_model", ["/nowhere/model", "someone/not-cached-model"])

@@ -33,6 +33,32 @@ def test_rows_that_share_a_prompt_are_packed_and_each_sees_the_prompt_and_its_ow
         assert list(plan.positions[plan.source_rows[i], plan.source_columns[i, :len(row)]]) == list(range(len(row)))
 
 
+def test_what_rows_share_at_any_depth_is_computed_once_and_each_row_sees_its_own_path_only():
+    # A few-shot prefix that every prompt starts with, two prompts after it, two samples of each: one packed row, a
+    # prefix tree (the nightly RL step's shape: 8 prompts x 4 samples of SmolLM2's arithmetic task are one row of 384
+    # instead of 8 of 192, or 32 of 96 unpacked).
+    shots, a, b = np.arange(1, 21), [30, 31, 32], [40, 41]
+    rows = [np.r_[shots, a, 7, 8], np.r_[shots, b, 5], np.r_[shots, a, 9], np.r_[shots, b, 6, 6]]
+    plan = packing.plan_for(rows, [3] * 4, 32)
+    assert (plan.rows, plan.length, list(plan.adapters)) == (1, 32, [3])  # 20 + 3 + 2 + 2 + 1 + 1 + 2 = 31 tokens
+    assert list(plan.ids[0, :31]) == [*shots, *a, 7, 8, *b, 5, 9, 6, 6]  # each token once, in the order added
+    assert list(plan.positions[0, :31]) == [*range(25), 20, 21, 22, 23, 22, 23]  # each its depth in its row
+    def seen(node):
+        return set(np.nonzero(plan.mask[0, node])[0].tolist())
+    shot_nodes = set(range(20))
+    assert seen(27) == shot_nodes | {25, 26, 27}  # row 1's 5: the shots, b and itself, not a
+    assert seen(28) == shot_nodes | {20, 21, 22, 28}  # row 2's 9: the shots and a, not row 0's own 7 and 8
+    assert seen(30) == shot_nodes | {25, 26, 29, 30}  # row 3's last 6: its path only
+    assert seen(31) == {31} and not plan.mask[0, :31, 31].any()  # the padding sees itself; nothing reads it
+    for i, row in enumerate(rows):  # every original position is found again, with its token and position
+        assert list(plan.ids[plan.source_rows[i], plan.source_columns[i, :len(row)]]) == list(row)
+        assert list(plan.positions[plan.source_rows[i], plan.source_columns[i, :len(row)]]) == list(range(len(row)))
+    # A sample reads its prompt's nodes, whichever row added them.
+    rows = [np.r_[shots, a, 1], np.r_[shots, b, 2], np.r_[shots, b, 3]]
+    plan = packing.plan_for(rows, [0] * 3, 64)
+    assert list(plan.source_columns[2, :22]) == list(plan.source_columns[1, :22]) == [*range(20), 24, 25]
+
+
 def test_what_packing_would_not_halve_is_left_to_upstreams_program():
     assert packing.plan_for([PROMPT_A + 100 * i for i in range(4)], [0] * 4, 32) is None  # nothing shared
     assert packing.plan_for([np.r_[PROMPT_A[:packing.MIN_SHARED - 1], i] for i in range(4)], [0] * 4, 32) is None
@@ -43,10 +69,13 @@ def test_what_packing_would_not_halve_is_left_to_upstreams_program():
     assert packing.plan_for(rows[:2], [0] * 2, 32) is None  # 40 tokens in a bucket of 64 instead of 2 x 32
 
 
-def prompted_rows(prompts: int, samples: int, own: int) -> list[list[int]]:
+def prompted_rows(prompts: int, samples: int, own: int, shots: int = 0) -> list[list[int]]:
+    """`samples` rows of `own` tokens after each of `prompts` prompts of 30 tokens, whose first `shots` tokens are
+    the same for every prompt (a few-shot prefix)."""
     rng = np.random.default_rng(0)
-    return [[*prompt, *rng.integers(1, 200, own)] for prompt in (rng.integers(1, 200, 30) for _ in range(prompts))
-            for _ in range(samples)]
+    prefix = list(rng.integers(1, 200, shots))
+    return [[*prefix, *prompt, *rng.integers(1, 200, own)]
+            for prompt in (rng.integers(1, 200, 30 - shots) for _ in range(prompts)) for _ in range(samples)]
 
 
 def model_pass(rows: list[list[int]], loss: str):
@@ -96,10 +125,11 @@ def figures(impl, batch, packed: bool, monkeypatch) -> dict:
 
 
 def test_a_packed_micro_batch_gives_upstreams_logprobs_losses_and_gradients(engine, monkeypatch):
-    # 2 prompts of 30 tokens x 4 samples of 5 tokens (an RL step's shape): 2 packed rows of 64 instead of 8 of 48
-    batch = model_pass(prompted_rows(2, 4, 5), "importance_sampling")
+    # 2 prompts of 30 tokens that start with the same 20 x 4 samples of 5 tokens (an RL step's shape, with a few-shot
+    # prefix): one packed row of 96 (20 + 2 x 10 + 8 x 5 = 80 tokens) instead of 8 of 48
+    batch = model_pass(prompted_rows(2, 4, 5, shots=20), "importance_sampling")
     plan = packing.plan_for([np.asarray(r) for r in batch.all_input_ids], [1] * 8, 48)
-    assert (plan.rows, plan.length) == (2, 64)
+    assert (plan.rows, plan.length) == (1, 96)
     packed, upstream = figures(engine, batch, True, monkeypatch), figures(engine, batch, False, monkeypatch)
     for key in ("logprobs", "losses", "forward"):
         for got, want in zip(packed[key], upstream[key], strict=True):

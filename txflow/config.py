@@ -65,6 +65,11 @@ REAL_MODEL_DEFAULTS = {"rl": {"temperature": 1.0, "reward": "txflow.training.rew
 # SmolLM2-135M's loss went 7.3 -> 44.6 in 4 steps.
 LR_RULE_BASE = 5e-5 * 10
 LR_RULE_EXPONENTS = {"llama": 0.781, "qwen": 0.0775}
+# RL takes half the rule, which the cookbook calibrated on supervised learning (its RL recipes default to far lower
+# rates: math_rl 1e-5). At the full rule the nightly's RL on SmolLM2 collapsed on some seeds: a step after which
+# every sample was an empty reply (reward 0, so no advantage and no way back); at half the rule every seed tried
+# passed with twice the check's required gain (docs/modes.md has the seeds).
+RL_LR_FACTOR = 0.5
 RUN_ID_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9_-]{0,63}$"
 PROMOTION_NAME_PATTERN = r"^[a-zA-Z0-9][a-zA-Z0-9._-]{0,63}$"
 
@@ -131,7 +136,10 @@ def default_learning_rate(mode: str, base_model: str) -> tuple[float | None, str
         return None, (f"the cookbook's rule knows Llama and Qwen models, and {base_model} is a {model_type} "
                       f"model")
     rate = LR_RULE_BASE * (2000 / hidden) ** LR_RULE_EXPONENTS[family]
-    return float(f"{rate:.3g}"), f"the cookbook's LoRA rule for a {family} model of hidden size {hidden}"
+    rate, rule = float(f"{rate:.3g}"), f"the cookbook's LoRA rule for a {family} model of hidden size {hidden}"
+    if mode == "rl":
+        return float(f"{rate * RL_LR_FACTOR:.3g}"), f"half {rule}, for RL"
+    return rate, rule
 
 
 class MeshConfig(BaseModel, extra="forbid"):
@@ -377,7 +385,7 @@ class RunConfig(BaseModel, extra="forbid"):
     learning_rate: float | None = Field(
         default=None, gt=0, description="Adam learning rate. Default: for `tiny` 2e-2 (sft) or 5e-2 (rl); for other "
         "models the tinker-cookbook's LoRA rule 5e-4 x (2000 / hidden size)^P, P 0.781 for Llama and 0.0775 for "
-        "Qwen (about 1.3e-3 for smollm2-135m)."
+        "Qwen (about 1.3e-3 for smollm2-135m), half of it for rl."
     )
     lora_rank: int = Field(default=32, ge=1, description="LoRA rank of the trained adapter.")
     max_lora_rank: int | None = Field(

@@ -1,14 +1,17 @@
 """Rows that share a prompt are computed once per micro-batch (`packed-prefixes`).
 
-An RL step trains each prompt's group of samples: 4 rows of SmolLM2's arithmetic prompt (72-74 tokens) and 4 sampled
-tokens each, for the nightly. Upstream computes every row of a forward_backward whole, so three quarters of such a
-step computed again what the row before it had computed. Here the rows of a micro-batch that share a prefix (the
-same tokens for the same adapter) are packed into one row: the prefix once, then each row's own tokens, with
-positions that continue the prefix for each of them and an attention mask under which a row's tokens see the
-prefix and their own earlier tokens only. Each original row's hidden states are gathered back from its packed row,
-and the logprobs, the losses and their gradients are computed on them as upstream computes them: the same function
-of the weights (the gradient of a shared position is the sum over the rows that read it, which the gather's
-transpose adds up), in fewer FLOPs. Same figures in float32 (tests/test_packing.py).
+An RL step trains each prompt's group of samples: for the nightly, 8 prompts of SmolLM2's arithmetic task x 4 samples
+of 4 tokens. Each prompt is 72-74 tokens, of which the first 54 (the chat template's system prompt and a few-shot
+turn) are the same for every prompt. Upstream computes every row of a forward_backward whole, so such a step computed
+again what the row before it had computed. Here the rows of a micro-batch (of the same adapter) are packed as a
+prefix tree into one row: every token that rows share at the same depth once (the few-shot prefix once, each prompt's
+own tokens once, each sample's own tokens), with each token at its position in its original row and an attention
+mask under which a token sees its own row's earlier tokens only (its ancestors in the tree). Each original row's
+hidden states are gathered back from its packed row, and the logprobs, the losses and their gradients are computed
+on them as upstream computes them: the same function of the weights (the gradient of a shared position is the sum
+over the rows that read it, which the gather's transpose adds up), in fewer FLOPs. Same figures in float32
+(tests/test_packing.py); on SmolLM2 in bfloat16 the nightly step's logprobs are identical and its gradients within
+5e-5 (relative, summed over every parameter).
 
 Only for a micro-batch that packing halves at least, in a single-process, single-device engine (a sharded batch is
 split over the devices by rows); any other batch runs upstream's program. Rows of chat share their template's
@@ -25,6 +28,10 @@ import numpy as np
 
 # A prefix shorter than this is not worth a packed row: its mask and gathers cost more than the tokens saved.
 MIN_SHARED = 16
+# A packed row may grow to twice its rows' width, and at least this far: the nightly RL step's 8 prompts x 4 samples
+# (a few-shot prefix of 54 tokens, ~20 more for each prompt, 4 sampled tokens a row) fit in one row of 384 instead
+# of 8 of 192; attention over 512 positions still costs less than the layers over them.
+MIN_CAP = 512
 
 
 @dataclass(frozen=True)
@@ -48,68 +55,80 @@ class Plan:
         return self.ids.shape[1]
 
 
-def shared_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = min(len(a), len(b))
-    differ = np.nonzero(a[:n] != b[:n])[0]
-    return int(differ[0]) if len(differ) else n
+class Tree:
+    """One packed row: the tokens of its rows as a prefix tree, each token once, in the order they were added (a
+    token's parent always before it). A row is the path from a root to one of its tokens."""
+
+    def __init__(self, adapter: int) -> None:
+        self.adapter = adapter
+        self.tokens: list[int] = []
+        self.parents: list[int] = []  # -1: a token that starts a row
+        self.depths: list[int] = []
+        self.children: dict[tuple[int, int], int] = {}  # (parent, token) -> its node
+
+    def shared(self, row: np.ndarray) -> int:
+        """How many leading tokens of `row` the tree holds already."""
+        node = -1
+        for depth, token in enumerate(row.tolist()):
+            node = self.children.get((node, token), -2)
+            if node == -2:
+                return depth
+        return len(row)
+
+    def add(self, row: np.ndarray) -> list[int]:
+        """The nodes of `row`'s tokens, the ones the tree lacked added."""
+        path, node = [], -1
+        for depth, token in enumerate(row.tolist()):
+            child = self.children.get((node, token))
+            if child is None:
+                child = self.children[(node, token)] = len(self.tokens)
+                self.tokens.append(token)
+                self.parents.append(node)
+                self.depths.append(depth)
+            path.append(node := child)
+        return path
 
 
 def plan_for(rows: list[np.ndarray], adapters: list[int], width: int) -> Plan | None:
     """The packing of a micro-batch's `rows` (each its real tokens, unpadded; upstream pads them to `width`), or
-    None when it would not halve the tokens computed: rows join the first group of the same adapter whose prefix
-    they share for at least MIN_SHARED tokens while the group's packed row stays within twice `width` (attention
-    grows with its square); packed rows are padded to one of upstream's length buckets, and their count to a power
-    of two (each shape is a program)."""
+    None when it would not halve the tokens computed. Each packed row is a prefix tree of rows of one adapter: a row
+    joins the packed row that holds the longest start of it (at least MIN_SHARED tokens) while that row stays within
+    max(2 x `width`, MIN_CAP) tokens (attention grows with its square), so that what rows share at any depth is
+    computed once: a few-shot prefix shared by every prompt, each prompt shared by its samples. Packed rows are padded
+    to one of upstream's length buckets, and their count to a power of two (each shape is a program)."""
     from tx.utils.models import round_up_seq_len
 
-    groups: list[tuple[int, int, list[int]]] = []  # (adapter, shared prefix length, member rows)
-    for i, row in enumerate(rows):
-        for g, (adapter, prefix, members) in enumerate(groups):
-            if adapter != adapters[i]:
-                continue
-            shared = shared_prefix(rows[members[0]][:prefix], row)
-            if shared >= MIN_SHARED and packed_length(rows, [*members, i], shared) <= 2 * width:
-                groups[g] = (adapter, shared, [*members, i])
-                break
-        else:
-            groups.append((int(adapters[i]), len(row), [i]))
-    packed = 1 << (len(groups) - 1).bit_length()
-    length = round_up_seq_len(max(packed_length(rows, members, prefix) for _, prefix, members in groups))
+    cap = max(2 * width, MIN_CAP)
+    trees: list[Tree] = []
+    paths: list[tuple[int, list[int]]] = []  # each row's packed row and the nodes of its tokens
+    for row, adapter in zip(rows, adapters):
+        held = [(tree.shared(row), t) for t, tree in enumerate(trees) if tree.adapter == adapter]
+        shared, best = max(((n, t) for n, t in held if len(trees[t].tokens) + len(row) - n <= cap), default=(0, -1))
+        if shared < MIN_SHARED:
+            trees.append(Tree(int(adapter)))
+            best = len(trees) - 1
+        paths.append((best, trees[best].add(row)))
+    packed = 1 << (len(trees) - 1).bit_length()
+    length = round_up_seq_len(max(len(tree.tokens) for tree in trees))
     if 2 * packed * length > len(rows) * width:
         return None
     ids = np.zeros((packed, length), np.int32)
     positions = np.zeros((packed, length), np.int32)
-    segment = np.full((packed, length), -2)  # -1: the shared prefix; i: row i's own tokens; -2: padding
-    source_rows = np.zeros(len(rows), np.int32)
+    # Every position sees itself, so that a padding position's softmax has a term (its output is never read).
+    mask = np.broadcast_to(np.eye(length, dtype=bool), (packed, length, length)).copy()
+    adapter_of = np.full(packed, trees[0].adapter, np.int32)
+    for p, tree in enumerate(trees):
+        n = len(tree.tokens)
+        ids[p, :n], positions[p, :n], adapter_of[p] = tree.tokens, tree.depths, tree.adapter
+        for node, parent in enumerate(tree.parents):  # a token sees its ancestors: its row's earlier tokens
+            if parent >= 0:
+                mask[p, node] |= mask[p, parent]
+    source_rows = np.array([p for p, _ in paths], np.int32)
     # upstream's padding of a row (to `width`) reads column 0: it has no weight and is not returned
     source_columns = np.zeros((len(rows), width), np.int32)
-    adapter_of = np.full(packed, groups[0][0], np.int32)
-    for p, (adapter, prefix, members) in enumerate(groups):
-        adapter_of[p] = adapter
-        ids[p, :prefix] = rows[members[0]][:prefix]
-        positions[p, :prefix] = np.arange(prefix)
-        segment[p, :prefix] = -1
-        at = prefix
-        for m in members:
-            own = rows[m][prefix:]
-            ids[p, at:at + len(own)] = own
-            positions[p, at:at + len(own)] = np.arange(prefix, prefix + len(own))
-            segment[p, at:at + len(own)] = m
-            source_rows[m] = p
-            source_columns[m, :prefix] = np.arange(prefix)
-            source_columns[m, prefix:len(rows[m])] = np.arange(at, at + len(own))
-            at += len(own)
-    query, key = segment[:, :, None], segment[:, None, :]
-    causal = np.tril(np.ones((length, length), bool))[None]
-    # A token sees the prefix and its own row's earlier tokens; every position sees itself, so that a padding
-    # position's softmax has a term (its output is never read).
-    mask = (causal & (key != -2) & ((key == -1) | (key == query))) | np.eye(length, dtype=bool)[None]
+    for i, (_, path) in enumerate(paths):
+        source_columns[i, :len(path)] = path
     return Plan(ids, positions, mask, adapter_of, source_rows, source_columns)
-
-
-def packed_length(rows: list[np.ndarray], members: list[int], prefix: int) -> int:
-    return prefix + sum(len(rows[m]) - prefix for m in members)
 
 
 def micro_batch_plan(input_ids, attention_mask, adapter_indices) -> Plan | None:
