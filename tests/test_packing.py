@@ -35,8 +35,8 @@ def test_rows_that_share_a_prompt_are_packed_and_each_sees_the_prompt_and_its_ow
 
 def test_what_rows_share_at_any_depth_is_computed_once_and_each_row_sees_its_own_path_only():
     # A few-shot prefix that every prompt starts with, two prompts after it, two samples of each: one packed row, a
-    # prefix tree (the nightly RL step's shape: 8 prompts x 4 samples of SmolLM2's arithmetic task are one row of 384
-    # instead of 8 of 192, or 32 of 96 unpacked).
+    # prefix tree (the nightly RL step's shape: 8 prompts x 4 samples of SmolLM2's arithmetic task are one row of 384,
+    # 32 of 96 unpacked).
     shots, a, b = np.arange(1, 21), [30, 31, 32], [40, 41]
     rows = [np.r_[shots, a, 7, 8], np.r_[shots, b, 5], np.r_[shots, a, 9], np.r_[shots, b, 6, 6]]
     plan = packing.plan_for(rows, [3] * 4, 32)

@@ -29,8 +29,8 @@ import numpy as np
 # A prefix shorter than this is not worth a packed row: its mask and gathers cost more than the tokens saved.
 MIN_SHARED = 16
 # A packed row may grow to twice its rows' width, and at least this far: the nightly RL step's 8 prompts x 4 samples
-# (a few-shot prefix of 54 tokens, ~20 more for each prompt, 4 sampled tokens a row) fit in one row of 384 instead
-# of 8 of 192; attention over 512 positions still costs less than the layers over them.
+# (a few-shot prefix of 54 tokens, ~20 more for each prompt, 4 sampled tokens a row) fit in one row of 384 (32 of 96
+# unpacked); attention over 512 positions still costs less than the layers over them.
 MIN_CAP = 512
 
 
