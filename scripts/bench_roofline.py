@@ -88,12 +88,11 @@ def train_flops(shapes: Shapes, rows: int, length: int, rank: int) -> float:
     return 2 * forward + lora
 
 
-def packed_train_flops(shapes: Shapes, packed_rows: int, packed_length: int, rows: int, length: int,
-                       rank: int) -> float:
+def packed_train_flops(shapes: Shapes, packed_rows: int, packed_length: int, queries: int, rank: int) -> float:
     """train_flops of a micro-batch packed by `packed-prefixes`: the layers over the packed rows, the output head
-    (forward, and backward to the hidden states) over every original row's padded positions, gathered back."""
+    (forward, and backward to the hidden states) over its logprob queries, each distinct (position, target) once."""
     head = 2 * 2 * shapes.vocab * shapes.hidden  # per position: the forward and the gradient to the hidden state
-    return train_flops(shapes, packed_rows, packed_length, rank) + head * (rows * length - packed_rows * packed_length)
+    return train_flops(shapes, packed_rows, packed_length, rank) + head * (queries - packed_rows * packed_length)
 
 
 def timed(function, *args, repeat: int) -> float:
@@ -255,10 +254,12 @@ def main() -> int:
     sft_s, optimizer_s = training_step(impl, sft, args.repeat)
     sft_roofline = sft_flops / flop_rate
 
-    # The nightly RL step: 4 prompts of 74 tokens, 4 samples of 4 tokens each, then one update on the 16 rollouts.
-    prompts, samples, max_tokens, prompt_length = 4, 4, 4, 74
+    # The nightly RL step: 8 prompts of 74 tokens, the first 54 the same for each (SmolLM2's system prompt and the
+    # few-shot turn), 4 samples of 4 tokens each, then one update on the 32 rollouts.
+    prompts, samples, max_tokens, prompt_length, shared = 8, 4, 4, 74, 54
     rollouts = prompts * samples
-    prompt_rows = [tokens(prompt_length) for _ in range(prompts)]
+    few_shot = tokens(shared)
+    prompt_rows = [few_shot + tokens(prompt_length - shared) for _ in range(prompts)]
     sampling = sample_batch(prompt_rows, samples, max_tokens)
     rl_train = train_batch([p + tokens(max_tokens - 1) for p in prompt_rows for _ in range(samples)],
                            weighted=max_tokens, loss="importance_sampling")
@@ -272,14 +273,15 @@ def main() -> int:
     decode_flops = max_tokens * forward_flops(shapes, rollouts, prompt_bucket + max_tokens, args.lora_rank,
                                               rollouts)
     decode_bytes = max_tokens * shapes.weight_bytes(itemsize)
-    # The engine trains the 16 rows packed, each prompt once (`packed-prefixes`); `unpacked` is what it would compute
-    # row by row.
+    # The engine trains the rollouts packed as a prefix tree, every shared token once, and asks the head for each
+    # distinct (position, target) once (`packed-prefixes`); `unpacked` is what it would compute row by row.
     from txflow.upstream.skyrl_tx import packing
 
     plan = packing.plan_for([np.asarray(row) for row in rl_train.all_input_ids], [1] * rollouts, train_length)
     unpacked = train_flops(shapes, rollouts, train_length, args.lora_rank)
-    train = unpacked if plan is None else packed_train_flops(shapes, plan.rows, plan.length, rollouts, train_length,
-                                                             args.lora_rank)
+    if plan is not None:
+        queries = packing.queries_for(plan, packing.padded(rl_train.all_targets, train_length)).count
+    train = unpacked if plan is None else packed_train_flops(shapes, plan.rows, plan.length, queries, args.lora_rank)
     parts = {"prefill": prefill / flop_rate, "decode": max(decode_flops / flop_rate, decode_bytes / bandwidth),
              "forward_backward": train / flop_rate, "optimizer": optimizer_estimate}
     rl_estimate = sum(parts.values())
@@ -295,7 +297,7 @@ def main() -> int:
                      "achieved_gflops": round(sft_flops / sft_s / 1e9, 1)},
         "rl_step": {"prompts": prompts, "samples": samples, "max_tokens": max_tokens,
                     "prompt_bucket": prompt_bucket, "train_bucket": train_length,
-                    "packed": None if plan is None else f"{plan.rows} x {plan.length}",
+                    "packed": None if plan is None else f"{plan.rows} x {plan.length}, {queries} head queries",
                     "forward_backward_gflop": round(train / 1e9, 1), "unpacked_gflop": round(unpacked / 1e9, 1),
                     "estimate_s": {k: round(v, 3) for k, v in parts.items()} | {"total": round(rl_estimate, 3)},
                     "measured_s": {"sample": round(sample_s, 3), "forward_backward": round(rl_fb_s, 3),

@@ -53,6 +53,16 @@ def test_what_rows_share_at_any_depth_is_computed_once_and_each_row_sees_its_own
     for i, row in enumerate(rows):  # every original position is found again, with its token and position
         assert list(plan.ids[plan.source_rows[i], plan.source_columns[i, :len(row)]]) == list(row)
         assert list(plan.positions[plan.source_rows[i], plan.source_columns[i, :len(row)]]) == list(range(len(row)))
+    # The head's logprobs: each distinct (packed position, target) once. The targets are the next tokens (the last
+    # one wraps round, as `model_pass` builds them), so a shared prefix asks once: 30 edges of the tree, each row's
+    # last token, and the padding (column 0, target 0): 35 queries, in a bucket of 48, instead of 4 x 32 positions.
+    targets = packing.padded([[*row[1:], row[0]] for row in rows], 32)
+    queries = packing.queries_for(plan, targets)
+    assert (len(np.unique(queries.inverse)), queries.count, list(set(queries.adapters))) == (35, 48, [3])
+    for i, row in enumerate(rows):  # every original position reads its own position's logprob of its own target
+        asked = queries.inverse[i, :len(row)]
+        assert list(queries.nodes[asked]) == list(plan.source_columns[i, :len(row)])
+        assert list(queries.targets[asked]) == list(targets[i, :len(row)])
     # A sample reads its prompt's nodes, whichever row added them.
     rows = [np.r_[shots, a, 1], np.r_[shots, b, 2], np.r_[shots, b, 3]]
     plan = packing.plan_for(rows, [0] * 3, 64)
@@ -92,17 +102,20 @@ def model_pass(rows: list[list[int]], loss: str):
 @pytest.fixture
 def engine(monkeypatch):
     """Upstream's backend with `packed-prefixes` only (each patched name upstream's again after the test), the tiny
-    model in float32, an adapter whose B is not zero (one optimizer step), so both LoRA factors get gradients."""
+    model in float32, an adapter whose B is not zero (one optimizer step), so both LoRA factors get gradients; with
+    a LoRA on the output head too (the SDKs' default `train_unembed`), which the head's queries read by adapter."""
     monkeypatch.setattr(backend.JaxBackendImpl, "_create_loss_and_grad_fn",
                         getattr(backend.JaxBackendImpl._create_loss_and_grad_fn, "upstream",
                                 backend.JaxBackendImpl._create_loss_and_grad_fn))
+    for name in ("_model_pass", "_micro_batch_size"):  # upstream's again after the test, whatever wrapped them
+        monkeypatch.setattr(backend.JaxBackendImpl, name, getattr(backend.JaxBackendImpl, name))
     for module in (llama3, qwen3):
         monkeypatch.setattr(module, "dot_product_attention",
                             getattr(module.dot_product_attention, "upstream", module.dot_product_attention))
     packing.model_passes_pack_shared_prefixes()
     impl = backend.JaxBackendImpl(resolve_base_model(TINY_MODEL), backend.JaxBackendConfig(
         max_lora_adapters=2, max_lora_rank=4, train_micro_batch_size=8))
-    impl.create_model("m", types.LoraConfig(rank=4, alpha=8.0, seed=0))
+    impl.create_model("m", types.LoraConfig(rank=4, alpha=8.0, seed=0, train_unembed=True))
     impl.forward_backward(model_pass(prompted_rows(2, 4, 5), "importance_sampling"))  # the test's shapes
     impl.optim_step("m", types.OptimStepInput(adam_params=types.AdamParams(
         learning_rate=0.05, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)))
@@ -110,9 +123,12 @@ def engine(monkeypatch):
 
 
 def figures(impl, batch, packed: bool, monkeypatch) -> dict:
-    calls = []
+    calls, micro_batches = [], []
     with monkeypatch.context() as patch:
         patch.setattr(packing, "packs", lambda engine: (calls.append(packed), packed)[1])
+        plan = packing.micro_batch_plan
+        patch.setattr(packing, "micro_batch_plan", lambda ids, *rest: (micro_batches.append(len(ids)),
+                                                                       plan(ids, *rest))[1])
         impl.accumulated_grads = backend.AccumulatedGradients.create(impl.lora_params, impl.config.max_lora_adapters)
         outputs = impl.forward_backward(batch)["r"].loss_fn_outputs
         forward = impl.forward(batch)["r"].loss_fn_outputs
@@ -121,16 +137,18 @@ def figures(impl, batch, packed: bool, monkeypatch) -> dict:
                                                                              for o in outputs],
             "forward": [o["logprobs"]["data"] for o in forward],
             "grads": [np.asarray(g) for g in jax.tree.leaves(impl.accumulated_grads.grad_sum)],
-            "counts": np.asarray(impl.accumulated_grads.counts)}
+            "counts": np.asarray(impl.accumulated_grads.counts), "micro_batches": micro_batches}
 
 
 def test_a_packed_micro_batch_gives_upstreams_logprobs_losses_and_gradients(engine, monkeypatch):
-    # 2 prompts of 30 tokens that start with the same 20 x 4 samples of 5 tokens (an RL step's shape, with a few-shot
-    # prefix): one packed row of 96 (20 + 2 x 10 + 8 x 5 = 80 tokens) instead of 8 of 48
-    batch = model_pass(prompted_rows(2, 4, 5, shots=20), "importance_sampling")
-    plan = packing.plan_for([np.asarray(r) for r in batch.all_input_ids], [1] * 8, 48)
-    assert (plan.rows, plan.length) == (1, 96)
+    # 4 prompts of 30 tokens that start with the same 20 x 4 samples of 5 tokens (an RL step's shape, with a few-shot
+    # prefix): one packed row of 192 (20 + 4 x 10 + 16 x 5 = 140 tokens) instead of 16 of 48. That is one micro-batch
+    # where upstream runs two of 8 rows (`train_micro_batch_size`): packed, it computes less than one of them.
+    batch = model_pass(prompted_rows(4, 4, 5, shots=20), "importance_sampling")
+    plan = packing.plan_for([np.asarray(r) for r in batch.all_input_ids], [1] * 16, 48)
+    assert (plan.rows, plan.length) == (1, 192) and packing.whole_batch_packs(engine, batch)
     packed, upstream = figures(engine, batch, True, monkeypatch), figures(engine, batch, False, monkeypatch)
+    assert packed["micro_batches"] == [16, 16]  # forward_backward's and forward's, each the whole batch
     for key in ("logprobs", "losses", "forward"):
         for got, want in zip(packed[key], upstream[key], strict=True):
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)

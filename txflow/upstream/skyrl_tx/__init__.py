@@ -5,15 +5,15 @@ Its modules follow the upstream process each patch changes: `api` (the Tinker AP
 `wake-channel`, `tinker-losses` and `load-optimizer-flag`, with `tinker_compat` for `sdk-shims` and `protobuf` for its
 wire format, `result_wait` for `result-wait` and `lora_config` for `lora-flags`), `engine` (rank 0:
 `self-gated-startup`, `broadcast-delete-model`, `tinker-sampler-paths`, `prompt-logprobs` and its ends of `wake-channel`
-and `load-optimizer-flag`), `worker` (ranks > 0:
-`self-gated-startup`), `ranks` (what every rank gets: `rank0-checkpoint-io`, `tinker-losses`, `load-optimizer-flag`,
-`tied-head-from-arguments` and `scanned-layers` installed, `default-sigterm`, `compilation-cache`, `loss-chunks`,
-`lora-per-example`, `sampling-buckets`), `models` (`tied-head-from-arguments`, `scanned-layers`, `tied-head-lora`,
-`prefill-once-per-prompt`; the export's reference too), `checkpoint_io` (`rank0-checkpoint-io`, `load-optimizer-flag`),
-`losses` (`tinker-losses`, both ends), `rest` (`rest-surface`; with `auth`'s signed downloads), `served`
-(`served-names`), `layout` (`staged-checkpoints`, `tinker-sampler-paths`) and `launch` (`device-mesh`,
-`coordinator-bind` and the command line of each process); `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs
-them. This module holds the names and numbers of the pinned version and its guard.
+and `load-optimizer-flag`), `worker` (ranks > 0: `self-gated-startup`), `ranks` (what every rank gets:
+`rank0-checkpoint-io`, `tinker-losses`, `load-optimizer-flag`, `tied-head-from-arguments` and `scanned-layers`
+installed, `default-sigterm`, `compilation-cache`, `loss-chunks`, `lora-per-example`, `sampling-buckets`,
+`sampling-rows`), `models` (`tied-head-from-arguments`, `scanned-layers`, `tied-head-lora`, `prefill-once-per-prompt`;
+the export's reference too), `checkpoint_io` (`rank0-checkpoint-io`, `load-optimizer-flag`), `losses` (`tinker-losses`,
+both ends), `rest` (`rest-surface`; with `auth`'s signed downloads), `served` (`served-names`), `layout`
+(`staged-checkpoints`, `tinker-sampler-paths`) and `launch` (`device-mesh`, `coordinator-bind` and the command line of
+each process); `python -m txflow.upstream.skyrl_tx {api|engine|worker}` runs them. This module holds the names and
+numbers of the pinned version and its guard.
 
 The upstream behaviours this adapter works around are listed in `patches.PATCHES`, one record per change: its slug (how
 code, tests and docs name it), the module that makes it, what it changes, why, and which upstream change makes it

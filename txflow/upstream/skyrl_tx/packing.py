@@ -1,4 +1,4 @@
-"""Rows that share a prompt are computed once per micro-batch (`packed-prefixes`).
+"""Rows that share a prompt are computed once per batch (`packed-prefixes`).
 
 An RL step trains each prompt's group of samples: for the nightly, 8 prompts of SmolLM2's arithmetic task x 4 samples
 of 4 tokens. Each prompt is 72-74 tokens, of which the first 54 (the chat template's system prompt and a few-shot
@@ -6,12 +6,19 @@ turn) are the same for every prompt. Upstream computes every row of a forward_ba
 again what the row before it had computed. Here the rows of a micro-batch (of the same adapter) are packed as a
 prefix tree into one row: every token that rows share at the same depth once (the few-shot prefix once, each prompt's
 own tokens once, each sample's own tokens), with each token at its position in its original row and an attention
-mask under which a token sees its own row's earlier tokens only (its ancestors in the tree). Each original row's
-hidden states are gathered back from its packed row, and the logprobs, the losses and their gradients are computed
-on them as upstream computes them: the same function of the weights (the gradient of a shared position is the sum
-over the rows that read it, which the gather's transpose adds up), in fewer FLOPs. Same figures in float32
-(tests/test_packing.py); on SmolLM2 in bfloat16 the nightly step's logprobs are identical and its gradients within
-5e-5 (relative, summed over every parameter).
+mask under which a token sees its own row's earlier tokens only (its ancestors in the tree). The output head runs
+once per distinct (packed position, target token): rows that share a position share its target too, except where
+their next tokens part, so the 49k-vocabulary logits cost about as much as the packed tokens, not as every original
+row's padded positions (3072 for the nightly, against 384 asked). Each original position's logprob is gathered back,
+and the losses and their gradients are computed on them as upstream computes them: the same function of the weights
+(the gradient of a shared position is the sum over the rows that read it, which the gather's transpose adds up), in
+fewer FLOPs. Same figures in float32 (tests/test_packing.py); on SmolLM2 in bfloat16 the nightly step's logprobs are
+identical and its gradients within 5e-5 (relative, summed over every parameter).
+
+A batch of more rows than a micro-batch (`train_micro_batch_size`, 8 in a run: it bounds a pass's memory) runs as one
+micro-batch when packed it computes no more tokens and no more head positions than one micro-batch of upstream's
+would: the nightly's 32 rollouts are one pass over one row of 384, where 4 micro-batches of 8 computed the few-shot
+prefix 4 times.
 
 Only for a micro-batch that packing halves at least, in a single-process, single-device engine (a sharded batch is
 split over the devices by rows); any other batch runs upstream's program. Rows of chat share their template's
@@ -53,6 +60,22 @@ class Plan:
     @property
     def length(self) -> int:
         return self.ids.shape[1]
+
+
+@dataclass(frozen=True)
+class Queries:
+    """The logprobs a packed micro-batch computes: each distinct (packed position, target token) once. Rows that
+    share a position mostly share its target too (the next token of a prefix they share), so the 49k-vocabulary
+    head runs over about as many positions as the packed rows hold tokens, not over every original row's."""
+
+    nodes: np.ndarray  # (queries,) a packed position, as an index into the packed rows flattened
+    targets: np.ndarray  # (queries,) its target token
+    adapters: np.ndarray  # (queries,) the adapter of its packed row
+    inverse: np.ndarray  # (rows, width) the query of each original position
+
+    @property
+    def count(self) -> int:
+        return len(self.nodes)
 
 
 class Tree:
@@ -131,6 +154,29 @@ def plan_for(rows: list[np.ndarray], adapters: list[int], width: int) -> Plan | 
     return Plan(ids, positions, mask, adapter_of, source_rows, source_columns)
 
 
+def queries_for(plan: Plan, target_ids) -> Queries:
+    """The distinct (packed position, target) pairs of a micro-batch's original positions, padding included (one
+    pair per packed row: column 0 with upstream's padded target 0; its logprob is never read), their count padded
+    to one of upstream's length buckets (each count is a program)."""
+    from tx.utils.models import round_up_seq_len
+
+    flat = plan.source_rows[:, None] * plan.length + plan.source_columns
+    pairs = np.stack([flat.ravel(), np.asarray(target_ids, np.int64).ravel()], axis=1)
+    distinct, inverse = np.unique(pairs, axis=0, return_inverse=True)
+    count = round_up_seq_len(len(distinct))
+    nodes, targets = np.zeros(count, np.int32), np.zeros(count, np.int32)
+    nodes[:len(distinct)], targets[:len(distinct)] = distinct[:, 0], distinct[:, 1]
+    return Queries(nodes, targets, plan.adapters[nodes // plan.length], inverse.reshape(flat.shape).astype(np.int32))
+
+
+def padded(rows: list[list[int]], width: int) -> np.ndarray:
+    """Rows padded with 0 to `width`, as upstream pads a batch's targets (`pad_batch`)."""
+    out = np.zeros((len(rows), width), np.int32)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = row
+    return out
+
+
 def micro_batch_plan(input_ids, attention_mask, adapter_indices) -> Plan | None:
     """The plan of a micro-batch as upstream hands it to its program (padded arrays on the device)."""
     ids, lengths = np.asarray(input_ids), np.asarray(attention_mask).sum(axis=1)
@@ -167,19 +213,22 @@ def packed_program(graphdef, checkpointed: bool, backward: bool):
     from flax import nnx
     from tx.tinker.loss_fns import LOSS_FUNCTIONS
 
-    def target_logprobs(lora, rest, packed_ids, packed_mask, packed_positions, packed_adapters, source_rows,
-                        source_columns, adapter_indices, target_ids):
+    def target_logprobs(lora, rest, packed_ids, packed_mask, packed_positions, packed_adapters, query_nodes,
+                        query_targets, query_adapters, inverse):
         model = nnx.merge(graphdef, lora, rest)
         hidden = model(packed_ids, attention_mask=packed_mask, positions=packed_positions,
                        adapter_indices=packed_adapters).last_hidden_state
-        return model.compute_logprobs(hidden[source_rows[:, None], source_columns], target_ids, adapter_indices)
+        asked = hidden.reshape(-1, hidden.shape[-1])[query_nodes]
+        # upstream's logprobs, one query per row of one position: each query's own adapter for a LoRA on the head
+        logprobs = model.compute_logprobs(asked[:, None], query_targets[:, None], query_adapters)[:, 0]
+        return logprobs[inverse]
 
     if checkpointed:
         target_logprobs = jax.checkpoint(target_logprobs, policy=None)
 
     def loss(lora, rest, plan, adapter_indices, target_ids, loss_mask, loss_fn_types, sampling_logprobs,
              advantages):
-        logprobs = target_logprobs(lora, rest, *plan, adapter_indices, target_ids)
+        logprobs = target_logprobs(lora, rest, *plan)  # the targets are the queries'; `target_ids` is upstream's
         per_token = jax.vmap(lambda kind, *args: jax.lax.switch(kind, LOSS_FUNCTIONS, *args))(
             loss_fn_types, logprobs, loss_mask, sampling_logprobs, advantages)
         per_row = per_token.sum(axis=-1) / jnp.maximum(loss_mask.sum(axis=-1), 1e-9)
@@ -211,7 +260,9 @@ class PackingPass:
         if plan is None:
             return self.upstream(accumulated, lora, rest, input_ids, attention_mask, adapter_indices, target_ids,
                                  *batch)
-        arrays = (plan.ids, plan.mask, plan.positions, plan.adapters, plan.source_rows, plan.source_columns)
+        queries = queries_for(plan, target_ids)
+        arrays = (plan.ids, plan.mask, plan.positions, plan.adapters, queries.nodes, queries.targets, queries.adapters,
+                  queries.inverse)
         return self.packed(accumulated, lora, rest, arrays, adapter_indices, target_ids, *batch)
 
 
@@ -222,22 +273,60 @@ def packs(engine) -> bool:
     return jax.process_count() == 1 and engine.mesh.size == 1 and not engine.config.enforce_eager
 
 
-def shapes_of(engine, rows: list[list[int]], adapters: list[int], length: int) -> tuple:
-    """What a micro-batch's program is compiled for (`compile-log`): its row count, and when packed its packed rows
-    and their length."""
+def shapes_of(engine, rows: list[list[int]], targets: list[list[int]], adapters: list[int], length: int) -> tuple:
+    """What a micro-batch's program is compiled for (`compile-log`): its row count, and when packed its packed rows,
+    their length and its logprob queries."""
     installed = isinstance(getattr(engine, "_forward", None), PackingPass)
     plan = plan_for([np.asarray(r) for r in rows], adapters, length) if installed and packs(engine) else None
-    return (len(rows),) if plan is None else (len(rows), "packed", plan.rows, plan.length)
+    if plan is None:
+        return (len(rows),)
+    return len(rows), "packed", plan.rows, plan.length, queries_for(plan, padded(targets, length)).count
+
+
+def whole_batch_packs(engine, batch) -> bool:
+    """Whether a batch of more rows than one micro-batch (`train_micro_batch_size`, which bounds a pass's memory)
+    packs into one that computes no more than a micro-batch of upstream's would: its packed tokens and its head's
+    queries each within that many rows of the batch's length. The nightly's 32 rollouts are one packed row of 384
+    tokens, where 4 micro-batches of 8 would compute the few-shot prefix 4 times."""
+    from tx.tinker.backends.jax import round_up_seq_len
+
+    rows, micro = batch.all_input_ids, engine.config.train_micro_batch_size
+    if not 0 < micro < len(rows) or not isinstance(getattr(engine, "_forward", None), PackingPass) \
+            or not packs(engine):
+        return False
+    length = round_up_seq_len(max(len(row) for row in rows))
+    adapters = [getattr(engine.models.get(m), "adapter_index", 0) for m in batch.all_model_ids]
+    plan = plan_for([np.asarray(row) for row in rows], adapters, length)
+    budget = micro * length
+    return plan is not None and plan.rows * plan.length <= budget \
+        and queries_for(plan, padded(batch.all_targets, length)).count <= budget
 
 
 def model_passes_pack_shared_prefixes() -> None:
-    """The engine's forward_backward and forward programs pack rows that share a prefix (`packed-prefixes`)."""
+    """The engine's forward_backward and forward programs pack rows that share a prefix (`packed-prefixes`), a
+    whole batch at once where packed it fits one micro-batch."""
     from tx.tinker.backends.jax import JaxBackendImpl
 
     attention_reads_a_packed_mask()
     upstream = JaxBackendImpl._create_loss_and_grad_fn
     if hasattr(upstream, "upstream"):
         return
+    upstream_pass, upstream_micro = JaxBackendImpl._model_pass, JaxBackendImpl._micro_batch_size
+
+    @functools.wraps(upstream_pass)
+    def _model_pass(self, prepared_batch, model_pass_fn):
+        self._txflow_whole_batch = whole_batch_packs(self, prepared_batch)
+        try:
+            return upstream_pass(self, prepared_batch, model_pass_fn)
+        finally:
+            self._txflow_whole_batch = False
+
+    @functools.wraps(upstream_micro)
+    def _micro_batch_size(self, total: int) -> int:
+        return total if getattr(self, "_txflow_whole_batch", False) else upstream_micro(self, total)
+
+    _model_pass.upstream, _micro_batch_size.upstream = upstream_pass, upstream_micro
+    JaxBackendImpl._model_pass, JaxBackendImpl._micro_batch_size = _model_pass, _micro_batch_size
 
     @functools.wraps(upstream)
     def _create_loss_and_grad_fn(self):

@@ -3,9 +3,9 @@
 losses (`tinker-losses`), the compilation cache written by every rank (`compilation-cache`), loss chunks sized to the
 batch (`loss-chunks`), each example's own adapter in every LoRA linear layer (`lora-per-example`), the model code of
 `models` (`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`),
-every program's compile in the log under what it computes (`compile-log`), each model's optimizer over its own
-slot only (`optimizer-own-slot`), and the rows of a training micro-batch that share a prompt computed once
-(`packed-prefixes`); `run` imports upstream without torch (`rank-imports`)."""
+sampling calls in batches sized to them (`sampling-rows`), every program's compile in the log under what it computes
+(`compile-log`), each model's optimizer over its own slot only (`optimizer-own-slot`), and the rows of a training batch
+that share a prompt computed once (`packed-prefixes`); `run` imports upstream without torch (`rank-imports`)."""
 
 from __future__ import annotations
 
@@ -179,7 +179,8 @@ def every_program_compile_logged() -> None:
         shapes = set()
         for start in range(0, total, micro):  # a micro-batch's rows, padded to the devices, and its packing
             rows = prepared_batch.all_input_ids[start:start + micro]
-            packed = packing.shapes_of(self, rows, adapters[start:start + micro], length)[1:]
+            targets = prepared_batch.all_targets[start:start + micro]
+            packed = packing.shapes_of(self, rows, targets, adapters[start:start + micro], length)[1:]
             shapes.add((kind, length, -(-len(rows) // fsdp) * fsdp, *packed))
         current["pass"] = (kind, length, shapes)
         try:
@@ -345,6 +346,47 @@ def sample_prompts_share_a_bucket(floor: int = SAMPLE_BUCKET_FLOOR) -> None:
     backend.JaxBackendImpl.sample = sample
 
 
+# A sampling call of more sequences than upstream's batch (`sample_max_num_sequences`) runs in batches of this many
+# times as many rows, while each holds no more key-value positions than one of upstream's batches of rows of
+# SAMPLE_ROW_TOKENS (`sampling-rows`).
+SAMPLE_ROWS_FACTOR, SAMPLE_ROW_TOKENS = 4, 512
+
+
+def sampling_batches_fit_the_call(factor: int = SAMPLE_ROWS_FACTOR, row_tokens: int = SAMPLE_ROW_TOKENS) -> None:
+    """Upstream samples in batches of `sample_max_num_sequences` rows (8 in a run: it bounds the memory), each padded
+    to that many, and a decoding step costs about as much for 32 rows as for 8 on a CPU (its cost is the weights'
+    reads and the per-op overhead, not the rows): the nightly RL step's 32 samples took 4 batches of 1.25 s, 5.0 s,
+    against 2.5 s as one batch of 32 (SmolLM2, in one process). A call of more rows than a batch runs in batches
+    `factor` times larger when its rows are short (prompt bucket + new tokens, times the rows, within
+    `sample_max_num_sequences` x `row_tokens`) and it asks for no prompt logprobs (whose logits grow with the rows
+    times the prompt). A call that fits upstream's batch keeps it (a larger one would only pad it), so the programs
+    are two row counts at most (`sampling-rows`). Can go when upstream sizes its sampling batches to the call."""
+    from tx.tinker.backends import jax as backend
+
+    upstream_sample, upstream_round = backend.JaxBackendImpl.sample, backend.round_up_seq_len
+
+    def larger(engine, batch) -> int | None:
+        rows = engine.config.sample_max_num_sequences
+        if batch.needs_prompt_logprobs or not 0 < rows < len(batch.all_prompts):
+            return None
+        width = upstream_round(max(max(len(p) for p in batch.all_prompts), SAMPLE_BUCKET_FLOOR)) \
+            + max(p.max_tokens for p in batch.all_sampling_params)
+        return rows * factor if factor * width <= row_tokens else None
+
+    @functools.wraps(upstream_sample)  # its annotations serialise the broadcast call (see above)
+    def sample(self, prepared_batch):
+        rows, chosen = self.config.sample_max_num_sequences, larger(self, prepared_batch)
+        if chosen is None:
+            return upstream_sample(self, prepared_batch)
+        self.config.sample_max_num_sequences = chosen
+        try:
+            return upstream_sample(self, prepared_batch)
+        finally:
+            self.config.sample_max_num_sequences = rows  # the engine serves one batch at a time
+
+    backend.JaxBackendImpl.sample = sample
+
+
 def install() -> None:
     """Every change a rank gets in upstream's backend and model code (also what a benchmark of the engine in
     one process installs, so that it measures what the ranks run)."""
@@ -360,6 +402,7 @@ def install() -> None:
     every_program_compile_logged()
     optimizer_covers_its_own_slot()
     sample_prompts_share_a_bucket()
+    sampling_batches_fit_the_call()
     packing.model_passes_pack_shared_prefixes()
 
 
