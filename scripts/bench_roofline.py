@@ -2,8 +2,8 @@
 the FLOPs and bytes a step needs (counted from the model's config), and the engine's measured step in one process
 (SkyRL-tx's JAX backend with every change a rank gets; no API, so this is the engine's own cost).
 
-Prints, for the demo's SFT step (4 rows, 64-token bucket) and the nightly RL step (4 prompts x 4 samples of
-4 tokens, then one update on the 16 rollouts):
+Prints, for the demo's SFT step (4 rows, 64-token bucket) and the nightly RL step (8 prompts that share a few-shot
+prefix x 4 samples of 4 tokens, then one update on the 32 rollouts):
 - the peak: a jitted chain of the model's own matmuls (hidden x intermediate, each layer's), forward and
   forward + backward, in float32 and bfloat16; the best of them is the roofline's FLOP rate;
 - the bandwidth: a jitted sum over 1 GiB;
@@ -143,11 +143,16 @@ def engine(model_dir: str, adapters: int, rank: int):
     from tx.tinker import types
     from tx.tinker.backends import jax as backend
 
+    from txflow.config import RunConfig
     from txflow.upstream.skyrl_tx import ranks
+    from txflow.upstream.skyrl_tx.launch import backend_config
 
     ranks.install()
+    # a run's micro-batch and sampling batch sizes (one process), which the packing and the sampling rows go by
+    sizes = {key: backend_config(RunConfig(), None)[key] for key in ("train_micro_batch_size",
+                                                                      "sample_max_num_sequences")}
     impl = backend.JaxBackendImpl(model_dir, backend.JaxBackendConfig(max_lora_adapters=adapters,
-                                                                      max_lora_rank=rank))
+                                                                      max_lora_rank=rank, **sizes))
     impl.create_model("m", types.LoraConfig(rank=rank, alpha=32.0, seed=0))
     return impl
 
