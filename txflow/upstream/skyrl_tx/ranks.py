@@ -9,12 +9,14 @@ that share a prompt computed once (`packed-prefixes`); `run` imports upstream wi
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import os
 import sys
 import threading
+import time
 import types
 
 from txflow.upstream.skyrl_tx import losses, models, packing
@@ -105,13 +107,31 @@ def lora_computes_each_examples_adapter() -> None:
     LoRALinear.apply_lora = lora_per_example
 
 
+# The program shapes this process has compiled since `every_program_compile_logged` (`compile-log`; one engine per
+# process).
+COMPILED: set[tuple] = set()
+
+
+@contextlib.contextmanager
+def compile_logged(kind: str, length: int, shapes: set[tuple], enforce_eager: bool = False):
+    """Logs the call inside as `kind` of `length` compiling, in upstream's words, when it runs a program of `shapes`
+    this process has not compiled yet (`compile-log`)."""
+    from tx.utils.log import logger
+
+    if enforce_eager or shapes <= COMPILED:
+        yield
+        return
+    logger.info(f"JIT compiling for {kind} seq_len={length} in progress...")
+    began = time.time()
+    yield
+    COMPILED.update(shapes)
+    logger.info(f"JIT compilation for {kind} seq_len={length} took {time.time() - began:.2f}s")
+
+
 def optimizer_compile_logged() -> None:
     """The first optimizer step of the process (the one that compiles its program) is logged as upstream logs
     its train and sample compiles, so that the run can say what it waits for (`txflow.cluster.compiles`)."""
-    import time
-
     from tx.tinker.backends.jax import JaxBackendImpl
-    from tx.utils.log import logger
 
     upstream = JaxBackendImpl.optim_step
 
@@ -119,16 +139,10 @@ def optimizer_compile_logged() -> None:
     # read them back so): `wraps` keeps upstream's.
     @functools.wraps(upstream)
     def optim_step(self, model_id, request_data):
-        nothing_to_apply = model_id in self.models and int(
-            self.accumulated_grads.counts[self.models[model_id].adapter_index]) == 0  # upstream skips the step
-        if getattr(JaxBackendImpl, "_txflow_optimizer_compiled", False) or nothing_to_apply:
+        if model_id in self.models and int(self.accumulated_grads.counts[self.models[model_id].adapter_index]) == 0:
+            return upstream(self, model_id, request_data)  # upstream skips the step: nothing compiles
+        with compile_logged("optimizer", 0, {("optimizer",)}):
             return upstream(self, model_id, request_data)
-        logger.info("JIT compiling for optimizer seq_len=0 in progress...")
-        began = time.monotonic()
-        result = upstream(self, model_id, request_data)
-        JaxBackendImpl._txflow_optimizer_compiled = True
-        logger.info(f"JIT compilation for optimizer seq_len=0 took {time.monotonic() - began:.2f}s")
-        return result
 
     JaxBackendImpl.optim_step = optim_step
 
@@ -144,29 +158,14 @@ def every_program_compile_logged() -> None:
     came after the first of its length compiled in silence (the demo's evaluation forward of 64 tokens: 4.8 s,
     in no report). Here each shape is logged the first time it comes, as `train`, `forward` or `sample` of
     its length; the run adds up the compiles of one name."""
-    import contextlib
-    import time
-
     from tx.tinker.backends import jax as backend
     from tx.tinker.backends.jax import JaxBackendImpl
     from tx.utils import generator
-    from tx.utils.log import logger
 
     if hasattr(generator.GeneratorMixin.generate, "upstream"):
         return
-    compiled: set[tuple] = set()  # one engine per process
+    COMPILED.clear()  # installed once per process; a test installs it again over upstream's methods
     current: dict[str, tuple] = {}  # the shapes the call in progress will run, by the kind it is logged as
-
-    @contextlib.contextmanager
-    def logged(kind: str, length: int, shapes: set[tuple], enforce_eager: bool = False):
-        if enforce_eager or shapes <= compiled:
-            yield
-            return
-        logger.info(f"JIT compiling for {kind} seq_len={length} in progress...")
-        began = time.time()
-        yield
-        compiled.update(shapes)
-        logger.info(f"JIT compilation for {kind} seq_len={length} took {time.time() - began:.2f}s")
 
     upstream_pass = JaxBackendImpl._model_pass
 
@@ -195,7 +194,7 @@ def every_program_compile_logged() -> None:
         began = time.time()
         if mode == "train" and "pass" in current:
             kind, length, shapes = current["pass"]
-            with logged(kind, length, shapes, self.config.enforce_eager):
+            with compile_logged(kind, length, shapes, self.config.enforce_eager):
                 yield
         else:  # sampling is logged by `generate`, which knows the program's shape
             yield
@@ -213,7 +212,7 @@ def every_program_compile_logged() -> None:
                  max((p.top_k for p in sampling_params if p.top_k > 0), default=0),
                  any(p.top_p < 1.0 for p in sampling_params), bool(prompt_logprobs),
                  None if plan is None else len(plan[0]))
-        with logged("sample", input_ids.shape[1], {shape}):
+        with compile_logged("sample", input_ids.shape[1], {shape}):
             return upstream_generate(self, input_ids, attention_mask, sampling_params=sampling_params,
                                      adapter_indices=adapter_indices, prompt_logprobs=prompt_logprobs,
                                      tokenizer=tokenizer)
