@@ -352,14 +352,14 @@ SAMPLE_ROWS_FACTOR, SAMPLE_ROW_TOKENS = 4, 512
 
 
 def sampling_batches_fit_the_call(factor: int = SAMPLE_ROWS_FACTOR, row_tokens: int = SAMPLE_ROW_TOKENS) -> None:
-    """Upstream samples in batches of `sample_max_num_sequences` rows (8 in a run: it bounds the memory), each padded
-    to that many, and a decoding step costs about as much for 32 rows as for 8 on a CPU (its cost is the weights'
-    reads and the per-op overhead, not the rows): the nightly RL step's 32 samples took 4 batches of 1.25 s, 5.0 s,
-    against 2.5 s as one batch of 32 (SmolLM2, in one process). A call of more rows than a batch runs in batches
-    `factor` times larger when its rows are short (prompt bucket + new tokens, times the rows, within
-    `sample_max_num_sequences` x `row_tokens`) and it asks for no prompt logprobs (whose logits grow with the rows
-    times the prompt). A call that fits upstream's batch keeps it (a larger one would only pad it), so the programs
-    are two row counts at most (`sampling-rows`). Can go when upstream sizes its sampling batches to the call."""
+    """Upstream samples in batches of `sample_max_num_sequences` rows (8 in a run: it bounds the memory), each padded to
+    that many, and on a CPU a decoding step of 32 rows costs about twice one of 8 (SmolLM2: 0.23 s against 0.10-0.13 s;
+    the matmuls of a few rows run far below the CPU's peak), half as much per row: the nightly RL step's 32 samples took
+    4 batches of 1.25 s, 5.0 s, against 2.5 s as one batch of 32 (in one process). A call of more rows than a batch runs
+    in batches `factor` times larger when its rows are short (prompt bucket + new tokens, times the rows, within
+    `sample_max_num_sequences` x `row_tokens`) and it asks for no prompt logprobs (whose logits grow with the rows times
+    the prompt). A call that fits upstream's batch keeps it (a larger one would only pad it), so the programs are two
+    row counts at most (`sampling-rows`). Can go when upstream sizes its sampling batches to the call."""
     from tx.tinker.backends import jax as backend
 
     upstream_sample, upstream_round = backend.JaxBackendImpl.sample, backend.round_up_seq_len
