@@ -280,12 +280,14 @@ def main() -> int:
     decode_bytes = max_tokens * shapes.weight_bytes(itemsize)
     # The engine trains the rollouts packed as a prefix tree, every shared token once, and asks the head for each
     # distinct (position, target) once (`packed-prefixes`); `unpacked` is what it would compute row by row.
+    from tx.tinker.backends.utils import pad_batch
+
     from txflow.upstream.skyrl_tx import packing
 
     plan = packing.plan_for([np.asarray(row) for row in rl_train.all_input_ids], [1] * rollouts, train_length)
     unpacked = train_flops(shapes, rollouts, train_length, args.lora_rank)
     if plan is not None:
-        queries = packing.queries_for(plan, packing.padded(rl_train.all_targets, train_length)).count
+        queries = packing.queries_for(plan, pad_batch(rl_train.all_targets, train_length, np.int32)).count
     train = unpacked if plan is None else packed_train_flops(shapes, plan.rows, plan.length, queries, args.lora_rank)
     parts = {"prefill": prefill / flop_rate, "decode": max(decode_flops / flop_rate, decode_bytes / bandwidth),
              "forward_backward": train / flop_rate, "optimizer": optimizer_estimate}

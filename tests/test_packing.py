@@ -10,6 +10,7 @@ import pytest
 from tx.models import llama3, qwen3
 from tx.tinker import types
 from tx.tinker.backends import jax as backend
+from tx.tinker.backends.utils import pad_batch
 
 from txflow.config import TINY_MODEL
 from txflow.upstream.skyrl_tx import packing
@@ -56,7 +57,7 @@ def test_what_rows_share_at_any_depth_is_computed_once_and_each_row_sees_its_own
     # The head's logprobs: each distinct (packed position, target) once. The targets are the next tokens (the last
     # one wraps round, as `model_pass` builds them), so a shared prefix asks once: 30 edges of the tree, each row's
     # last token, and the padding (column 0, target 0): 35 queries, in a bucket of 48, instead of 4 x 32 positions.
-    targets = packing.padded([[*row[1:], row[0]] for row in rows], 32)
+    targets = pad_batch([[*row[1:], row[0]] for row in rows], 32, np.int32)
     queries = packing.queries_for(plan, targets)
     assert (len(np.unique(queries.inverse)), queries.count, list(set(queries.adapters))) == (35, 48, [3])
     for i, row in enumerate(rows):  # every original position reads its own position's logprob of its own target

@@ -169,14 +169,6 @@ def queries_for(plan: Plan, target_ids) -> Queries:
     return Queries(nodes, targets, plan.adapters[nodes // plan.length], inverse.reshape(flat.shape).astype(np.int32))
 
 
-def padded(rows: list[list[int]], width: int) -> np.ndarray:
-    """Rows padded with 0 to `width`, as upstream pads a batch's targets (`pad_batch`)."""
-    out = np.zeros((len(rows), width), np.int32)
-    for i, row in enumerate(rows):
-        out[i, :len(row)] = row
-    return out
-
-
 def micro_batch_plan(input_ids, attention_mask, adapter_indices) -> Plan | None:
     """The plan of a micro-batch as upstream hands it to its program (padded arrays on the device)."""
     ids, lengths = np.asarray(input_ids), np.asarray(attention_mask).sum(axis=1)
@@ -273,14 +265,20 @@ def packs(engine) -> bool:
     return jax.process_count() == 1 and engine.mesh.size == 1 and not engine.config.enforce_eager
 
 
+def installed_and_packs(engine) -> bool:
+    """Whether this engine's model passes are `PackingPass`es and it packs at all."""
+    return isinstance(getattr(engine, "_forward", None), PackingPass) and packs(engine)
+
+
 def shapes_of(engine, rows: list[list[int]], targets: list[list[int]], adapters: list[int], length: int) -> tuple:
     """What a micro-batch's program is compiled for (`compile-log`): its row count, and when packed its packed rows,
     their length and its logprob queries."""
-    installed = isinstance(getattr(engine, "_forward", None), PackingPass)
-    plan = plan_for([np.asarray(r) for r in rows], adapters, length) if installed and packs(engine) else None
+    from tx.tinker.backends.utils import pad_batch
+
+    plan = plan_for([np.asarray(r) for r in rows], adapters, length) if installed_and_packs(engine) else None
     if plan is None:
         return (len(rows),)
-    return len(rows), "packed", plan.rows, plan.length, queries_for(plan, padded(targets, length)).count
+    return len(rows), "packed", plan.rows, plan.length, queries_for(plan, pad_batch(targets, length, np.int32)).count
 
 
 def whole_batch_packs(engine, batch) -> bool:
@@ -289,17 +287,17 @@ def whole_batch_packs(engine, batch) -> bool:
     queries each within that many rows of the batch's length. The nightly's 32 rollouts are one packed row of 384
     tokens, where 4 micro-batches of 8 would compute the few-shot prefix 4 times."""
     from tx.tinker.backends.jax import round_up_seq_len
+    from tx.tinker.backends.utils import pad_batch
 
     rows, micro = batch.all_input_ids, engine.config.train_micro_batch_size
-    if not 0 < micro < len(rows) or not isinstance(getattr(engine, "_forward", None), PackingPass) \
-            or not packs(engine):
+    if not 0 < micro < len(rows) or not installed_and_packs(engine):
         return False
     length = round_up_seq_len(max(len(row) for row in rows))
     adapters = [getattr(engine.models.get(m), "adapter_index", 0) for m in batch.all_model_ids]
     plan = plan_for([np.asarray(row) for row in rows], adapters, length)
     budget = micro * length
     return plan is not None and plan.rows * plan.length <= budget \
-        and queries_for(plan, padded(batch.all_targets, length)).count <= budget
+        and queries_for(plan, pad_batch(batch.all_targets, length, np.int32)).count <= budget
 
 
 def model_passes_pack_shared_prefixes() -> None:
