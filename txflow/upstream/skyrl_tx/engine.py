@@ -1,7 +1,8 @@
 """Rank 0, the engine (which hosts the JAX coordinator): `self-gated-startup` (it waits for the API's
 tables), `broadcast-delete-model` (unloads reach the workers), its end of `wake-channel` (wakes to and from
 the API), of `load-optimizer-flag` (a state load restores the optimizer only when the client asked),
-`tinker-sampler-paths` (sampler paths as Tinker's) and `prompt-logprobs` (prompt logprobs as Tinker's)."""
+`tinker-sampler-paths` (sampler paths as Tinker's), `prompt-logprobs` (prompt logprobs as Tinker's) and
+`full-sampling-batches` (a sampling batch with room waits for the rest of a burst)."""
 
 from __future__ import annotations
 
@@ -95,6 +96,39 @@ def prompt_logprobs_as_tinkers() -> None:
     TinkerEngine.process_sample = process_sample
 
 
+FILL_QUIET_S = 0.02
+"""How long a partial sampling batch waits for another request before it starts (`full-sampling-batches`)."""
+FILL_LIMIT_S = 0.25
+"""The longest a partial sampling batch waits in all, however the requests trickle in."""
+
+
+def fills_sampling_batches() -> None:
+    """A sampling batch with room left starts once its requests stop arriving (`full-sampling-batches`): upstream
+    takes whatever is pending at the moment it looks, so a client's 32 evaluation samples, stored one after
+    another over ~0.1 s, ran as 2 + 8 + 8 + 8 + 6 rows: five passes of a full batch's cost instead of four."""
+    import time
+
+    from sqlmodel import Session
+    from tx.tinker.engine import TinkerEngine
+
+    upstream = TinkerEngine.find_batchable_sample
+
+    def find_batchable_sample(self, session):
+        found = upstream(self, session)
+        room = self.backend.config.sample_max_num_sequences
+        deadline = time.monotonic() + FILL_LIMIT_S
+        while 0 < len(found) < room and time.monotonic() < deadline:
+            time.sleep(FILL_QUIET_S)
+            with Session(self.db_engine) as fresh:  # a new read: the first session's snapshot is as it began
+                more = upstream(self, fresh)
+            if len(more) <= len(found):
+                break
+            found = more
+        return found
+
+    TinkerEngine.find_batchable_sample = find_batchable_sample
+
+
 class _EngineClock:
     """What upstream's engine module sees as `time`. Its one `time.sleep`, the 0.1 s after each pass over
     the pending requests, ends early at the API's wake (`wake-channel`); everything else is the `time` module."""
@@ -137,6 +171,7 @@ def run(argv: list[str]) -> None:
         loads_optimizer_when_asked()
         sampler_paths_as_tinkers()
         prompt_logprobs_as_tinkers()
+        fills_sampling_batches()
         wakes(entry)
 
     ranks.run(ENGINE_MODULE, argv, patch)

@@ -1,0 +1,82 @@
+"""The `full-sampling-batches` change: a sampling batch with room left waits for the rest of a burst of requests,
+on upstream's own `find_batchable_sample` and tables in a real SQLite database. The bounds only tell a wait for
+more requests from none (tens of milliseconds against a tenth of a second); speed is the benchmark's business."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from sqlmodel import Session, SQLModel, create_engine
+from tx.tinker import types
+from tx.tinker.db_models import FutureDB
+from tx.tinker.engine import TinkerEngine
+
+from txflow.upstream.skyrl_tx import engine
+
+pytestmark = [pytest.mark.timed]
+
+ROOM = 8  # sample_max_num_sequences
+
+
+@pytest.fixture
+def patched(monkeypatch, tmp_path):
+    """Upstream's engine class with the change installed (restored afterwards), and an engine-shaped holder of a
+    fresh database: what `find_batchable_sample` reads of `self`."""
+    monkeypatch.setattr(TinkerEngine, "find_batchable_sample", TinkerEngine.find_batchable_sample)
+    engine.fills_sampling_batches()
+    db = create_engine(f"sqlite:///{tmp_path / 'tinker.db'}")
+    SQLModel.metadata.create_all(db)
+    holder = SimpleNamespace(db_engine=db, config=SimpleNamespace(backend="jax"),
+                             backend=SimpleNamespace(config=SimpleNamespace(sample_max_num_sequences=ROOM)))
+    return holder
+
+
+def add_samples(db, count: int) -> None:
+    request = types.SampleInput(prompt=types.ModelInput(chunks=[types.ModelInputChunk(tokens=[1, 2, 3])]),
+                                sampling_params=types.SamplingParams(temperature=0.0, max_tokens=4, seed=0),
+                                num_samples=1, checkpoint_id="", prompt_logprobs=False)
+    with Session(db) as session:
+        for _ in range(count):
+            session.add(FutureDB(request_type=types.RequestType.SAMPLE, model_id="", request_data=request.model_dump()))
+        session.commit()
+
+
+def found(holder) -> tuple[int, float]:
+    began = time.monotonic()
+    with Session(holder.db_engine) as session:
+        batch = TinkerEngine.find_batchable_sample(holder, session)
+    return len(batch), time.monotonic() - began
+
+
+def test_a_batch_with_room_takes_the_requests_that_arrive_while_they_keep_coming(patched):
+    add_samples(patched.db_engine, 3)
+
+    def trickle():  # the rest of the burst, a request every 5 ms (upstream alone took the first 3)
+        for _ in range(7):
+            time.sleep(0.005)
+            add_samples(patched.db_engine, 1)
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    try:
+        count, _ = found(patched)
+    finally:
+        sender.join()
+    assert count == ROOM  # a full batch; the 10th request is the next one's
+
+
+def test_a_batch_with_room_starts_once_no_request_comes(patched):
+    add_samples(patched.db_engine, 3)
+    count, took = found(patched)
+    assert count == 3 and took < 0.2  # one quiet spell, not the whole limit
+
+
+def test_a_full_batch_and_an_empty_look_do_not_wait(patched):
+    count, took = found(patched)
+    assert count == 0 and took < engine.FILL_QUIET_S
+    add_samples(patched.db_engine, ROOM + 2)
+    count, took = found(patched)
+    assert count == ROOM and took < engine.FILL_QUIET_S
