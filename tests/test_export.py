@@ -133,10 +133,15 @@ def _sampler_of(base: str, work: Path, scale: float = 0.05) -> dict:
                                  "the sampler")
     reference = export.ExportReference(sampler_url=sampler_url, base_model=base, sequences=sequences,
                                        logprobs=logprobs, prompts=prompts, greedy_tokens=greedy)
+    # As evaluate-restore records it now: each prompt followed by its greedy tokens, their logprobs.
+    along = [prompt + tokens for prompt, tokens in zip(prompts, greedy)]
+    path_reference = reference.model_copy(update={"sequences": along,
+                                                  "logprobs": _skyrl_figures(model, mesh, along, [])[0]})
     export.write_reference(str(run_root), {}, reference)
     (run_root / "report.json").write_text(json.dumps({"run_id": "r1", "mode": "sft", "base_model": "tiny",
                                                       "metrics": [{"step": 1}], "restore": {}}))
-    return {"base": base, "tarball": tarball, "reference": reference, "run_root": run_root, "work": work}
+    return {"base": base, "tarball": tarball, "reference": reference, "path_reference": path_reference,
+            "run_root": run_root, "work": work}
 
 
 def _peft_dir(skyrl_sampler, tmp_path) -> tuple[Path, dict]:
@@ -238,6 +243,44 @@ def test_a_failed_proof_writes_nothing(skyrl_sampler, tmp_path):
     result = writer.export(wrong, str(tmp_path / "out"), {}, skyrl_sampler["base"], {})
     assert not result.passed and export.failure(result) == "PEFT adapter: greedy tokens differ from SkyRL's"
     assert result.peft_url is None and not (tmp_path / "out").exists()
+
+
+# --- a reference along the greedy path (prompt + greedy tokens), as evaluate-restore records it -----------
+
+
+def test_along_the_greedy_path_one_forward_gives_what_decoding_gives(skyrl_sampler, tmp_path):
+    # The model's most likely next token at each greedy position of prompt + greedy tokens is its decoded greedy
+    # continuation (the proof's shortcut), and the figures are the ones a decoding proof found.
+    reference = skyrl_sampler["path_reference"]
+    assert proof.along_path(reference) and not proof.along_path(skyrl_sampler["reference"])
+    peft_dir, _ = _peft_dir(skyrl_sampler, tmp_path)
+    model = proof.load_peft(skyrl_sampler["base"], peft_dir).eval()
+    found = proof.figures(model, reference)
+    decoded = proof.greedy_tokens(model, reference.prompts, [len(g) for g in reference.greedy_tokens])
+    assert found.greedy_tokens == decoded == reference.greedy_tokens
+    assert export.max_abs_diff(found.logprobs, reference.logprobs) <= export.LOGPROB_BOUND
+
+
+def test_along_the_greedy_path_the_export_is_proven_and_a_wrong_continuation_fails(skyrl_sampler, tmp_path):
+    reference = skyrl_sampler["path_reference"]
+    result = writer.export(reference, str(tmp_path / "ok"), {}, skyrl_sampler["base"], {"run_id": "r1"})
+    assert result.passed and result.greedy_tokens_match, export.failure(result)
+    # A recorded continuation the adapter would not choose (its sequences and logprobs as recorded with it): the
+    # forward along it picks other tokens, and the proof fails.
+    other = [greedy[:2] + [(t + 1) % 256 for t in greedy[2:]] for greedy in reference.greedy_tokens]
+    sequences = [prompt + tokens for prompt, tokens in zip(reference.prompts, other)]
+    logprobs = [recorded[: len(sequence) - 1] for recorded, sequence in zip(reference.logprobs, sequences)]
+    wrong = reference.model_copy(update={"greedy_tokens": other, "sequences": sequences, "logprobs": logprobs})
+    assert proof.along_path(wrong)
+    result = writer.export(wrong, str(tmp_path / "wrong"), {}, skyrl_sampler["base"], {"run_id": "r1"})
+    assert not result.passed and not result.greedy_tokens_match and not (tmp_path / "wrong").exists()
+
+
+def test_along_the_greedy_path_a_bfloat16_models_export_is_proven_against_skyrls_float32_forward(bf16_sampler,
+                                                                                                 tmp_path):
+    reference = bf16_sampler["path_reference"]
+    result = writer.export(reference, str(tmp_path / "out"), {}, bf16_sampler["base"], {"run_id": "r1"})
+    assert result.passed and result.greedy_tokens_match and "float32" in result.compared_against
 
 
 # --- the bound and the model's own float32 noise ---------------------------------------------------------

@@ -40,7 +40,8 @@ class LiveReference(BaseModel):
     prompts: list[list[int]]
     examples: list[tuple[list[int], list[float]]]
     logprobs: list[list[float]] = Field(default_factory=list,
-                                        description="The live sampler's per-token logprobs of the examples")
+                                        description="The live sampler's logprob of each token after the "
+                                        "first of each prompt and its greedy tokens")
 
 
 @dataclass(eq=False)

@@ -53,7 +53,7 @@ class ExportReference(BaseModel):
 
     sampler_url: str = Field(description="The committed sampler checkpoint these figures are of")
     base_model: str = Field(description="The base model as the user named it (hub id, path, or `tiny`)")
-    sequences: list[list[int]] = Field(description="Fixed held-out sequences (prompt and completion)")
+    sequences: list[list[int]] = Field(description="Each held-out prompt followed by the sampler's greedy tokens")
     logprobs: list[list[float]] = Field(description="Per sequence, the logprob of each token after the first")
     prompts: list[list[int]]
     greedy_tokens: list[list[int]] = Field(description="The sampler's greedy continuation of each prompt")

@@ -36,18 +36,33 @@ def greedy_tokens(sampling_client, prompts: list[list[int]], handle: ClusterHand
     return [list(r.sequences[0].tokens) for r in _greedy(sampling_client, prompts, handle, timeout_s, seed)]
 
 
-def sequence_logprobs(sampling_client, sequences: list[list[int]], handle: ClusterHandle,
-                      timeout_s: float) -> list[list[float]]:
-    """The sampler's logprob of every token after the first of each sequence (its prompt logprobs)."""
-    logprobs = []
-    for sequence, response in zip(sequences, _greedy(sampling_client, sequences, handle, timeout_s, 0)):
-        # One per token after the first; an SDK that pads the first position gives it as None.
-        found = list(response.prompt_logprobs or [])[len(response.prompt_logprobs or []) - (len(sequence) - 1):]
-        if len(found) != len(sequence) - 1 or any(lp is None for lp in found):
-            raise RuntimeError(f"the sampler gave {len(response.prompt_logprobs or [])} prompt logprobs for a "
-                               f"sequence of {len(sequence)} tokens")
+def greedy_and_logprobs(sampling_client, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float,
+                        seed: int) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy continuations of every prompt, and the sampler's logprob of every token after the first of each
+    prompt + continuation (the sequence the export reproduces): the prompt's logprobs, then each sampled token's,
+    from the same call. A second call on those sequences for their prompt logprobs cost as much sampling again
+    (8 new tokens decoded for nothing); the figures differ only in rounding, and every comparison of them is
+    between two samplers that computed them the same way."""
+    tokens, logprobs = [], []
+    for prompt, response in zip(prompts, _greedy(sampling_client, prompts, handle, timeout_s, seed)):
+        sequence = response.sequences[0]
+        found = [*_prompt_logprobs(response, len(prompt)), *(sequence.logprobs or [])]
+        if len(found) != len(prompt) - 1 + len(sequence.tokens) or any(lp is None for lp in found):
+            raise RuntimeError(f"the sampler gave {len(sequence.logprobs or [])} logprobs for {len(sequence.tokens)} "
+                               f"sampled tokens")
+        tokens.append(list(sequence.tokens))
         logprobs.append([float(lp) for lp in found])
-    return logprobs
+    return tokens, logprobs
+
+
+def _prompt_logprobs(response, length: int) -> list:
+    """A response's logprob of every prompt token after the first (`length` tokens in the prompt)."""
+    # One per token after the first; an SDK that pads the first position gives it as None.
+    given = list(response.prompt_logprobs or [])
+    found = given[len(given) - (length - 1):] if length > 1 else []
+    if len(found) != length - 1 or any(lp is None for lp in found):
+        raise RuntimeError(f"the sampler gave {len(given)} prompt logprobs for a sequence of {length} tokens")
+    return found
 
 
 def _greedy(sampling_client, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float, seed: int):
@@ -94,15 +109,15 @@ def eval_prompts(mode: str, data) -> list[list[int]]:
 def live_reference(mode: str, handle: ClusterHandle, training_client, data, timeout_s: float,
                    seed: int) -> LiveReference:
     """What `training_client`'s model gives now: its held-out loss, greedy tokens (and the base model's on the
-    same prompts, which they must differ from) and per-token logprobs. Taken at the last step, before the
-    final state is committed, so that every later check compares the durable copies with the live model."""
+    same prompts, which they must differ from) and the per-token logprobs of each prompt and its greedy tokens.
+    Taken at the last step, before the final state is committed, so that every later check compares the durable
+    copies with the live model."""
     prompts = eval_prompts(mode, data)
     live_sampler = clients.sampling_client_of(handle, training_client, timeout_s)
-    tokens = greedy_tokens(live_sampler, prompts, handle, timeout_s, seed)
+    tokens, logprobs = greedy_and_logprobs(live_sampler, prompts, handle, timeout_s, seed)
     base_sampler = handle.call(lambda: handle.service_client(timeout_s).create_sampling_client(
         base_model=handle.cluster.base_model_path), "opening a base-model sampler", timeout_s)
     base_tokens = greedy_tokens(base_sampler, prompts, handle, timeout_s, seed)
     examples = data.eval if mode == "sft" else rollout_examples(prompts, tokens)
     return LiveReference(eval_loss=eval_loss(training_client, examples, handle, timeout_s), greedy_tokens=tokens,
-                         base_tokens=base_tokens, prompts=prompts, examples=examples,
-                         logprobs=sequence_logprobs(live_sampler, [e[0] for e in examples], handle, timeout_s))
+                         base_tokens=base_tokens, prompts=prompts, examples=examples, logprobs=logprobs)

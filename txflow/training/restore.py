@@ -86,10 +86,11 @@ def verify_client_checkpoints(cfg: RunConfig, handle: ClusterHandle, saved: Save
             else:
                 sampler, slot = restored_sampler(cfg, handle, client, ckpt.url, rank, modules)
                 try:
-                    tokens = evaluation.greedy_tokens(sampler, prompts, handle, cfg.step_timeout_s, cfg.seed)
+                    tokens, logprobs = evaluation.greedy_and_logprobs(sampler, prompts, handle, cfg.step_timeout_s,
+                                                                      cfg.seed)
                     if ckpt is last_sampler:  # the one the export step exports: what it must reproduce
-                        reference = record_reference(cfg, handle, sampler, ckpt.url, [e[0] for e in data.probe],
-                                                     prompts, tokens, {"rank": rank, **modules})
+                        reference = record_reference(cfg, handle, ckpt.url, prompts, tokens, logprobs,
+                                                     {"rank": rank, **modules})
                 finally:
                     evaluation.unload(handle, slot.model_id)
                 check["tokens"] = tokens
@@ -105,14 +106,14 @@ def verify_client_checkpoints(cfg: RunConfig, handle: ClusterHandle, saved: Save
     return RestoreCheck(passed=not failed, checks=checks, reference=reference, failed_checks=failed)
 
 
-def record_reference(cfg: RunConfig, handle: ClusterHandle, sampler, sampler_url: str, sequences: list[list[int]],
-                     prompts: list[list[int]], tokens: list[list[int]], lora: dict) -> export.ExportReference:
-    """What the restored sampler computes on fixed sequences and prompts, kept in the run root: the figures
-    the exported adapter must reproduce outside SkyRL (export-adapter, `txflow export`), and the slot it was
-    restored into (`txflow serve` loads it so)."""
+def record_reference(cfg: RunConfig, handle: ClusterHandle, sampler_url: str, prompts: list[list[int]],
+                     tokens: list[list[int]], logprobs: list[list[float]], lora: dict) -> export.ExportReference:
+    """What the restored sampler computed on fixed prompts (`evaluation.greedy_and_logprobs`), kept in the run
+    root: the figures the exported adapter must reproduce outside SkyRL (export-adapter, `txflow export`) on each
+    prompt and its greedy tokens, and the slot it was restored into (`txflow serve` loads it so)."""
     reference = export.ExportReference(
-        sampler_url=sampler_url, base_model=handle.cluster.base_model_path, sequences=sequences,
-        logprobs=evaluation.sequence_logprobs(sampler, sequences, handle, cfg.step_timeout_s), prompts=prompts,
+        sampler_url=sampler_url, base_model=handle.cluster.base_model_path,
+        sequences=[prompt + sampled for prompt, sampled in zip(prompts, tokens)], logprobs=logprobs, prompts=prompts,
         greedy_tokens=tokens, lora=lora)
     export.write_reference(cfg.run_root, cfg.plain_storage_options(), reference)
     return reference
@@ -139,9 +140,9 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
         evaluation.unload(handle, restored.model_id)
     sampler, slot = restored_sampler(cfg, handle, client, sampler_url, cfg.lora_rank)
     try:
-        tokens = evaluation.greedy_tokens(sampler, live.prompts, handle, timeout, cfg.seed)
-        reference = record_reference(cfg, handle, sampler, sampler_url, [e[0] for e in live.examples], live.prompts,
-                                     tokens, {"rank": cfg.lora_rank, **LORA_MODULES})
+        tokens, logprobs = evaluation.greedy_and_logprobs(sampler, live.prompts, handle, timeout, cfg.seed)
+        reference = record_reference(cfg, handle, sampler_url, live.prompts, tokens, logprobs,
+                                     {"rank": cfg.lora_rank, **LORA_MODULES})
         quality = (verdict.sft_quality(metrics, base_loss, live.eval_loss) if cfg.mode == "sft"
                    else rl_quality(cfg, handle, client, sampler, metrics, data))
         rows = data.eval_rows if cfg.mode == "sft" else data.rows

@@ -36,9 +36,12 @@ def lora_config_of(tarball: Path):
 
 
 def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]], prompts: list[list[int]],
-                  greedy_lengths: list[int], dtype: str = "float32") -> tuple[list[list[float]], list[list[int]]]:
+                  greedy_lengths: list[int], dtype: str = "float32",
+                  along_sequences: bool = False) -> tuple[list[list[float]], list[list[int]]]:
     """(per-token logprobs of each sequence after its first token, greedy continuation of each prompt of the
-    given length) from SkyRL-tx's model with the tarball's adapter, computed in `dtype`."""
+    given length) from SkyRL-tx's model with the tarball's adapter, computed in `dtype`. `along_sequences`: each
+    sequence is its prompt followed by greedy tokens, and the continuation is the most likely next token at each
+    of their positions in the sequences' forward (`proof.path_greedy`), without decoding."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -80,7 +83,8 @@ def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]
             model = nnx.merge(graphdef, weights)
             states = model(tokens, attention_mask=mask, adapter_indices=adapter).last_hidden_state
             targets = jnp.concatenate([tokens[:, 1:], tokens[:, :1]], axis=1)
-            return model.compute_logits(states, adapter), model.compute_logprobs(states, targets, adapter)
+            return jnp.argmax(model.compute_logits(states, adapter), -1), model.compute_logprobs(states, targets,
+                                                                                                   adapter)
 
         def run(rows: list[list[int]]):
             # ROWS sequences per call, one compiled shape. Causal attention: the padding on the right changes
@@ -90,11 +94,15 @@ def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]
             mask = jnp.asarray([[1] * len(r) + [0] * (length - len(r)) for r in rows], dtype=jnp.int32)
             return forward(weights, tokens, mask)
 
-        logprobs = []
+        logprobs, chosen = [], []
         for start in range(0, len(sequences), ROWS):
             chunk = sequences[start:start + ROWS]
-            found = np.asarray(run(chunk)[1], dtype=np.float64)
-            logprobs += [found[i, : len(s) - 1].tolist() for i, s in enumerate(chunk)]
+            best, found = (np.asarray(x) for x in run(chunk))
+            logprobs += [found[i, : len(s) - 1].astype(np.float64).tolist() for i, s in enumerate(chunk)]
+            chosen += [best[i, : len(s) - 1].tolist() for i, s in enumerate(chunk)]
+        if along_sequences:
+            return logprobs, [chosen[i][len(p) - 1: len(p) - 1 + n] for i, (p, n) in enumerate(zip(prompts,
+                                                                                                    greedy_lengths))]
         # Greedy continuations as the cluster decodes them (SkyRL-tx's generate, with its key-value cache),
         # ROWS prompts at a time: a whole forward per token took ~50 s for an SFT run's 32 prompts on 2 cores.
         greedy = []
