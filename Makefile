@@ -29,14 +29,14 @@ demo: $(STAMP)
 	$(BIN)/txflow run sft
 
 # Lint and the docs build first (seconds; either fails the run), then two phases: the unit tests that
-# assert on wall-clock times, alone; then every other test on three pytest-xdist workers (on two cores: the CPU
-# was idle 17% of the time with two), end-to-end tests first (see tests/conftest.py). Both phases run; the target fails if either did. The first phase collects
+# assert on wall-clock times, alone; then every other test on two pytest-xdist workers, end-to-end tests
+# first (see tests/conftest.py). Both phases run; the target fails if either did. The first phase collects
 # only the modules that mark tests `timed` (collecting every module imports the whole stack: ~20 s).
 TIMED := $(shell grep -l 'pytest.mark.timed' tests/test_*.py)
 test: $(STAMP) lint docs-check
 	status=0; \
 	$(BIN)/python -m pytest -v -m timed $(TIMED) || status=$$?; \
-	$(BIN)/python -m pytest -v -m "not timed" -n 3 --dist load --no-loadscope-reorder || status=$$?; \
+	$(BIN)/python -m pytest -v -m "not timed" -n 2 --dist load --no-loadscope-reorder || status=$$?; \
 	exit $$status
 
 lint: $(STAMP)

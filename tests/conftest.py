@@ -136,10 +136,9 @@ def s3_env(moto, txflow_env, monkeypatch):
 
 
 
-# `make test` runs every test but the `timed` ones on three pytest-xdist workers: most of an end-to-end
+# `make test` runs every test but the `timed` ones on two pytest-xdist workers: most of an end-to-end
 # test's time is one process importing, compiling or waiting, so two at once fill the machine's two cores (measured:
-# two 1-process SFT runs at once took 71 s, one alone 57 s), and with two the CPU was still idle 17% of the time
-# (2,722 CPU-seconds in a 25.5 min phase at f9c2373). What the schedule must know, each test module says
+# two 1-process SFT runs at once took 71 s, one alone 57 s). What the schedule must know, each test module says
 # itself in its `pytestmark` (the markers are registered in pyproject.toml):
 #   together  its tests share a module-scoped fixture (one run, one server, one Ray cluster, one S3 server; some
 #             rely on the order of the module): they go to one worker, so it is set up once. Every other test is
