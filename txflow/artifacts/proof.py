@@ -142,7 +142,7 @@ def float32_noise(model, reference: ExportReference, logprobs: list[list[float]]
 def figures(model, reference: ExportReference) -> Figures:
     """The model's per-token logprobs of the reference's sequences and its greedy continuation of each
     reference prompt, as many tokens as the sampler gave (along the sequences when they are prompt + greedy
-    tokens: one forward for both, where decoding was about half of the proof)."""
+    tokens: one forward gives both, where decoding would cost about as much again)."""
     if along_path(reference):
         logprobs, chosen = forward_figures(model, reference.sequences)
         return Figures(logprobs=logprobs, greedy_tokens=path_greedy(reference, chosen))

@@ -40,18 +40,16 @@ def greedy_and_logprobs(sampling_client, prompts: list[list[int]], handle: Clust
                         seed: int) -> tuple[list[list[int]], list[list[float]]]:
     """Greedy continuations of every prompt, and the sampler's logprob of every token after the first of each
     prompt + continuation (the sequence the export reproduces): the prompt's logprobs, then each sampled token's,
-    from the same call. A second call on those sequences for their prompt logprobs cost as much sampling again
-    (8 new tokens decoded for nothing); the figures differ only in rounding, and every comparison of them is
-    between two samplers that computed them the same way."""
+    from the same call. Scoring those sequences in a call of their own would sample again; the figures would
+    differ only in rounding, and every comparison of them is between two samplers that computed them this way."""
     tokens, logprobs = [], []
     for prompt, response in zip(prompts, _greedy(sampling_client, prompts, handle, timeout_s, seed)):
         sequence = response.sequences[0]
-        found = [*_prompt_logprobs(response, len(prompt)), *(sequence.logprobs or [])]
-        if len(found) != len(prompt) - 1 + len(sequence.tokens) or any(lp is None for lp in found):
-            raise RuntimeError(f"the sampler gave {len(sequence.logprobs or [])} logprobs for {len(sequence.tokens)} "
-                               f"sampled tokens")
+        sampled = list(sequence.logprobs or [])
+        if len(sampled) != len(sequence.tokens) or any(lp is None for lp in sampled):
+            raise RuntimeError(f"the sampler gave {len(sampled)} logprobs for {len(sequence.tokens)} sampled tokens")
         tokens.append(list(sequence.tokens))
-        logprobs.append([float(lp) for lp in found])
+        logprobs.append([float(lp) for lp in [*_prompt_logprobs(response, len(prompt)), *sampled]])
     return tokens, logprobs
 
 
