@@ -362,6 +362,13 @@ def test_a_sweep_trains_its_members_side_by_side_ranks_them_and_promotes_the_bes
         "base_eval_loss"]
     assert {reports[r]["learning_rate"] for r in rows} == {2e-2, 50}
     assert reports["sw-00"]["export"]["passed"] and reports["sw-01"]["export"] is None
+    # The base model's figures (its greedy tokens and held-out loss) were computed once on the cluster: each by
+    # one member, the other took them, whichever came first.
+    restores = [reports[r]["restore"] for r in rows]
+    for kind in ("greedy_tokens", "eval_loss"):
+        assert sum(kind in r.get("shared_base_figures", []) for r in restores) == 1, restores
+    assert restores[0]["base_eval_loss"] == restores[1]["base_eval_loss"]
+    assert [a["base"] for a in restores[0]["answers"]] == [a["base"] for a in restores[1]["answers"]]
     # The members ran side by side: the sweep started each before the other finished. (Their flows' bodies may
     # not overlap on a loaded machine: Prefect's server took 2-6 s to create the second subflow run while the
     # first member loaded its model, measured, and the failing member is over in 4 s.)

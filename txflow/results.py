@@ -42,6 +42,8 @@ class LiveReference(BaseModel):
     logprobs: list[list[float]] = Field(default_factory=list,
                                         description="The live sampler's logprob of each token after the "
                                         "first of each prompt and its greedy tokens")
+    shared_base_tokens: bool = Field(default=False, description="`base_tokens` are those another run on the "
+                                     "same cluster took (`txflow.training.base_figures`)")
 
 
 @dataclass(eq=False)
@@ -93,6 +95,9 @@ class RestoreCheck(BaseModel):
     reference: ExportReference | None = Field(default=None, description="What the export must reproduce")
     failed_checks: list[str] = Field(default_factory=list,
                                      description="Each check missed, with the value found and its bound")
+    shared_base_figures: list[str] | None = Field(default=None, description="The base model's figures this run "
+                                                  "took from another run on the same cluster, computed once "
+                                                  "(`greedy_tokens`, `eval_loss`, `eval_rewards`)")
 
     def as_report(self) -> dict:
         """The report's `restore` block: the quality figures flattened in, absent fields left out."""

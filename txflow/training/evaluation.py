@@ -6,9 +6,10 @@ from __future__ import annotations
 import httpx
 
 from txflow.cluster.handle import ClusterHandle
-from txflow.cluster.startup import greedy_params
+from txflow.cluster.startup import GREEDY_TOKENS, greedy_params
+from txflow.log import get_logger
 from txflow.results import LiveReference
-from txflow.training import clients, sft
+from txflow.training import base_figures, clients, sft
 
 
 def eval_loss(training_client, examples: list[sft.Example], handle: ClusterHandle, timeout_s: float) -> float:
@@ -113,9 +114,18 @@ def live_reference(mode: str, handle: ClusterHandle, training_client, data, time
     prompts = eval_prompts(mode, data)
     live_sampler = clients.sampling_client_of(handle, training_client, timeout_s)
     tokens, logprobs = greedy_and_logprobs(live_sampler, prompts, handle, timeout_s, seed)
-    base_sampler = handle.call(lambda: handle.service_client(timeout_s).create_sampling_client(
-        base_model=handle.cluster.base_model_path), "opening a base-model sampler", timeout_s)
-    base_tokens = greedy_tokens(base_sampler, prompts, handle, timeout_s, seed)
+    base_tokens, shared = base_figures.shared(
+        handle, "greedy_tokens", {"prompts": prompts, "seed": seed, "max_tokens": GREEDY_TOKENS},
+        lambda: greedy_tokens(base_sampler(handle, timeout_s), prompts, handle, timeout_s, seed))
+    if shared:
+        get_logger().info("the base model's greedy tokens on these prompts: those another run on this cluster took")
     examples = data.eval if mode == "sft" else rollout_examples(prompts, tokens)
     return LiveReference(eval_loss=eval_loss(training_client, examples, handle, timeout_s), greedy_tokens=tokens,
-                         base_tokens=base_tokens, prompts=prompts, examples=examples, logprobs=logprobs)
+                         base_tokens=base_tokens, prompts=prompts, examples=examples, logprobs=logprobs,
+                         shared_base_tokens=shared)
+
+
+def base_sampler(handle: ClusterHandle, timeout_s: float):
+    """A sampling client of the cluster's base model."""
+    return handle.call(lambda: handle.service_client(timeout_s).create_sampling_client(
+        base_model=handle.cluster.base_model_path), "opening a base-model sampler", timeout_s)

@@ -13,7 +13,7 @@ from txflow.cluster.handle import ClusterHandle
 from txflow.config import RunConfig
 from txflow.log import get_logger, scrub
 from txflow.results import RestoreCheck, Saved
-from txflow.training import answers, evaluation, rl, verdict
+from txflow.training import answers, base_figures, evaluation, rl, verdict
 from txflow.training.clients import LORA_MODULES, lora_client
 from txflow.upstream.skyrl_tx import layout
 
@@ -54,10 +54,15 @@ def eval_rewards(sampling_client, cfg: RunConfig, data: rl.RLData, handle: Clust
 
 
 def rl_quality(cfg: RunConfig, handle: ClusterHandle, client, sampler, metrics: list[dict],
-               data: rl.RLData) -> dict:
-    """RL's figures: the saved sampler's reward against the base model's, same prompts and seeds."""
+               data: rl.RLData, shared: list[str]) -> dict:
+    """RL's figures: the saved sampler's reward against the base model's, same prompts and seeds (the base
+    model's taken once per cluster: `shared` gets `eval_rewards` when another run took them)."""
     saved = eval_rewards(sampler, cfg, data, handle)
-    base = eval_rewards(client.create_sampling_client(base_model=handle.cluster.base_model_path), cfg, data, handle)
+    inputs = {"prompts": data.prompts, "rows": data.rows, "reward": data.reward_spec, "group_size": cfg.rl.group_size,
+              "max_tokens": cfg.rl.max_tokens, "temperature": cfg.rl.temperature, "seed": cfg.seed}
+    base, was_shared = base_figures.shared(handle, "eval_rewards", inputs, lambda: eval_rewards(
+        client.create_sampling_client(base_model=handle.cluster.base_model_path), cfg, data, handle))
+    shared += ["eval_rewards"] if was_shared else []
     return verdict.rl_quality(metrics, saved, base)
 
 
@@ -129,11 +134,18 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
     live = saved.live
     state_url, sampler_url = (next(c.url for c in saved.checkpoints if c.kind == kind)
                               for kind in ("state", "sampler"))
+    shared = ["greedy_tokens"] if live.shared_base_tokens else []  # the base model's figures another run took
     restored = lora_client(handle, client, cfg.lora_rank, timeout)
     try:
-        # The fresh adapter is zero (LoRA's B starts at 0): this is the base model's loss, for free. SFT's bar
-        # only: RL's compares rewards, and this forward costs as much as the restored one (6 s of the nightly's).
-        base_loss = evaluation.eval_loss(restored, live.examples, handle, timeout) if cfg.mode == "sft" else None
+        # The fresh adapter is zero (LoRA's B starts at 0, at any rank): this is the base model's loss, for free,
+        # once per cluster. SFT's bar only: RL's compares rewards, and this forward costs as much as the restored
+        # one (6 s of the nightly's).
+        base_loss = None
+        if cfg.mode == "sft":
+            base_loss, was_shared = base_figures.shared(
+                handle, "eval_loss", {"examples": live.examples},
+                lambda: evaluation.eval_loss(restored, live.examples, handle, timeout))
+            shared += ["eval_loss"] if was_shared else []
         load_state(cfg, handle, restored, state_url)
         loss_after = evaluation.eval_loss(restored, live.examples, handle, timeout)
     finally:
@@ -144,7 +156,7 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
         reference = record_reference(cfg, handle, sampler_url, live.prompts, tokens, logprobs,
                                      {"rank": cfg.lora_rank, **LORA_MODULES})
         quality = (verdict.sft_quality(metrics, base_loss, live.eval_loss) if cfg.mode == "sft"
-                   else rl_quality(cfg, handle, client, sampler, metrics, data))
+                   else rl_quality(cfg, handle, client, sampler, metrics, data, shared))
         rows = data.eval_rows if cfg.mode == "sft" else data.rows
         shown, accuracy = answers.side_by_side(data.tokenizer, rows, live.base_tokens, tokens)
         quality.update(accuracy)
@@ -160,7 +172,10 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
     result = RestoreCheck(passed=not failed, loss_before=live.eval_loss, loss_after=loss_after, abs_diff=abs_diff,
                           sampler_tokens_match=tokens_match, tokens_differ_from_base=moved,
                           sampler_logprob_diff=logprob_diff, live_tokens=live.greedy_tokens, restored_tokens=tokens,
-                          quality=quality, answers=shown, reference=reference, failed_checks=failed)
+                          quality=quality, answers=shown, reference=reference, failed_checks=failed,
+                          shared_base_figures=shared or None)
+    if shared:
+        log.info(f"the base model's {', '.join(shared)}: computed once on this cluster, by another run")
     passed = result.passed
     figures = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in quality.items())
     log.info(f"restore check: loss {live.eval_loss:.6f} -> {loss_after:.6f} (|diff| {abs_diff:.2e}), "
