@@ -421,6 +421,24 @@ def assert_tracked_in_mlflow(work: Path, reports: dict[str, dict]) -> None:
     assert good.data.metrics["export/max_abs_logprob_diff"] == reports["sw-00"]["export"]["max_abs_logprob_diff"]
 
 
+def test_an_rl_sweeps_members_evaluate_the_base_model_once(shared):
+    """RL's restore check samples the base model at fixed seeds (`group_size` samples of every held-out prompt)
+    besides its greedy answers: a sweep computes each once, whichever member needs it first, and the members'
+    figures are that one computation's."""
+    work = shared["work"]
+    result = run_txflow(["sweep", "rl", "--base-model", "tiny", "--cluster", NAME, "--learning-rate", "2e-2,5e-2",
+                         "--steps", "2", "--save-every", "0", "--sweep-id", "rlsw", "--checkpoints",
+                         str(work / "ckpt"), "--state-dir", str(work / "rlsweep"), "--no-export", "--json"],
+                        shared["env"], work)
+    assert result.returncode in (0, 1), result.stderr[-3000:]  # two steps of the tiny model may not pass RL's bar
+    restores = [json.loads((work / "ckpt" / f"rlsw-0{i}" / "report.json").read_text())["restore"] for i in range(2)]
+    for kind in ("greedy_tokens", "eval_rewards"):
+        assert sum(kind in r.get("shared_base_figures", []) for r in restores) == 1, restores
+    assert restores[0]["base_eval_reward"] == restores[1]["base_eval_reward"]
+    assert [a["base"] for a in restores[0]["answers"]] == [a["base"] for a in restores[1]["answers"]]
+    assert all(r["abs_diff"] <= 1e-6 and r["sampler_tokens_match"] for r in restores)
+
+
 def test_an_interrupted_sweep_stops_its_runs_and_leaves_the_cluster_serving(shared):
     """SIGTERM to `txflow sweep` mid-training: each member (a thread of that process) is interrupted as a
     cancelled run is and releases its part; the command exits within seconds, the cluster stays healthy with
