@@ -1,7 +1,8 @@
 """One warm cluster, many runs, on one real toy cluster that every test here shares:
 `txflow cluster up/status/down`, runs that attach (`--cluster`) and leave it up, two runs' keys kept
 apart on the real API, a neighbour's bad request, its failed client, its cancellation and its SIGKILL, sweeps
-(a refused grid, two members side by side ranked and the best promoted, a sweep interrupted), and, last, the
+(a refused grid, two members side by side ranked and the best promoted, the base model evaluated once for an
+SFT and an RL sweep's members, a sweep interrupted), and, last, the
 cluster killed under two attached runs: one resumes on a cluster of its own, the other on the restarted one."""
 
 from __future__ import annotations
