@@ -166,10 +166,10 @@ def prove(base_model_path: str, peft_dir: Path, reference: ExportReference,
         return found, model
     from txflow.upstream.skyrl_tx.reference import skyrl_figures
 
+    along = along_path(reference)
     logprobs, greedy = skyrl_figures(base_model_path, tarball, reference.sequences, reference.prompts,
-                                     [len(tokens) for tokens in reference.greedy_tokens],
-                                     along_sequences=along_path(reference))
-    found.expected = Figures(logprobs=logprobs, greedy_tokens=greedy)
+                                     [len(tokens) for tokens in reference.greedy_tokens], along_sequences=along)
+    found.expected = Figures(logprobs=logprobs, greedy_tokens=path_greedy(reference, greedy) if along else greedy)
     gaps = [abs(x - y) for xs, ys in zip(reference.logprobs, logprobs) for x, y in zip(xs, ys)]
     found.cluster_logprob_diff = (max(gaps, default=0.0), sum(gaps) / max(len(gaps), 1))
     return found, model

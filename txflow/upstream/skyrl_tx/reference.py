@@ -40,8 +40,9 @@ def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]
                   along_sequences: bool = False) -> tuple[list[list[float]], list[list[int]]]:
     """(per-token logprobs of each sequence after its first token, greedy continuation of each prompt of the
     given length) from SkyRL-tx's model with the tarball's adapter, computed in `dtype`. `along_sequences`: each
-    sequence is its prompt followed by greedy tokens, and the continuation is the most likely next token at each
-    of their positions in the sequences' forward (`proof.path_greedy`), without decoding."""
+    sequence is its prompt followed by greedy tokens, and the second list is, for each sequence, the most likely
+    next token at each of its positions after the first, from the same forward, without decoding (the caller reads
+    each prompt's continuation out of it: `proof.path_greedy`)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -101,8 +102,7 @@ def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]
             logprobs += [found[i, : len(s) - 1].astype(np.float64).tolist() for i, s in enumerate(chunk)]
             chosen += [best[i, : len(s) - 1].tolist() for i, s in enumerate(chunk)]
         if along_sequences:
-            return logprobs, [chosen[i][len(p) - 1: len(p) - 1 + n] for i, (p, n) in enumerate(zip(prompts,
-                                                                                                    greedy_lengths))]
+            return logprobs, chosen
         # Greedy continuations as the cluster decodes them (SkyRL-tx's generate, with its key-value cache),
         # ROWS prompts at a time: a whole forward per token took ~50 s for an SFT run's 32 prompts on 2 cores.
         greedy = []
