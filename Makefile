@@ -71,13 +71,16 @@ clean:
 # Benchmarks, each against a baseline measured in the same run (ratios):
 # discovery on S3 versus a bare listing (target <= 1.5); `txflow run sft` versus the same job by hand
 # on the toy (target <= 1.05) and on SmolLM2-135M, whose engine step is also compared with a plain
-# transformers + peft step (target <= 1.0); `txflow run rl`'s step versus the cookbook's RL loop by
+# transformers + peft step (target <= 0.8); `txflow run rl`'s step versus the cookbook's RL loop by
 # hand (target <= 1.05); the demo with its export versus without (target <= 1.15); Ray start-up versus
 # local (target <= 1.2; needs root); 4 toy SFT runs as a sweep on one
 # shared cluster versus each with its own cluster, one after another (target <= 0.4), and the per-step
 # time of one adapter alone versus four side by side; the engine's SFT step against this machine's roofline (its
-# FLOPs at the measured matmul peak; target >= 50%) and the nightly RL step against its estimate (target <= 2x).
+# FLOPs at the measured matmul peak; target >= 50%) and the nightly RL step against its estimate (target <= 2x);
+# the demo as a user's first run (every program compiling; target <= 4 min) and second run (target <= 90 s), each
+# program's compile seconds and each process's peak RSS.
 bench: $(STAMP)
+	$(BIN)/python scripts/bench_demo.py
 	$(BIN)/python scripts/bench_roofline.py
 	$(BIN)/python scripts/bench_discovery.py --objects 10000
 	$(BIN)/python scripts/bench_flow.py
