@@ -38,7 +38,12 @@ class Counter:
 
 def test_a_figure_is_computed_once_per_cluster_and_inputs_and_shared_after():
     compute = Counter([[1, 2]])
-    assert base_figures.shared(handle_of(), "greedy_tokens", {"prompts": [[5]]}, compute) == ([[1, 2]], False)
+    mine, _ = base_figures.shared(handle_of(), "greedy_tokens", {"prompts": [[5]]}, compute)
+    assert mine == [[1, 2]]
+    mine[0].append(9)  # a run's own copy: what it does with it reaches no other run
+    theirs = base_figures.shared(handle_of(), "greedy_tokens", {"prompts": [[5]]}, compute)
+    assert theirs == ([[1, 2]], True)
+    theirs[0][0].append(7)
     assert base_figures.shared(handle_of(), "greedy_tokens", {"prompts": [[5]]}, compute) == ([[1, 2]], True)
     assert compute.calls == 1
 

@@ -1,7 +1,7 @@
 """What the base model computes on a cluster, computed once and shared by the runs of this process that use the
 same cluster: a sweep's members (threads of the sweep's process) evaluate the base model on the same held-out
-prompts, examples and seeds, and each did it again (on SmolLM2, four sampling batches and a forward pass of the
-engine's time per member; for RL, the base model's `group_size` samples of every prompt).
+prompts, examples and seeds. Each member but the first saves that much of the engine's time: on SmolLM2, four
+sampling batches and a forward pass; for RL, the base model's `group_size` samples of every prompt besides.
 
 A figure is keyed by the cluster (its API and its engine's process: a cluster started again, after a fault, is
 another one) and by everything its computation reads, so a run whose prompts, examples or seeds differ computes
@@ -12,6 +12,7 @@ figures of its last `KEPT` computations (a worker that runs many deployments doe
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import threading
@@ -38,7 +39,7 @@ def cluster_identity(handle: ClusterHandle) -> list:
 
 def shared(handle: ClusterHandle, kind: str, inputs: object, compute: Callable[[], T]) -> tuple[T, bool]:
     """(the figure, whether it was shared): `compute()` once per cluster, `kind` and `inputs` (JSON-able: every
-    value the computation reads besides the base model); later callers get what it returned."""
+    value the computation reads besides the base model); later callers get a copy of what it returned."""
     # (`repr` for what JSON cannot hold: an object printed with its address keys a figure no other run shares)
     key = hashlib.sha256(json.dumps([cluster_identity(handle), kind, inputs], default=repr).encode()).hexdigest()
     with _guard:
@@ -47,10 +48,10 @@ def shared(handle: ClusterHandle, kind: str, inputs: object, compute: Callable[[
         with _guard:
             if key in _figures:
                 _figures.move_to_end(key)
-                return _figures[key], True  # type: ignore[return-value]
+                return copy.deepcopy(_figures[key]), True  # type: ignore[return-value]
         figure = compute()
         with _guard:
-            _figures[key] = figure
+            _figures[key] = copy.deepcopy(figure)  # the caller's own stays the caller's
             while len(_figures) > KEPT:
                 _locks.pop(_figures.popitem(last=False)[0], None)
         return figure, False

@@ -118,7 +118,8 @@ def live_reference(mode: str, handle: ClusterHandle, training_client, data, time
         handle, "greedy_tokens", {"prompts": prompts, "seed": seed, "max_tokens": GREEDY_TOKENS},
         lambda: greedy_tokens(base_sampler(handle, timeout_s), prompts, handle, timeout_s, seed))
     if shared:
-        get_logger().info("the base model's greedy tokens on these prompts: those another run on this cluster took")
+        get_logger().info("the base model's greedy tokens: another run on this cluster computed them on the same "
+                          "prompts")
     examples = data.eval if mode == "sft" else rollout_examples(prompts, tokens)
     return LiveReference(eval_loss=eval_loss(training_client, examples, handle, timeout_s), greedy_tokens=tokens,
                          base_tokens=base_tokens, prompts=prompts, examples=examples, logprobs=logprobs,
