@@ -54,8 +54,7 @@ BUNDLED_SFT = Path(storage.__file__).parents[1] / "data" / "sft.jsonl"
 def run_watching_processes(args: list[str], env: dict, cwd: Path) -> tuple[subprocess.CompletedProcess, dict]:
     """`txflow ARGS` to completion; also {pid: (command line, environment)} of the txflow process and of
     every process it started, read from /proc while they ran. Each is the last one read: a child read between
-    its fork and its exec still shows its parent's (command line and credentials), which the exec replaces (this
-    test once failed so, a rank's first reading being the txflow process's command line)."""
+    its fork and its exec still shows its parent's (command line and credentials), which the exec replaces."""
     out, err = cwd / "watched.out", cwd / "watched.err"
     with open(out, "w") as stdout, open(err, "w") as stderr:
         proc = subprocess.Popen(txflow_cmd(*args), env=env, cwd=cwd, stdout=stdout, stderr=stderr)
