@@ -68,6 +68,23 @@ def test_a_batch_with_room_takes_the_requests_that_arrive_while_they_keep_coming
     assert count == ROOM  # a full batch; the 10th request is the next one's
 
 
+def test_the_first_request_of_a_burst_waits_for_the_rest_that_comes_a_little_later(patched):
+    # The SDK's first request on a new sampling client came ~30 ms before the rest on a busy machine.
+    add_samples(patched.db_engine, 1)
+
+    def rest():
+        time.sleep(0.05)
+        add_samples(patched.db_engine, ROOM - 1)
+
+    sender = threading.Thread(target=rest)
+    sender.start()
+    try:
+        count, _ = found(patched)
+    finally:
+        sender.join()
+    assert count == ROOM
+
+
 def test_a_batch_with_room_starts_once_no_request_comes(patched):
     add_samples(patched.db_engine, 3)
     count, took = found(patched)
