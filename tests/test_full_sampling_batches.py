@@ -9,16 +9,18 @@ import time
 from types import SimpleNamespace
 
 import pytest
-from sqlmodel import Session, SQLModel, create_engine
+from sqlmodel import Session, SQLModel, create_engine, select
 from tx.tinker import types
 from tx.tinker.db_models import FutureDB
 from tx.tinker.engine import TinkerEngine
 
-from txflow.upstream.skyrl_tx import engine
+from txflow.upstream.skyrl_tx import engine, ranks
 
 pytestmark = [pytest.mark.timed]
 
 ROOM = 8  # sample_max_num_sequences
+SHORT_ROOM = ROOM * ranks.SAMPLE_ROWS_FACTOR  # rows of short requests: `sampling-rows`' larger batch
+LONG = 200  # prompt tokens: too long for the larger batch
 
 
 @pytest.fixture
@@ -34,10 +36,10 @@ def patched(monkeypatch, tmp_path):
     return holder
 
 
-def add_samples(db, count: int) -> None:
-    request = types.SampleInput(prompt=types.ModelInput(chunks=[types.ModelInputChunk(tokens=[1, 2, 3])]),
+def add_samples(db, count: int, prompt: int = 3, num_samples: int = 1) -> None:
+    request = types.SampleInput(prompt=types.ModelInput(chunks=[types.ModelInputChunk(tokens=[1] * prompt)]),
                                 sampling_params=types.SamplingParams(temperature=0.0, max_tokens=4, seed=0),
-                                num_samples=1, checkpoint_id="", prompt_logprobs=False)
+                                num_samples=num_samples, checkpoint_id="", prompt_logprobs=False)
     with Session(db) as session:
         for _ in range(count):
             session.add(FutureDB(request_type=types.RequestType.SAMPLE, model_id="", request_data=request.model_dump()))
@@ -51,13 +53,14 @@ def found(holder) -> tuple[int, float]:
     return len(batch), time.monotonic() - began
 
 
-def test_a_batch_with_room_takes_the_requests_that_arrive_while_they_keep_coming(patched):
-    add_samples(patched.db_engine, 3)
+@pytest.mark.parametrize("prompt, room", [(LONG, ROOM), (3, SHORT_ROOM)])
+def test_a_batch_with_room_takes_the_requests_that_arrive_while_they_keep_coming(patched, prompt, room):
+    add_samples(patched.db_engine, 3, prompt)
 
     def trickle():  # the rest of the burst, a request every 5 ms (upstream alone took the first 3)
-        for _ in range(7):
+        for _ in range(room - 1):
             time.sleep(0.005)
-            add_samples(patched.db_engine, 1)
+            add_samples(patched.db_engine, 1, prompt)
 
     sender = threading.Thread(target=trickle)
     sender.start()
@@ -65,7 +68,7 @@ def test_a_batch_with_room_takes_the_requests_that_arrive_while_they_keep_coming
         count, _ = found(patched)
     finally:
         sender.join()
-    assert count == ROOM  # a full batch; the 10th request is the next one's
+    assert count == room  # a full batch; the rest are the next one's
 
 
 def test_the_first_request_of_a_burst_waits_for_the_rest_that_comes_a_little_later(patched):
@@ -94,6 +97,27 @@ def test_a_batch_with_room_starts_once_no_request_comes(patched):
 def test_a_full_batch_and_an_empty_look_do_not_wait(patched):
     count, took = found(patched)
     assert count == 0 and took < engine.FILL_QUIET_S
-    add_samples(patched.db_engine, ROOM + 2)
+    add_samples(patched.db_engine, ROOM + 2, LONG)
     count, took = found(patched)
     assert count == ROOM and took < engine.FILL_QUIET_S
+
+
+def test_short_requests_fill_the_larger_batchs_rows_and_a_long_one_ends_the_batch(patched):
+    # RL groups of 4 short rows: 8 requests fill the 32 rows; the 9th is the next batch's.
+    add_samples(patched.db_engine, ROOM + 1, num_samples=ranks.SAMPLE_ROWS_FACTOR)
+    count, took = found(patched)
+    assert count == ROOM and took < engine.FILL_QUIET_S
+
+
+def test_a_long_request_among_short_ones_gets_upstreams_batch(patched):
+    add_samples(patched.db_engine, ROOM + 2)
+    add_samples(patched.db_engine, 1, LONG)
+    add_samples(patched.db_engine, 2)
+    count, _ = found(patched)
+    assert count == ROOM + 2  # the short ones before it, in the larger batch
+    with Session(patched.db_engine) as session:
+        for future in session.exec(select(FutureDB)).all()[:ROOM + 2]:
+            session.delete(future)
+        session.commit()
+    count, _ = found(patched)
+    assert count == 3  # the long one and the 2 after it: upstream's pick

@@ -1,6 +1,7 @@
 """The `sampling-buckets` change: sampling prompts of different lengths share one length bucket, so the engine compiles
 one sampling program for a run's readiness sample, held-out prompts and sequences; longer prompts keep upstream's
-buckets. The `sampling-rows` change: a call of more rows than upstream's batch runs in larger batches. Upstream's JAX
+buckets. The `sampling-rows` change: a call of more rows than upstream's batch, or one that asks for prompt
+logprobs, runs in larger batches. Upstream's JAX
 backend, in this process, on the tiny model."""
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ def test_a_call_of_more_rows_than_a_batch_runs_in_larger_batches_and_samples_the
     ranks.sampling_batches_fit_the_call()
     assert batches(short) == (before, [8])  # one batch of 4 x 2 rows, the same greedy tokens
     assert batches(short[:2])[1] == [2]  # a call that fits upstream's batch keeps it
-    assert batches(short, prompt_logprobs=True)[1] == [2, 2, 2, 2]  # its logits grow with rows x prompt
+    # A call that asks for prompt logprobs (an evaluation) runs in the larger batches however few its rows: one
+    # program for them all.
+    assert batches(short, prompt_logprobs=True)[1] == [8]
+    assert batches(short[:1], prompt_logprobs=True)[1] == [8]
     assert batches([100] * 8)[1] == [2, 2, 2, 2]  # rows of 128 + 4 tokens: 4 x as many would hold more positions
     assert config.sample_max_num_sequences == 2  # upstream's again after the call
 

@@ -76,3 +76,22 @@ def test_each_examples_adapter_gives_upstreams_outputs_and_gradients(monkeypatch
     for got, expected in zip(grads, upstream_grads, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
         assert not np.any(np.asarray(got)[[1, 3]])  # unused slots get no gradient
+
+
+def test_a_decoding_step_of_more_rows_than_slots_reads_every_slot_in_place_with_the_same_outputs(monkeypatch):
+    monkeypatch.setattr(LoRALinear, "apply_lora", LoRALinear.apply_lora)  # restored after the test
+    ranks.lora_computes_each_examples_adapter()
+    with jax.set_mesh(jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)):
+        layer = LoRALinear(16, 24, sharding=(None, None), max_lora_adapters=4, max_lora_rank=4, use_bias=False,
+                           kernel_init=nnx.initializers.normal(), rngs=nnx.Rngs(0))
+        layer.lora_A[...] = jax.random.normal(jax.random.key(1), layer.lora_A[...].shape)
+        layer.lora_B[...] = jax.random.normal(jax.random.key(2), layer.lora_B[...].shape)
+        layer.lora_scaling[...] = jnp.array([1.0, 2.0, 0.5, 3.0])
+        adapters = jnp.array([2, 0, 2, 3, 1, 1])  # 6 rows, 4 slots
+        step = jax.random.normal(jax.random.key(3), (6, 1, 16))  # one token a row: a decoding step
+        # Each row's own adapter, computed by the gather the longer calls use (a prompt: more than one token).
+        prompt = jnp.concatenate([step, step], axis=1)
+        np.testing.assert_allclose(layer(step, adapters)[:, 0], layer(prompt, adapters)[:, 0], rtol=1e-6, atol=1e-6)
+        # ... without copying the rows' factors out of the stacks: the copies a decoding loop would hoist.
+        gathers = lambda x: str(jax.make_jaxpr(lambda x: layer(x, adapters))(x)).count("gather")  # noqa: E731
+        assert gathers(step) < gathers(prompt)

@@ -108,22 +108,57 @@ FILL_LIMIT_S = 0.4
 def fills_sampling_batches() -> None:
     """A sampling batch with room left starts once its requests stop arriving (`full-sampling-batches`): upstream
     takes whatever is pending at the moment it looks, so a client's 32 evaluation samples, stored one after
-    another over ~0.1 s, ran as 2 + 8 + 8 + 8 + 6 rows: five passes of a full batch's cost instead of four."""
+    another over ~0.1 s, ran as 2 + 8 + 8 + 8 + 6 rows: five passes of a full batch's cost instead of four.
+
+    The room is upstream's, `sample_max_num_sequences` requests, or, for requests whose rows are short
+    (`ranks.rows_are_short`), as many requests as `sampling-rows`' larger batch has rows: a client's 32 greedy
+    evaluation samples, one request each, are then one batch instead of four."""
     import time
 
     from sqlmodel import Session
     from tx.tinker.engine import TinkerEngine
 
+    from txflow.upstream.skyrl_tx import ranks
+
     upstream = TinkerEngine.find_batchable_sample
 
+    def short(requests) -> bool:
+        return ranks.rows_are_short([sum(len(c.tokens) for c in r.prompt.chunks) for r in requests],
+                                    [r.sampling_params.max_tokens for r in requests])
+
+    def pick(self, session) -> dict:
+        """Upstream's pick, of up to a larger batch's rows when the first requests are short."""
+        config = self.backend.config
+        rows = config.sample_max_num_sequences
+        config.sample_max_num_sequences = room = rows * ranks.SAMPLE_ROWS_FACTOR
+        try:
+            found = list(upstream(self, session).items())
+        finally:
+            config.sample_max_num_sequences = rows
+        taken, total = 0, 0
+        while taken < len(found):
+            request = found[taken][1][1]
+            if total + request.num_samples > room or not short([r for _, (_, r) in found[:taken + 1]]):
+                break
+            taken, total = taken + 1, total + request.num_samples
+        return dict(found[:taken] if taken > rows else found[:rows])  # else upstream's pick
+
+    def room_left(self, found: dict) -> bool:
+        rows = self.backend.config.sample_max_num_sequences
+        requests = [request for _, request in found.values()]
+        if short(requests):
+            return sum(r.num_samples for r in requests) < rows * ranks.SAMPLE_ROWS_FACTOR
+        return len(requests) < rows
+
     def find_batchable_sample(self, session):
-        found = upstream(self, session)
-        room = self.backend.config.sample_max_num_sequences
+        if self.backend.config.sample_max_num_sequences <= 0:  # no limit: upstream takes every pending request
+            return upstream(self, session)
+        found = pick(self, session)
         deadline = time.monotonic() + FILL_LIMIT_S
-        while 0 < len(found) < room and time.monotonic() < deadline:
+        while found and room_left(self, found) and time.monotonic() < deadline:
             time.sleep(FILL_QUIET_S)
             with Session(self.db_engine) as fresh:  # a new read: the first session's snapshot is as it began
-                more = upstream(self, fresh)
+                more = pick(self, fresh)
             if len(more) <= len(found):
                 break
             found = more

@@ -1,10 +1,11 @@
 """SkyRL-tx's model code as every rank and the export's reference run it: a tied output head that reads the weights it
 is given (`tied-head-from-arguments`), the decoder layers under one scan (`scanned-layers`), the tied head's LoRA
-(`tied-head-lora`), one prefill per distinct prompt of a sampling batch (`prefill-once-per-prompt`) and, on a CPU, a
-bfloat16 model's layers computed in float32 (`scan-in-float32-on-cpu`). `tied-head-from-arguments`, `scanned-layers`
-and `prefill-once-per-prompt` leave every number the model computes as it was (tests/test_scanned_layers.py,
-tests/test_prefill_once.py); they change what XLA is asked to compile. `scan-in-float32-on-cpu` rounds the layers'
-figures less."""
+(`tied-head-lora`), one prefill per distinct prompt of a sampling batch (`prefill-once-per-prompt`), prompt logprobs
+a chunk at a time (`prompt-logprobs-in-chunks`) and, on a CPU, a bfloat16 model's layers computed in float32
+(`scan-in-float32-on-cpu`). `tied-head-from-arguments`, `scanned-layers`, `prefill-once-per-prompt` and
+`prompt-logprobs-in-chunks` leave every number the model computes as it was, up to float32 rounding
+(tests/test_scanned_layers.py, tests/test_prefill_once.py, tests/test_prompt_logprobs_in_chunks.py); they change
+what XLA is asked to compile. `scan-in-float32-on-cpu` rounds the layers' figures less."""
 
 from __future__ import annotations
 
@@ -253,9 +254,9 @@ def prefill_once_per_prompt() -> None:
     Only for batches that ask for no prompt logprobs: every evaluation of txflow asks for them (greedy tokens
     and sequence logprobs), and its restore check compares a live sampler with a restored one exactly. A
     prefill of fewer rows rounds differently in bfloat16, and how many rows repeat depends on which requests
-    the engine batched together (padding rows included), so those batches keep upstream's program: a run's
-    restore check failed (logprobs off by 0.25, greedy tokens different) when they did not. Can go when
-    upstream shares a request's prefill across its samples."""
+    the engine batched together (padding rows included), so those batches prefill every row (in the program of
+    `prompt-logprobs-in-chunks`): a run's restore check failed (logprobs off by 0.25, greedy tokens different)
+    when they did not. Can go when upstream shares a request's prefill across its samples."""
     import jax
     from tx.utils.generator import GeneratorMixin
 
@@ -286,9 +287,100 @@ def prefill_once_per_prompt() -> None:
     GeneratorMixin._prefill_and_decode = staticmethod(_prefill_and_decode)
 
 
+# Positions whose logits a sampling batch's prompt logprobs compute at once (`prompt-logprobs-in-chunks`): SmolLM2's
+# 49,152-token vocabulary makes that 50 MB in float32, and a chunk of 256 rows is still a full-size matmul.
+PROMPT_LOGPROBS_CHUNK = 256
+
+
+class PrefillLogits:
+    """The logits of every position of a prefill, not computed: upstream's sampling program takes from them the
+    last position's (to sample the first token) and every earlier position's logprob of the next token. Each is
+    computed as it is asked for: the last position's from its hidden state alone, the logprobs a chunk of
+    positions at a time (`prompt-logprobs-in-chunks`)."""
+
+    def __init__(self, model, hidden_states, adapter_indices):
+        self.model, self.hidden_states, self.adapter_indices = model, hidden_states, adapter_indices
+
+    def __getitem__(self, key):
+        rows, positions, vocab = key
+        if vocab != slice(None):
+            raise NotImplementedError(f"prefill logits indexed by {key!r}")
+        if isinstance(rows, slice) and rows == slice(None) and isinstance(positions, slice):
+            return PrefillLogits(self.model, self.hidden_states[:, positions], self.adapter_indices)
+        if not isinstance(rows, slice) and not isinstance(positions, slice):  # one position of each row
+            last = self.hidden_states[rows, positions][:, None, :]
+            return self.model.compute_logits(last, self.adapter_indices)[:, 0, :]
+        raise NotImplementedError(f"prefill logits indexed by {key!r}")
+
+
+class PromptLogprobsInChunks:
+    """The model as the sampling program sees it when the batch asks for prompt logprobs: a prefill's logits
+    are a `PrefillLogits`; a decoding step's (one position) are computed as upstream does."""
+
+    def __init__(self, model):
+        self._model = model
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, *args, **kwargs):
+        return self._model(*args, **kwargs)
+
+    def compute_logits(self, hidden_states, adapter_indices=None):
+        if hidden_states.shape[1] == 1:
+            return self._model.compute_logits(hidden_states, adapter_indices)
+        return PrefillLogits(self._model, hidden_states, adapter_indices)
+
+    def logits_to_logprobs(self, logits, target_ids):
+        if isinstance(logits, PrefillLogits):
+            return self._model._compute_chunked_logprobs(logits.hidden_states, target_ids, PROMPT_LOGPROBS_CHUNK,
+                                                         logits.adapter_indices)
+        return self._model.logits_to_logprobs(logits, target_ids)
+
+
+def prompt_logprobs_in_chunks() -> None:
+    """A sampling batch that asks for prompt logprobs computes them `PROMPT_LOGPROBS_CHUNK` positions at a time,
+    with the model's own chunked logprobs, as training computes its logprobs (`prompt-logprobs-in-chunks`).
+
+    Upstream's program computes the output head at every position of every row (`rows x prompt x 49,152`
+    float32 logits for SmolLM2: 100 MB for 8 rows of 64 tokens, held in several copies) and then takes the last
+    position's and the logprob of each next token from them. The logits of a chunk of positions at a time hold
+    its memory to one chunk's whatever the rows, so a batch of evaluation prompts can be as large as the
+    call's other batches (`sampling-rows`). The figures are the same up to float32 rounding
+    (tests/test_prompt_logprobs_in_chunks.py). Can go when upstream computes prompt logprobs in chunks."""
+    import jax
+    from tx.utils.generator import GeneratorMixin
+
+    current = GeneratorMixin._prefill_and_decode
+    if getattr(current, "in_chunks", None) is not None:
+        return
+    upstream = getattr(current, "upstream", current)
+    static = ("max_length", "max_new_tokens", "max_top_k", "use_top_p", "prompt_logprobs")
+
+    @functools.partial(jax.jit, static_argnames=static)
+    def in_chunks(model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices, temperatures, rngs,
+                  stop_tokens, top_k_values, top_p_values, max_top_k, use_top_p, prompt_logprobs=False):
+        return upstream.__wrapped__(PromptLogprobsInChunks(model), input_ids, attention_mask, max_length,
+                                    max_new_tokens, adapter_indices, temperatures, rngs, stop_tokens, top_k_values,
+                                    top_p_values, max_top_k, use_top_p, prompt_logprobs=prompt_logprobs)
+
+    def _prefill_and_decode(model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices,
+                            temperatures, rngs, stop_tokens, top_k_values, top_p_values, max_top_k, use_top_p,
+                            prompt_logprobs=False):
+        chosen = in_chunks if prompt_logprobs else current
+        return chosen(model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices, temperatures,
+                      rngs, stop_tokens, top_k_values, top_p_values, max_top_k, use_top_p,
+                      prompt_logprobs=prompt_logprobs)
+
+    _prefill_and_decode.upstream, _prefill_and_decode.in_chunks = upstream, in_chunks
+    _prefill_and_decode.deduplicated = getattr(current, "deduplicated", None)
+    GeneratorMixin._prefill_and_decode = staticmethod(_prefill_and_decode)
+
+
 def install() -> None:
     """Every change, in this process, before a model is built."""
     tied_head_reads_its_arguments()
     decoder_layers_scanned()
     tied_models_train_the_unembedding()
     prefill_once_per_prompt()
+    prompt_logprobs_in_chunks()

@@ -319,8 +319,11 @@ PATCHES: tuple[Patch, ...] = (
         slug="lora-per-example",
         module="ranks",
         what="Every rank's LoRA linear layers gather each example's own A and B and multiply "
-             "(`ranks.lora_per_example`; same outputs and gradients, tests/test_step_patches.py). Embeddings "
-             "and experts keep upstream's path.",
+             "(`ranks.lora_per_example`; same outputs and gradients, tests/test_step_patches.py). A decoding step "
+             "of more rows than slots multiplies by every slot's A and B where they are instead, each row's own "
+             "kept by a 0/1 mask: XLA hoisted the gathered copies out of the decoding loop, 1.8 GB of them for a "
+             "32-row SmolLM2 batch (its peak RSS in one process 4.9 -> 4.0 GB, 5.0 -> 4.8 s a batch, the same "
+             "tokens). Embeddings and experts keep upstream's path.",
         why="A LoRA linear layer sorts the batch's tokens by adapter and runs `jax.lax.ragged_dot` against every "
             "one of the `max_lora_adapters` slots; XLA on CPU computes it densely for all of them, so with "
             "txflow's 8 slots every step did the LoRA work 8 times (measured on SmolLM2-135M, in-process, 4 "
@@ -373,13 +376,17 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         slug="sampling-rows",
-        module="ranks",
-        what="A sampling call of more sequences than `sample_max_num_sequences` (8 in a run) runs in batches of 4 "
-             "times as many when its rows are short (prompt bucket and new tokens within 128) and it asks for no "
-             "prompt logprobs; the nightly RL step's 32 samples on SmolLM2 take 2.5 s instead of 5.0 s in one "
-             "process, the same greedy tokens.",
-        why="Upstream samples in batches of `sample_max_num_sequences` rows, each padded to that many, and on a "
-            "CPU a decoding step of 32 rows costs about twice one of 8 (half as much per row).",
+        module="ranks, engine",
+        what="When a batch's rows are short (prompt bucket and new tokens within 128), it runs 4 times "
+             "`sample_max_num_sequences` rows (8 in a run): a call of more rows than that, and every call that "
+             "asks for prompt logprobs (an evaluation's greedy samples), however few its rows, so that a run "
+             "compiles one such program, its readiness sample's. The engine takes that many rows of short "
+             "requests into one batch (`full-sampling-batches`). The nightly RL step's 32 samples on SmolLM2 "
+             "take 2.5 s instead of 5.0 s in one process; the demo's 32 greedy evaluation samples (one request "
+             "each) are one batch instead of 4. The same greedy tokens.",
+        why="Upstream samples in batches of `sample_max_num_sequences` rows, each padded to that many, and takes "
+            "at most that many requests into a batch; on a CPU a decoding step of 32 rows costs about twice one "
+            "of 8 (half as much per row).",
         until="upstream sizes its sampling batches to the call.",
     ),
     Patch(
@@ -446,6 +453,19 @@ PATCHES: tuple[Patch, ...] = (
         why="A request for `num_samples` completions (an RL group) is that many rows of a sampling batch, and "
             "upstream's program prefilled each.",
         until="upstream shares a request's prefill across its samples.",
+    ),
+    Patch(
+        slug="prompt-logprobs-in-chunks",
+        module="models",
+        what="A sampling batch that asks for prompt logprobs computes the last position's logits from its hidden "
+             "state alone and the prompt's logprobs 256 positions at a time, with the model's own chunked "
+             "logprobs (as training computes them); the same figures up to float32 rounding "
+             "(tests/test_prompt_logprobs_in_chunks.py). So an evaluation's batch can have `sampling-rows`' "
+             "larger row count without multiplying its memory.",
+        why="Upstream's program computes the output head at every position of every row and keeps those logits "
+            "(rows x prompt x vocabulary in float32: 100 MB for 8 rows of 64 tokens of SmolLM2, in several "
+            "copies) to take the last position's and each next token's logprob from them.",
+        until="upstream computes prompt logprobs in chunks.",
     ),
     Patch(
         slug="packed-prefixes",

@@ -86,15 +86,27 @@ def loss_chunks_fit_the_batch() -> None:
 
 def lora_per_example(self, x, base_output, adapter_indices):
     """A LoRA linear layer's output with each example's own adapter (`lora-per-example`): its A and B gathered by the
-    example's adapter index, then two small matmuls. Upstream sorts the tokens by adapter and runs `ragged_dot` against
+    example's adapter index, then two small matmuls (in a decoding step of more rows than slots, every slot's, masked:
+    see below). Upstream sorts the tokens by adapter and runs `ragged_dot` against
     every adapter slot, which XLA on CPU computes densely for all `max_lora_adapters` of them."""
+    import jax
     import jax.numpy as jnp
 
     if self.max_lora_adapters == 0 or adapter_indices is None:
         return base_output
     batch, seq_len = x.shape[:2]
-    down = jnp.einsum("bti,bir->btr", x.reshape(batch, seq_len, -1), self.lora_A[...][adapter_indices])
-    out = jnp.einsum("btr,bro->bto", down, self.lora_B[...][adapter_indices])
+    x = x.reshape(batch, seq_len, -1)
+    if seq_len == 1 and batch > self.max_lora_adapters:
+        # A decoding step of more rows than slots: every slot's factors read where they are, each row's own kept
+        # by a 0/1 mask. The gathered copies (rows x in x rank, per module) do not change from step to step, so
+        # XLA hoisted them out of the decoding loop, all 420 of SmolLM2's at once: 1.8 GB held through a 32-row
+        # batch's decode, and read again at every step. With fewer rows than slots the copies are the smaller.
+        own = jax.nn.one_hot(adapter_indices, self.max_lora_adapters, dtype=x.dtype)[:, None, :, None]
+        down = jnp.einsum("bti,nir->btnr", x, self.lora_A[...]) * own
+        out = jnp.einsum("btnr,nro->bto", down, self.lora_B[...])
+    else:
+        down = jnp.einsum("bti,bir->btr", x, self.lora_A[...][adapter_indices])
+        out = jnp.einsum("btr,bro->bto", down, self.lora_B[...][adapter_indices])
     out = out * self.lora_scaling[...][adapter_indices, None, None]
     return base_output + out.reshape(base_output.shape).astype(base_output.dtype)
 
@@ -351,26 +363,39 @@ def sample_prompts_share_a_bucket(floor: int = SAMPLE_BUCKET_FLOOR) -> None:
 SAMPLE_ROWS_FACTOR, SAMPLE_ROW_TOKENS = 4, 512
 
 
-def sampling_batches_fit_the_call(factor: int = SAMPLE_ROWS_FACTOR, row_tokens: int = SAMPLE_ROW_TOKENS) -> None:
+def rows_are_short(prompt_lengths: list[int], max_tokens: list[int], factor: int = SAMPLE_ROWS_FACTOR,
+                   row_tokens: int = SAMPLE_ROW_TOKENS) -> bool:
+    """Whether rows of these prompts and new tokens are short enough for `factor` times upstream's rows in one
+    batch (`sampling-rows`): their prompt bucket plus their new tokens, `factor` times, within `row_tokens`."""
+    from tx.tinker.backends import jax as backend
+
+    width = backend.round_up_seq_len(max(max(prompt_lengths), SAMPLE_BUCKET_FLOOR)) + max(max_tokens)
+    return factor * width <= row_tokens
+
+
+def sampling_batches_fit_the_call(factor: int = SAMPLE_ROWS_FACTOR) -> None:
     """Upstream samples in batches of `sample_max_num_sequences` rows (8 in a run: it bounds the memory), each padded to
     that many, and on a CPU a decoding step of 32 rows costs about twice one of 8 (SmolLM2: 0.23 s against 0.10-0.13 s;
     the matmuls of a few rows run far below the CPU's peak), half as much per row: the nightly RL step's 32 samples took
-    4 batches of 1.25 s, 5.0 s, against 2.5 s as one batch of 32 (in one process). A call of more rows than a batch runs
-    in batches `factor` times larger when its rows are short (prompt bucket + new tokens, times the rows, within
-    `sample_max_num_sequences` x `row_tokens`) and it asks for no prompt logprobs (whose logits grow with the rows times
-    the prompt). A call that fits upstream's batch keeps it (a larger one would only pad it), so the programs are two
+    4 batches of 1.25 s, 5.0 s, against 2.5 s as one batch of 32 (in one process). When its rows are short
+    (`rows_are_short`), a batch runs `factor` times upstream's rows:
+    - a call of more rows than upstream's batch (the engine takes that many, `full-sampling-batches`);
+    - and every call that asks for prompt logprobs, however few its rows: those are evaluations (greedy tokens
+      and the logprobs of each prompt), whose calls of 24-32 prompts ran in 3-4 batches, and with one size for
+      them all a run compiles one such program, its readiness sample's. Their logits are computed a chunk at a
+      time (`prompt-logprobs-in-chunks`), so the rows do not multiply their memory.
+    Any other call that fits upstream's batch keeps it (a larger one would only pad it), so the programs are two
     row counts at most (`sampling-rows`). Can go when upstream sizes its sampling batches to the call."""
     from tx.tinker.backends import jax as backend
 
-    upstream_sample, upstream_round = backend.JaxBackendImpl.sample, backend.round_up_seq_len
+    upstream_sample = backend.JaxBackendImpl.sample
 
     def larger(engine, batch) -> int | None:
         rows = engine.config.sample_max_num_sequences
-        if batch.needs_prompt_logprobs or not 0 < rows < len(batch.all_prompts):
+        if rows <= 0 or not rows_are_short([len(p) for p in batch.all_prompts],
+                                           [p.max_tokens for p in batch.all_sampling_params], factor):
             return None
-        width = upstream_round(max(max(len(p) for p in batch.all_prompts), SAMPLE_BUCKET_FLOOR)) \
-            + max(p.max_tokens for p in batch.all_sampling_params)
-        return rows * factor if factor * width <= row_tokens else None
+        return rows * factor if batch.needs_prompt_logprobs or len(batch.all_prompts) > rows else None
 
     @functools.wraps(upstream_sample)  # its annotations serialise the broadcast call (see above)
     def sample(self, prepared_batch):
