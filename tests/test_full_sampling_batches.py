@@ -72,11 +72,13 @@ def test_a_batch_with_room_takes_the_requests_that_arrive_while_they_keep_coming
 
 
 def test_the_first_request_of_a_burst_waits_for_the_rest_that_comes_a_little_later(patched):
-    # The SDK's first request on a new sampling client came ~30 ms before the rest on a busy machine.
+    # The SDK's first request on a new sampling client came ~30 ms before the rest on a busy machine. (On an idle
+    # machine the look's own database reads add ~30 ms, so a shorter wait may pass here too: the nightly's rank log
+    # is what showed the lone batches at 20 ms.)
     add_samples(patched.db_engine, 1)
 
     def rest():
-        time.sleep(0.05)
+        time.sleep(0.03)
         add_samples(patched.db_engine, ROOM - 1)
 
     sender = threading.Thread(target=rest)

@@ -272,9 +272,9 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         slug="full-sampling-batches",
         module="engine",
-        what="When the pending sampling requests leave room in the batch, the engine looks again after 100 ms and "
+        what="When the pending sampling requests leave room in the batch, the engine looks again after 50 ms and "
              "takes what came meanwhile, until none comes (at most 0.4 s; `engine.fills_sampling_batches`). A "
-             "lone request waits 100 ms.",
+             "lone request waits 50 ms.",
         why="Upstream's engine takes the sampling requests pending at the moment it looks, at most "
             "`sample_max_num_sequences`, and pads the batch to that size. A client's requests sent together are "
             "stored one after another: the demo's 32 evaluation samples (8 a batch) ran as 2 + 8 + 8 + 8 + 6, "
