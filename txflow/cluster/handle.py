@@ -67,6 +67,13 @@ class ClusterHandle:
         self.sessions.append(client.holder.get_session_id())
         return client
 
+    def base_sampler(self, client=None, timeout_s: float = OPEN_TIMEOUT_S):
+        """A sampling client of the cluster's base model, on `client` (or a new ServiceClient); opening it is
+        abandoned at a death like any wait on the cluster. The one way every step opens it."""
+        client = client or self.service_client(timeout_s)
+        return self.call(lambda: client.create_sampling_client(base_model=self.cluster.base_model_path),
+                         "opening a base-model sampler", timeout_s)
+
     def wait(self, future, what: str, timeout_s: float):
         """`future.result()`, abandoned as soon as the monitor records a dead process, or after
         `timeout_s` without a result.

@@ -152,7 +152,7 @@ def prove_ready(handle: ClusterHandle, timeout_s: float) -> float:
     started = time.monotonic()
     client = handle.service_client()
     try:
-        sampler = client.create_sampling_client(base_model=handle.cluster.base_model_path)
+        sampler = handle.base_sampler(client, timeout_s)
         future = sampler.sample(prompt=tinker.types.ModelInput.from_ints([1, 2, 3]), num_samples=1,
                                 sampling_params=greedy_params(), include_prompt_logprobs=True)
         handle.wait(future, "the readiness sample", timeout_s)

@@ -145,8 +145,7 @@ def evaluate_run(cfg, handle, saved) -> dict:
     try:
         serving = Serving(cfg=cfg, handle=handle, tokenizer=load_tokenizer(handle.cluster.base_model_path),
                           timeout_s=cfg.step_timeout_s)
-        serving.models[cfg.base_model] = Served(cfg.base_model, client.create_sampling_client(
-            base_model=handle.cluster.base_model_path))
+        serving.models[cfg.base_model] = Served(cfg.base_model, handle.base_sampler(client))
         serving.models[cfg.run_id] = Served(cfg.run_id, sampler)
         api_key = "sk-txflow-" + secrets.token_hex(16)
         register_secret(api_key)

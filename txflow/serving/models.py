@@ -90,7 +90,7 @@ def load(serving: Serving, references_by_name: dict[str, export.ExportReference]
     cfg, handle = serving.cfg, serving.handle
     client = handle.service_client()
     base = named.load_serves(cfg.cluster).base_model
-    serving.models[base] = Served(base, client.create_sampling_client(base_model=handle.cluster.base_model_path))
+    serving.models[base] = Served(base, handle.base_sampler(client))
     for name, reference in references_by_name.items():
         lora = reference.lora
         modules = {k: bool(lora.get(k)) for k in ("train_attn", "train_mlp", "train_unembed")}

@@ -116,7 +116,7 @@ def live_reference(mode: str, handle: ClusterHandle, training_client, data, time
     tokens, logprobs = greedy_and_logprobs(live_sampler, prompts, handle, timeout_s, seed)
     base_tokens, shared = base_figures.shared(
         handle, "greedy_tokens", {"prompts": prompts, "seed": seed, "max_tokens": GREEDY_TOKENS},
-        lambda: greedy_tokens(base_sampler(handle, timeout_s), prompts, handle, timeout_s, seed))
+        lambda: greedy_tokens(handle.base_sampler(timeout_s=timeout_s), prompts, handle, timeout_s, seed))
     if shared:
         get_logger().info("the base model's greedy tokens: another run on this cluster computed them on the same "
                           "prompts")
@@ -124,9 +124,3 @@ def live_reference(mode: str, handle: ClusterHandle, training_client, data, time
     return LiveReference(eval_loss=eval_loss(training_client, examples, handle, timeout_s), greedy_tokens=tokens,
                          base_tokens=base_tokens, prompts=prompts, examples=examples, logprobs=logprobs,
                          shared_base_tokens=shared)
-
-
-def base_sampler(handle: ClusterHandle, timeout_s: float):
-    """A sampling client of the cluster's base model."""
-    return handle.call(lambda: handle.service_client(timeout_s).create_sampling_client(
-        base_model=handle.cluster.base_model_path), "opening a base-model sampler", timeout_s)

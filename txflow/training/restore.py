@@ -54,16 +54,15 @@ def eval_rewards(sampling_client, cfg: RunConfig, data: rl.RLData, handle: Clust
 
 
 def rl_quality(cfg: RunConfig, handle: ClusterHandle, client, sampler, metrics: list[dict],
-               data: rl.RLData, shared: list[str]) -> dict:
-    """RL's figures: the saved sampler's reward against the base model's, same prompts and seeds (the base
-    model's taken once per cluster: `shared` gets `eval_rewards` when another run took them)."""
+               data: rl.RLData) -> tuple[dict, bool]:
+    """RL's figures: the saved sampler's reward against the base model's, same prompts and seeds, and whether
+    another run took the base model's (they are taken once per cluster)."""
     saved = eval_rewards(sampler, cfg, data, handle)
     inputs = {"prompts": data.prompts, "rows": data.rows, "reward": data.reward_spec, "group_size": cfg.rl.group_size,
               "max_tokens": cfg.rl.max_tokens, "temperature": cfg.rl.temperature, "seed": cfg.seed}
     base, was_shared = base_figures.shared(handle, "eval_rewards", inputs, lambda: eval_rewards(
-        client.create_sampling_client(base_model=handle.cluster.base_model_path), cfg, data, handle))
-    shared += ["eval_rewards"] if was_shared else []
-    return verdict.rl_quality(metrics, saved, base)
+        handle.base_sampler(client), cfg, data, handle))
+    return verdict.rl_quality(metrics, saved, base), was_shared
 
 
 def verify_client_checkpoints(cfg: RunConfig, handle: ClusterHandle, saved: Saved, data) -> RestoreCheck:
@@ -155,8 +154,11 @@ def restore_model_checkpoints(cfg: RunConfig, handle: ClusterHandle, metrics: li
         tokens, logprobs = evaluation.greedy_and_logprobs(sampler, live.prompts, handle, timeout, cfg.seed)
         reference = record_reference(cfg, handle, sampler_url, live.prompts, tokens, logprobs,
                                      {"rank": cfg.lora_rank, **LORA_MODULES})
-        quality = (verdict.sft_quality(metrics, base_loss, live.eval_loss) if cfg.mode == "sft"
-                   else rl_quality(cfg, handle, client, sampler, metrics, data, shared))
+        if cfg.mode == "sft":
+            quality = verdict.sft_quality(metrics, base_loss, live.eval_loss)
+        else:
+            quality, was_shared = rl_quality(cfg, handle, client, sampler, metrics, data)
+            shared += ["eval_rewards"] if was_shared else []
         rows = data.eval_rows if cfg.mode == "sft" else data.rows
         shown, accuracy = answers.side_by_side(data.tokenizer, rows, live.base_tokens, tokens)
         quality.update(accuracy)
