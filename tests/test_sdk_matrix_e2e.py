@@ -26,7 +26,7 @@ from tasks.launch_workers import launch_workers
 from tasks.provision_coordinator import provision_coordinator
 from tasks.teardown import teardown
 from tests.helpers import alive_pids, run_txflow
-from tests.sdk_envs import SDK_VERSIONS, sdk_env
+from tests.sdk_envs import SDK_VERSIONS, TORCH, sdk_env, torch_layer
 from txflow.cluster.launchers.local import LocalLauncher
 from txflow.config import RunConfig
 from txflow.processes import groups, lifeline
@@ -82,6 +82,11 @@ def assert_every_saved_checkpoint_verified(report: dict) -> dict[str, list[dict]
 @pytest.mark.parametrize("version", SDK_VERSIONS)
 def test_a_client_of_each_sdk_runs_unchanged_in_its_own_environment(version, tmp_path, txflow_env, reaper):
     python = sdk_env(version) / "bin" / "python"
+    # torch (forward_backward_custom needs it) is the shared layer's build, not one the SDK's install pulled.
+    where = subprocess.run([str(python), "-c", "import torch; print(torch.__file__, torch.__version__)"],
+                           capture_output=True, text=True, timeout=120)
+    assert where.stdout.split() == [str(torch_layer() / "torch" / "__init__.py"),
+                                    TORCH.split("==")[1] + "+cpu"], where.stderr[-2000:]
     state = reaper.watch(tmp_path / "state")
     result = run_txflow(["run", "custom", "--base-model", "tiny", "--run-id", "sdk-" + version.replace(".", "-"),
                          "--state-dir", str(state),
