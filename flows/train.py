@@ -54,6 +54,7 @@ from txflow.reporting import tracking
 from txflow.reporting.metrics import metrics_path
 from txflow.reporting.report import RunReport
 from txflow.results import Progress
+from txflow.training import evaluation
 
 
 class RunFailed(RuntimeError):
@@ -209,7 +210,7 @@ def _run(cfg: RunConfig, checked: Checked, done: Progress, began: float) -> RunR
             handle = None
             try:
                 handle = done.run(provision_coordinator, cfg, launcher, checked.base_model_path)
-                done.run(launch_workers, cfg, handle)
+                done.run(launch_workers, cfg, handle, _readiness_prompts(cfg, checked.data))
                 _steps(cfg, handle, checked.data, done)
                 error = None
             except Exception as exc:
@@ -331,3 +332,9 @@ def _cluster_fault(handle: ClusterHandle | None, exc: Exception) -> Failure | No
     if isinstance(exc, NoProgress):
         return Failure(rank=None, role="request", exit_code=None, detected_at=time.time(), message=str(exc))
     return None
+
+
+def _readiness_prompts(cfg: RunConfig, data) -> list[list[int]] | None:
+    """The held-out prompts the readiness sample answers with the base model (`tasks.launch_workers`), so that
+    the live reference does not sample them again; a custom client's run has none."""
+    return None if cfg.mode == "custom" or data is None else evaluation.eval_prompts(cfg.mode, data)

@@ -20,11 +20,11 @@ def handle_of(pid: int = 100, url: str = "http://127.0.0.1:1") -> SimpleNamespac
 
 @pytest.fixture(autouse=True)
 def empty():
-    base_figures._figures.clear()
-    base_figures._locks.clear()
+    for held in (base_figures._figures, base_figures._locks, base_figures._offered):
+        held.clear()
     yield
-    base_figures._figures.clear()
-    base_figures._locks.clear()
+    for held in (base_figures._figures, base_figures._locks, base_figures._offered):
+        held.clear()
 
 
 class Counter:
@@ -102,3 +102,26 @@ def test_the_process_keeps_its_latest_figures_only():
     assert base_figures.shared(handle_of(), "eval_loss", {"i": base_figures.KEPT}, Counter(-1.0)) == (
         float(base_figures.KEPT), True)
     assert base_figures.shared(handle_of(), "eval_loss", {"i": 0}, Counter(-1.0)) == (-1.0, False)
+
+
+def test_what_the_clusters_start_offered_is_the_runs_own_and_not_computed_again():
+    offered = [[4, 5]]
+    base_figures.offer(handle_of(), "greedy_tokens", {"prompts": [[5]]}, offered)
+    offered[0].append(9)  # the offerer's list stays its own
+    compute = Counter([[0]])
+    mine = base_figures.shared(handle_of(), "greedy_tokens", {"prompts": [[5]]}, compute)
+    assert mine == ([[4, 5]], False) and compute.calls == 0  # taken, not sampled again, and not another run's
+    mine[0][0].append(7)
+    assert base_figures.shared(handle_of(), "greedy_tokens", {"prompts": [[5]]}, compute) == ([[4, 5]], False)
+    # offered for other prompts, or on another cluster: no use to this call
+    assert base_figures.shared(handle_of(), "greedy_tokens", {"prompts": [[6]]}, compute) == ([[0]], False)
+    assert base_figures.shared(handle_of(pid=101), "greedy_tokens", {"prompts": [[5]]}, compute) == ([[0]], False)
+    assert compute.calls == 2
+
+
+def test_an_offered_figure_leaves_with_the_oldest():
+    base_figures.offer(handle_of(), "greedy_tokens", {}, [[1]])
+    for i in range(base_figures.KEPT):
+        base_figures.shared(handle_of(), "eval_loss", {"i": i}, Counter(float(i)))
+    assert not base_figures._offered and len(base_figures._figures) == base_figures.KEPT
+    assert base_figures.shared(handle_of(), "greedy_tokens", {}, Counter([[2]])) == ([[2]], False)

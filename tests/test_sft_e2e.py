@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,20 @@ def test_the_run_exports_a_peft_adapter_proven_against_skyrl_that_a_fresh_proces
     assert loaded.returncode == 0, loaded.stderr[-3000:]
     greedy = json.loads(loaded.stdout)
     assert greedy["tokens"] == until_eos(reference["greedy_tokens"], greedy["eos"])
+
+
+def test_the_readiness_sample_is_the_base_models_answers_and_is_not_asked_again(sft_run):
+    """The readiness sample answers the held-out prompts with the base model, and the live reference takes those
+    answers: the run asks the API for the held-out prompts' samples three times (the readiness's base model, the
+    live model, the restored sampler), not four."""
+    result = sft_run["result"]
+    report = json.loads(result.stdout)
+    prompts = len(report["restore"]["live_tokens"])
+    assert 1 < prompts <= 32
+    assert f"the base model's answers to {prompts} held-out prompts" in result.stderr
+    # The API's access log wraps its lines: whitespace runs are one space.
+    access = re.sub(r"\s+", " ", (sft_run["state"] / "logs" / "api.log").read_text())
+    assert access.count("POST /api/v1/asample ") == 3 * prompts
 
 
 def test_no_process_of_the_run_is_left(sft_run):

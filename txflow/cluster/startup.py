@@ -144,27 +144,41 @@ def missing_ranks(handle: ClusterHandle) -> list[str]:
     return missing
 
 
-def prove_ready(handle: ClusterHandle, timeout_s: float) -> float:
-    """A greedy sample from the base model: every rank takes part in it. It has the shape of the
-    greedy samples the restore check takes later, so the program it compiles is compiled once."""
+# The readiness sample takes the run's held-out prompts when there are at most this many: the engine samples calls
+# that ask for prompt logprobs 32 rows at a time (`sampling-rows`), so they cost it no more than its one prompt did.
+READINESS_PROMPTS = 32
+
+
+def prove_ready(handle: ClusterHandle, timeout_s: float, prompts: list[list[int]] | None = None,
+                seed: int = 0) -> tuple[float, list[list[int]] | None]:
+    """A greedy sample from the base model: every rank takes part in it. It has the shape of the greedy samples the
+    evaluations take later, so the program it compiles is compiled once. Given `prompts` (a run's held-out prompts,
+    at most READINESS_PROMPTS), it samples those: (seconds, the base model's greedy tokens of each), else one
+    prompt of three tokens: (seconds, None)."""
     from txflow.upstream.tinker_sdk import tinker
 
     started = time.monotonic()
+    asked = prompts if prompts and len(prompts) <= READINESS_PROMPTS else None
     client = handle.service_client()
     try:
         sampler = handle.base_sampler(client, timeout_s)
-        future = sampler.sample(prompt=tinker.types.ModelInput.from_ints([1, 2, 3]), num_samples=1,
-                                sampling_params=greedy_params(), include_prompt_logprobs=True)
-        handle.wait(future, "the readiness sample", timeout_s)
+        futures = [sampler.sample(prompt=tinker.types.ModelInput.from_ints(prompt), num_samples=1,
+                                  sampling_params=greedy_params(seed), include_prompt_logprobs=True)
+                   for prompt in asked or [[1, 2, 3]]]
+        answers = [handle.wait(future, "the readiness sample", timeout_s) for future in futures]
     except NoProgress as exc:
         missing = missing_ranks(handle)
         detail = "\n".join(missing) if missing else "every rank logged that it joined; the engine did not answer"
         raise NoProgress(f"Cluster not ready within {timeout_s:.0f} s. Not ready: {detail}") from exc
-    return time.monotonic() - started
+    tokens = [list(answer.sequences[0].tokens) for answer in answers] if asked else None
+    return time.monotonic() - started, tokens
 
 
-def launch_workers(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
-    """Start every rank > 0 now that rank 0's process exists, then prove the whole cluster serves a request."""
+def launch_workers(cfg: RunConfig, handle: ClusterHandle, prompts: list[list[int]] | None = None,
+                   seed: int = 0) -> list[list[int]] | None:
+    """Start every rank > 0 now that rank 0's process exists, then prove the whole cluster serves a request: a greedy
+    sample of `prompts` when they fit one batch (see `prove_ready`). Returns the base model's greedy tokens of
+    `prompts`, or None when the readiness sampled a prompt of its own."""
     log = get_logger()
     cluster = handle.cluster
     handle.monitor.raise_if_failed()
@@ -180,6 +194,7 @@ def launch_workers(cfg: RunConfig, handle: ClusterHandle) -> ClusterHandle:
             record = handle.launcher.start(cluster, "worker", rank, cmd, env, {}, f"rank{rank}")
             log.info(f"rank {rank} (JAX worker) pid {record.pid}, log {record.log}")
     wait_for_api(handle, cfg.startup_timeout_s)
-    seconds = prove_ready(handle, cfg.startup_timeout_s)
-    log.info(f"cluster ready: all {cfg.processes} ranks served a greedy sample ({seconds:.1f} s)")
-    return handle
+    seconds, tokens = prove_ready(handle, cfg.startup_timeout_s, prompts, seed)
+    log.info(f"cluster ready: all {cfg.processes} ranks served a greedy sample ({seconds:.1f} s"
+             + (f", the base model's answers to {len(tokens)} held-out prompts)" if tokens else ")"))
+    return tokens

@@ -100,6 +100,16 @@ def unload(handle: ClusterHandle, model_id: str) -> None:
                headers={"X-API-Key": cluster.api_key.get_secret_value()}, timeout=30).raise_for_status()
 
 
+# The base model's greedy tokens of the held-out prompts, as `base_figures` names them: the live reference's, which
+# a run's own cluster computes as its readiness sample (`tasks.launch_workers`).
+BASE_GREEDY = "greedy_tokens"
+
+
+def base_greedy_inputs(prompts: list[list[int]], seed: int) -> dict:
+    """Everything the base model's greedy tokens of `prompts` depend on besides the model (`base_figures`' key)."""
+    return {"prompts": prompts, "seed": seed, "max_tokens": GREEDY_TOKENS}
+
+
 def eval_prompts(mode: str, data) -> list[list[int]]:
     """Prompts whose greedy continuations compare the live and the restored model."""
     return data.prompts if mode == "rl" else [prompt_of(e) for e in data.eval]
@@ -115,7 +125,7 @@ def live_reference(mode: str, handle: ClusterHandle, training_client, data, time
     live_sampler = clients.sampling_client_of(handle, training_client, timeout_s)
     tokens, logprobs = greedy_and_logprobs(live_sampler, prompts, handle, timeout_s, seed)
     base_tokens, shared = base_figures.shared(
-        handle, "greedy_tokens", {"prompts": prompts, "seed": seed, "max_tokens": GREEDY_TOKENS},
+        handle, BASE_GREEDY, base_greedy_inputs(prompts, seed),
         lambda: greedy_tokens(handle.base_sampler(timeout_s=timeout_s), prompts, handle, timeout_s, seed))
     if shared:
         get_logger().info("the base model's greedy tokens: another run on this cluster computed them on the same "
