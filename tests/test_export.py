@@ -7,6 +7,7 @@ on S3 in test_s3_e2e.py."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -389,6 +390,34 @@ def test_serving_notes_say_what_servers_would_refuse():
 
 
 # --- `txflow export` -------------------------------------------------------------------------------------
+
+
+# A process that computes the reference figures over a sampler, and prints how many programs XLA compiled for it.
+COUNT_COMPILES = """
+import json, sys
+from pathlib import Path
+from jax._src import compiler
+from txflow.upstream.skyrl_tx.reference import skyrl_figures
+
+compiled = []
+upstream = compiler.backend_compile_and_load
+compiler.backend_compile_and_load = lambda *a, **k: compiled.append(1) or upstream(*a, **k)
+skyrl_figures(sys.argv[1], Path(sys.argv[2]), [[5, 17, 33, 80]], [[5, 17]], [2])
+print(json.dumps(len(compiled)))
+"""
+
+
+def test_a_second_process_computes_the_reference_without_compiling(skyrl_sampler, tmp_path):
+    """The export's reference forward keeps every program it compiles in the persistent cache, the small ones of
+    building the model included (JAX's default keeps those of 1 s and more only): a later export compiles nothing."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")} | {"TXFLOW_CACHE": str(tmp_path)}
+    counts = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", COUNT_COMPILES, skyrl_sampler["base"],
+                               str(skyrl_sampler["tarball"])], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        counts.append(json.loads(done.stdout.splitlines()[-1]))
+    assert counts[0] > 10 and counts[1] == 0, counts
 
 
 def _txflow_export(*args: str) -> subprocess.CompletedProcess:

@@ -59,6 +59,11 @@ def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]
     if not jax.config.jax_compilation_cache_dir and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
         # The cluster's persistent cache (txflow.cluster.startup.child_env): a warm export compiles nothing.
         jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax-compilation"))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        # Every program, as the cluster's ranks keep them: building the model runs ~75 small ones (each LoRA
+        # factor's initialiser), each under JAX's default threshold of 1 s, so they compiled again on every export
+        # (SmolLM2: 4 s of a 21 s export).
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     lora = lora_config_of(tarball)
     config = ModelConfig(AutoConfig.from_pretrained(base_model_path), max_lora_adapters=2,
                          max_lora_rank=lora.rank, shard_attention_heads=True, loss_chunk_size=0,
