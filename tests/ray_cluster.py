@@ -300,6 +300,17 @@ class RayCluster:
         """Every live process in the cluster's network namespace: the cluster, its drivers, their children."""
         return pids_in_namespace("net", self.net_inode) if self.net_inode else []
 
+    def inside(self) -> list[int]:
+        """Every live process in the network namespace or in a node's own mount namespace. Teardown kills both:
+        once (suite of d761bf8, after the lost-node test killed node 1's raylet) a process was left in node 1's
+        mount namespace after every one in the network namespace was gone, and the check below failed on it."""
+        found = set(self.pids())
+        ours = _ns_inode(str(os.getpid()), "mnt")  # never this process's own (a node's is always a private one)
+        for node in self.nodes:
+            if node.mount_ns and node.mount_ns != ours:
+                found.update(pids_in_namespace("mnt", node.mount_ns))
+        return sorted(found)
+
     def ray_processes(self) -> list[tuple[int, str]]:
         """(pid, command line) of the cluster's raylet, gcs_server and `ray::` processes."""
         found = []
@@ -342,7 +353,7 @@ class RayCluster:
         for pgid in groups:
             _killpg(pgid, signal.SIGKILL)
         for _ in range(50):
-            left = self.pids()
+            left = self.inside()
             if not left:
                 break
             for pid in left:
