@@ -301,9 +301,9 @@ class RayCluster:
         return pids_in_namespace("net", self.net_inode) if self.net_inode else []
 
     def inside(self) -> list[int]:
-        """Every live process in the network namespace or in a node's own mount namespace. Teardown kills both:
-        once (suite of d761bf8, after the lost-node test killed node 1's raylet) a process was left in node 1's
-        mount namespace after every one in the network namespace was gone, and the check below failed on it."""
+        """Every live process in the network namespace or in a node's own mount namespace. Teardown kills both: after
+        a node's raylet is killed, a process can remain in that node's mount namespace once the network namespace is
+        empty, and the leftover check would fail on it."""
         found = set(self.pids())
         ours = _ns_inode(str(os.getpid()), "mnt")  # never this process's own (a node's is always a private one)
         for node in self.nodes:

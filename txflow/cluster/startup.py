@@ -130,6 +130,17 @@ def greedy_params(seed: int = 0):
     return tinker.types.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, seed=seed)
 
 
+def greedy_answers(sampler, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float, seed: int = 0,
+                   what: str = "a greedy sample") -> list:
+    """Every prompt sampled greedily (`greedy_params`, with its prompt's logprobs), all requests in flight together
+    so that the engine takes them into one batch; the responses, in the prompts' order."""
+    from txflow.upstream.tinker_sdk import tinker
+
+    futures = [sampler.sample(prompt=tinker.types.ModelInput.from_ints(prompt), num_samples=1,
+                              sampling_params=greedy_params(seed), include_prompt_logprobs=True) for prompt in prompts]
+    return [handle.wait(future, what, timeout_s) for future in futures]
+
+
 def missing_ranks(handle: ClusterHandle) -> list[str]:
     """Ranks whose log lacks the line they print once they take part in collectives."""
     missing = []
@@ -155,17 +166,12 @@ def prove_ready(handle: ClusterHandle, timeout_s: float, prompts: list[list[int]
     evaluations take later, so the program it compiles is compiled once. Given `prompts` (a run's held-out prompts,
     at most READINESS_PROMPTS), it samples those: (seconds, the base model's greedy tokens of each), else one
     prompt of three tokens: (seconds, None)."""
-    from txflow.upstream.tinker_sdk import tinker
-
     started = time.monotonic()
     asked = prompts if prompts and len(prompts) <= READINESS_PROMPTS else None
     client = handle.service_client()
     try:
-        sampler = handle.base_sampler(client, timeout_s)
-        futures = [sampler.sample(prompt=tinker.types.ModelInput.from_ints(prompt), num_samples=1,
-                                  sampling_params=greedy_params(seed), include_prompt_logprobs=True)
-                   for prompt in asked or [[1, 2, 3]]]
-        answers = [handle.wait(future, "the readiness sample", timeout_s) for future in futures]
+        answers = greedy_answers(handle.base_sampler(client, timeout_s), asked or [[1, 2, 3]], handle, timeout_s,
+                                 seed, "the readiness sample")
     except NoProgress as exc:
         missing = missing_ranks(handle)
         detail = "\n".join(missing) if missing else "every rank logged that it joined; the engine did not answer"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 
 from txflow.cluster.handle import ClusterHandle
-from txflow.cluster.startup import GREEDY_TOKENS, greedy_params
+from txflow.cluster.startup import GREEDY_TOKENS, greedy_answers
 from txflow.log import get_logger
 from txflow.results import LiveReference
 from txflow.training import base_figures, clients, sft
@@ -34,7 +34,7 @@ def rollout_examples(prompts: list[list[int]], completions: list[list[int]]) -> 
 def greedy_tokens(sampling_client, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float,
                   seed: int) -> list[list[int]]:
     """Greedy continuations of every prompt; all requests in flight together."""
-    return [list(r.sequences[0].tokens) for r in _greedy(sampling_client, prompts, handle, timeout_s, seed)]
+    return [list(r.sequences[0].tokens) for r in greedy_answers(sampling_client, prompts, handle, timeout_s, seed)]
 
 
 def greedy_and_logprobs(sampling_client, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float,
@@ -44,7 +44,7 @@ def greedy_and_logprobs(sampling_client, prompts: list[list[int]], handle: Clust
     from the same call. Scoring those sequences in a call of their own would sample again; the figures would
     differ only in rounding, and every comparison of them is between two samplers that computed them this way."""
     tokens, logprobs = [], []
-    for prompt, response in zip(prompts, _greedy(sampling_client, prompts, handle, timeout_s, seed)):
+    for prompt, response in zip(prompts, greedy_answers(sampling_client, prompts, handle, timeout_s, seed)):
         sequence = response.sequences[0]
         sampled = list(sequence.logprobs or [])
         if len(sampled) != len(sequence.tokens) or any(lp is None for lp in sampled):
@@ -62,15 +62,6 @@ def _prompt_logprobs(response, length: int) -> list:
     if len(found) != length - 1 or any(lp is None for lp in found):
         raise RuntimeError(f"the sampler gave {len(given)} prompt logprobs for a sequence of {length} tokens")
     return found
-
-
-def _greedy(sampling_client, prompts: list[list[int]], handle: ClusterHandle, timeout_s: float, seed: int):
-    from txflow.upstream.tinker_sdk import tinker
-
-    futures = [sampling_client.sample(prompt=tinker.types.ModelInput.from_ints(p), num_samples=1,
-                                      sampling_params=greedy_params(seed), include_prompt_logprobs=True)
-               for p in prompts]
-    return [handle.wait(f, "a greedy sample", timeout_s) for f in futures]
 
 
 def sign_flip_p(differences: list[float], samples: int = 200_000) -> float:
