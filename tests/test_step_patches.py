@@ -1,6 +1,6 @@
 """The `loss-chunks` and `lora-per-example` changes: the chunked logprobs of a batch cover its tokens, not a multiple of
 `loss_chunk_size`; a LoRA linear layer computes each example's own adapter, with upstream's outputs and
-gradients."""
+gradients, and so does an embedding's LoRA."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from tx.layers.lora import LoRALinear
+from tx.layers.lora import LoRAEmbed, LoRALinear
 from tx.utils.logits_processor import LogitsProcessorMixin
 
 from txflow.upstream.skyrl_tx import ranks
@@ -76,6 +76,30 @@ def test_each_examples_adapter_gives_upstreams_outputs_and_gradients(monkeypatch
     for got, expected in zip(grads, upstream_grads, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
         assert not np.any(np.asarray(got)[[1, 3]])  # unused slots get no gradient
+
+
+def test_each_examples_embedding_adapter_gives_upstreams_outputs_and_gradients(monkeypatch):
+    monkeypatch.setattr(LoRAEmbed, "apply_lora", LoRAEmbed.apply_lora)  # restored after the test
+    with jax.set_mesh(jax.make_mesh((1, 1), ("fsdp", "tp"), axis_types=(jax.sharding.AxisType.Auto,) * 2)):
+        embed = LoRAEmbed(40, 16, sharding=(None, None), max_lora_adapters=4, max_lora_rank=4,
+                          embedding_init=nnx.initializers.normal(), rngs=nnx.Rngs(0))
+        embed.lora_A[...] = jax.random.normal(jax.random.key(1), embed.lora_A[...].shape)
+        embed.lora_B[...] = jax.random.normal(jax.random.key(2), embed.lora_B[...].shape)
+        embed.lora_scaling[...] = jnp.array([1.0, 2.0, 0.5, 3.0])
+        tokens = jnp.asarray(np.random.default_rng(3).integers(0, 40, (3, 5)))
+        adapters = jnp.array([2, 0, 2])
+
+        def outputs_and_gradients():
+            grads = nnx.grad(lambda m: jnp.sum(jnp.sin(m(tokens, adapters))))(embed)
+            return embed(tokens, adapters), (grads["lora_A"][...], grads["lora_B"][...])
+
+        upstream_out, upstream_grads = outputs_and_gradients()
+        LoRAEmbed.apply_lora = ranks.embed_lora_per_example
+        out, grads = outputs_and_gradients()
+    np.testing.assert_allclose(out, upstream_out, rtol=1e-5, atol=1e-5)
+    for got, expected in zip(grads, upstream_grads, strict=True):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
+        assert np.abs(np.asarray(got)[2]).sum() > 0 and not np.any(np.asarray(got)[[1, 3]])
 
 
 def test_a_decoding_step_of_more_rows_than_slots_reads_every_slot_in_place_with_the_same_outputs(monkeypatch):

@@ -4,8 +4,9 @@ losses (`tinker-losses`), the compilation cache written by every rank (`compilat
 batch (`loss-chunks`), each example's own adapter in every LoRA linear layer (`lora-per-example`), the model code of
 `models` (`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`),
 sampling calls in batches sized to them (`sampling-rows`), every program's compile in the log under what it computes
-(`compile-log`), each model's optimizer over its own slot only (`optimizer-own-slot`), and the rows of a training batch
-that share a prompt computed once (`packed-prefixes`); `run` imports upstream without torch (`rank-imports`)."""
+(`compile-log`), each model's optimizer over its own slot only (`optimizer-own-slot`), the rows of a training batch
+that share a prompt computed once (`packed-prefixes`) and a one-model batch's gradient over its own slot only
+(`one-slot-gradient`); `run` imports upstream without torch (`rank-imports`)."""
 
 from __future__ import annotations
 
@@ -96,7 +97,10 @@ def lora_per_example(self, x, base_output, adapter_indices):
         return base_output
     batch, seq_len = x.shape[:2]
     x = x.reshape(batch, seq_len, -1)
-    if seq_len == 1 and batch > self.max_lora_adapters:
+    if self.lora_A.shape[0] == 1:  # one slot's weights (`one-slot-gradient`): every row's, no copy per row
+        down = jnp.einsum("bti,ir->btr", x, self.lora_A[...][0])
+        out = jnp.einsum("btr,ro->bto", down, self.lora_B[...][0])
+    elif seq_len == 1 and batch > self.max_lora_adapters:
         # A decoding step of more rows than slots: every slot's factors read where they are, each row's own kept
         # by a 0/1 mask. The gathered copies (rows x in x rank, per module) do not change from step to step, so
         # XLA hoisted them out of the decoding loop, all 420 of SmolLM2's at once: 1.8 GB held through a 32-row
@@ -192,7 +196,8 @@ def every_program_compile_logged() -> None:
             rows = prepared_batch.all_input_ids[start:start + micro]
             targets = prepared_batch.all_targets[start:start + micro]
             packed = packing.shapes_of(self, rows, targets, adapters[start:start + micro], length)[1:]
-            shapes.add((kind, length, -(-len(rows) // fsdp) * fsdp, *packed))
+            one_slot = ("one slot",) if kind == "train" and getattr(self, "_txflow_one_slot", None) else ()
+            shapes.add((kind, length, -(-len(rows) // fsdp) * fsdp, *packed, *one_slot))
         current["pass"] = (kind, length, shapes)
         try:
             return upstream_pass(self, prepared_batch, model_pass_fn)
@@ -332,6 +337,163 @@ def optimizer_covers_its_own_slot() -> None:
     JaxBackendImpl.new_optimizer = slot_optimizer  # what a state load without the optimizer gives (checkpoint_io)
 
 
+def embed_lora_per_example(self, x, base_output, adapter_indices):
+    """An embedding's LoRA with each example's own adapter (`lora-per-example`): A's rows of the example's tokens in
+    its own slot, times its own B. Upstream sorts the tokens by adapter and runs `ragged_dot` over every slot (the
+    same figures), which also ties the program to the number of slots the weights hold (`one-slot-gradient`)."""
+    import jax.numpy as jnp
+
+    if self.max_lora_adapters == 0 or adapter_indices is None:
+        return base_output
+    down = self.lora_A[...][adapter_indices[:, None], x]  # (batch, tokens, rank)
+    out = jnp.einsum("btr,bro->bto", down, self.lora_B[...][adapter_indices])
+    out = out * self.lora_scaling[...][adapter_indices, None, None]
+    return base_output + out.astype(base_output.dtype)
+
+
+# The leaves outside the LoRA weights that hold one entry per slot (`tx.layers.lora.LoRAMixin`).
+_PER_SLOT = ("lora_scaling", "lora_ranks")
+
+
+def _take(grad_sum, lora, per_slot, slot):
+    import jax
+
+    def one(w):
+        return jax.lax.dynamic_slice_in_dim(w, slot, 1, axis=0)
+
+    return jax.tree.map(one, grad_sum), jax.tree.map(one, lora), [one(w) for w in per_slot]
+
+
+def _put(accumulated, grad_sum, slot, adapter_indices):
+    import jax
+    import jax.numpy as jnp
+
+    counts = accumulated.counts + jnp.bincount(adapter_indices, length=accumulated.counts.shape[0])
+    return type(accumulated)(grad_sum=jax.tree.map(
+        lambda whole, mine: jax.lax.dynamic_update_slice_in_dim(whole, mine, slot, axis=0),
+        accumulated.grad_sum, grad_sum), counts=counts)
+
+
+@functools.cache
+def slot_programs():
+    """The jitted `_take` and `_put` (`one-slot-gradient`), compiled once per process and shape."""
+    import jax
+
+    return jax.jit(_take), jax.jit(_put, donate_argnums=(0,))
+
+
+def slot_view(grad_sum, lora, rest, slot: int):
+    """One slot's view (`one-slot-gradient`): the slot's gradient sum (any tree stacked by slot, [] for none), its
+    LoRA weights, and the rest of the weights with the slot's scales in place of every slot's."""
+    import jax
+    import jax.numpy as jnp
+
+    leaves, tree = jax.tree_util.tree_flatten_with_path(rest)
+    where = [i for i, (path, _) in enumerate(leaves) if any(getattr(k, "key", None) in _PER_SLOT for k in path)]
+    grads, view, per_slot = slot_programs()[0](grad_sum, lora, [leaves[i][1] for i in where], jnp.int32(slot))
+    rest_leaves = [leaf for _, leaf in leaves]
+    for i, leaf in zip(where, per_slot):
+        rest_leaves[i] = leaf
+    return grads, view, jax.tree_util.tree_unflatten(tree, rest_leaves)
+
+
+class OneSlotPass:
+    """A forward_backward program that, when every row of the batch trains one model (`one-slot-gradient`), runs
+    on that model's slot alone: the slot's LoRA weights, scales and accumulated gradient are taken out (a view of
+    one slot, each row's adapter index 0 in it), upstream's program (or the packed one) runs on the view, and the
+    slot's gradient sum is written back into the donated accumulator; the counts are upstream's. Otherwise the
+    whole program, as upstream runs it."""
+
+    def __init__(self, engine, inner):
+        self.engine, self.inner = engine, inner
+
+    def __call__(self, accumulated, lora, rest, input_ids, attention_mask, adapter_indices, *batch):
+        import jax.numpy as jnp
+
+        slot = getattr(self.engine, "_txflow_one_slot", None)
+        if slot is None:
+            return self.inner(accumulated, lora, rest, input_ids, attention_mask, adapter_indices, *batch)
+        grads, view, view_rest = slot_view(accumulated.grad_sum, lora, rest, slot)
+        counts = jnp.zeros((1,), dtype=accumulated.counts.dtype)
+        mine, losses, logprobs = self.inner(type(accumulated)(grad_sum=grads, counts=counts), view, view_rest,
+                                            input_ids, attention_mask, jnp.zeros_like(adapter_indices), *batch)
+        put = slot_programs()[1]
+        return put(accumulated, mine.grad_sum, jnp.int32(slot), adapter_indices), losses, logprobs
+
+
+def has_experts(engine) -> bool:
+    """Whether the engine's model has LoRA experts, which keep upstream's routing over every slot."""
+    if not hasattr(engine, "_txflow_experts"):
+        from flax import nnx
+        from tx.layers.lora import LoRAExpert
+
+        engine._txflow_experts = any(isinstance(m, LoRAExpert) for _, m in nnx.iter_modules(engine.model))
+    return engine._txflow_experts
+
+
+def one_slot_gradient() -> None:
+    """A forward_backward whose rows all train one model differentiates that model's slot only, and a sampling
+    batch of one adapter samples from that slot alone (`one-slot-gradient`).
+
+    Upstream differentiates the LoRA weights of every slot: the program stacks every slot's weights per layer,
+    carries a gradient of every slot through the backward (zeros but for the batch's own), and adds them all to
+    the accumulator. On SmolLM2 with 8 slots that was most of the program's 2.4 GB of buffers. Its sampling
+    programs stack every slot's weights the same way in the prefill, and a decoding step of more rows than slots
+    multiplies by every slot's factors. Rows of several models (a shared cluster's batch) keep upstream's
+    programs. Embeddings take their LoRA per example too (`embed_lora_per_example`), so that no program depends on
+    how many slots its weights hold."""
+    from tx.layers.lora import LoRAEmbed
+    from tx.tinker.backends.jax import JaxBackendImpl
+
+    upstream = JaxBackendImpl._create_loss_and_grad_fn
+    if getattr(upstream, "one_slot", False):
+        return
+    LoRAEmbed.apply_lora = embed_lora_per_example
+    upstream_pass = JaxBackendImpl._model_pass
+
+    @functools.wraps(upstream_pass)
+    def _model_pass(self, prepared_batch, model_pass_fn):
+        slots = {self.models[m].adapter_index for m in prepared_batch.all_model_ids if m in self.models}
+        self._txflow_one_slot = slots.pop() if len(slots) == 1 and not has_experts(self) else None
+        try:
+            return upstream_pass(self, prepared_batch, model_pass_fn)
+        finally:
+            self._txflow_one_slot = None
+
+    @functools.wraps(upstream)
+    def _create_loss_and_grad_fn(self):
+        upstream(self)
+        self._forward_backward_and_accumulate = OneSlotPass(self, self._forward_backward_and_accumulate)
+
+    upstream_sample, upstream_load = JaxBackendImpl.sample, JaxBackendImpl.load_sampler_weights
+
+    @functools.wraps(upstream_load)
+    def load_sampler_weights(self, prepared_batch):
+        # Within `sample`: a batch of one adapter samples from that slot's view, each row's index 0 in it.
+        indices = upstream_load(self, prepared_batch)
+        if getattr(self, "_txflow_sampling", None) == [] and len(set(indices)) == 1 and not has_experts(self):
+            self._txflow_sampling.append((self.lora_params, self.non_lora_params))
+            _, self.lora_params, self.non_lora_params = slot_view([], self.lora_params, self.non_lora_params,
+                                                                  indices[0])
+            return [0] * len(indices)
+        return indices
+
+    @functools.wraps(upstream_sample)  # its annotations serialise the broadcast call
+    def sample(self, prepared_batch):
+        self._txflow_sampling = []
+        try:
+            return upstream_sample(self, prepared_batch)
+        finally:
+            if self._txflow_sampling:  # the whole weights back, whatever happened
+                self.lora_params, self.non_lora_params = self._txflow_sampling[0]
+            self._txflow_sampling = None
+
+    JaxBackendImpl.sample, JaxBackendImpl.load_sampler_weights = sample, load_sampler_weights
+    _model_pass.upstream, _create_loss_and_grad_fn.upstream = upstream_pass, upstream
+    _create_loss_and_grad_fn.one_slot = True
+    JaxBackendImpl._model_pass, JaxBackendImpl._create_loss_and_grad_fn = _model_pass, _create_loss_and_grad_fn
+
+
 # Every sampling batch's prompts are padded to at least this many tokens (`sampling-buckets`).
 SAMPLE_BUCKET_FLOOR = 64
 
@@ -428,6 +590,7 @@ def install() -> None:
     sample_prompts_share_a_bucket()
     sampling_batches_fit_the_call()
     packing.model_passes_pack_shared_prefixes()
+    one_slot_gradient()
 
 
 class DeferredModule(types.ModuleType):
