@@ -57,8 +57,8 @@ def figures(impl, batches, one_slot: bool, monkeypatch) -> dict:
     taken = []
     with monkeypatch.context() as patch:
         patch.setattr(ranks, "slot_view", lambda *args, view=ranks.slot_view: (taken.append(1), view(*args))[1])
-        if not one_slot:  # what keeps upstream's programs (LoRA experts) said of this model
-            patch.setattr(ranks, "has_experts", lambda engine: True)
+        if not one_slot:  # what keeps upstream's programs (LoRA experts, say) said of this model
+            patch.setattr(ranks, "views_serve", lambda engine: False)
         impl.accumulated_grads = backend.AccumulatedGradients.create(impl.lora_params, impl.config.max_lora_adapters)
         outputs = [o for batch in batches for o in impl.forward_backward(batch).values()]
     return {"logprobs": [o["logprobs"]["data"] for out in outputs for o in out.loss_fn_outputs],
@@ -83,7 +83,7 @@ def sampled(impl, models: list[str], one_slot: bool, monkeypatch) -> dict:
     with monkeypatch.context() as patch:
         patch.setattr(ranks, "slot_view", lambda *args, view=ranks.slot_view: (taken.append(1), view(*args))[1])
         if not one_slot:
-            patch.setattr(ranks, "has_experts", lambda engine: True)
+            patch.setattr(ranks, "views_serve", lambda engine: False)
         results = impl.sample(batch)
     assert {np.asarray(w).shape[0] for w in jax.tree.leaves(impl.lora_params)} == {3}  # every slot's weights back
     return {"tokens": [list(results[f"r{i}"].sequences[0].tokens) for i in range(len(models))],
@@ -139,3 +139,13 @@ def test_a_sampling_batch_of_one_adapter_samples_from_its_slot_alone(engine, mod
     if models == ["a"] * 3:  # the adapter's own samples: its weights moved the base model's logprobs
         base = sampled(engine, [""] * 3, True, monkeypatch)
         assert not np.allclose(np.concatenate(base["prompt_logprobs"]), np.concatenate(alone["prompt_logprobs"]))
+
+
+def test_upstreams_lora_layers_are_never_given_a_view(engine, monkeypatch):
+    # With upstream's routing over every slot back in a layer (a test restoring it, say), a one-adapter batch keeps
+    # every slot's weights: that routing cannot read a view of one.
+    from tx.layers import lora
+
+    monkeypatch.setattr(LoRALinear, "apply_lora", lora.LoRAMixin.apply_lora)
+    upstream = sampled(engine, ["a"] * 2, True, monkeypatch)
+    assert upstream["views"] == 0 and len(upstream["tokens"]) == 2

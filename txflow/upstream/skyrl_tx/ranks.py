@@ -97,15 +97,13 @@ def lora_per_example(self, x, base_output, adapter_indices):
         return base_output
     batch, seq_len = x.shape[:2]
     x = x.reshape(batch, seq_len, -1)
-    if self.lora_A.shape[0] == 1:  # one slot's weights (`one-slot-gradient`): every row's, no copy per row
-        down = jnp.einsum("bti,ir->btr", x, self.lora_A[...][0])
-        out = jnp.einsum("btr,ro->bto", down, self.lora_B[...][0])
-    elif seq_len == 1 and batch > self.max_lora_adapters:
+    slots = self.lora_A.shape[0]  # `max_lora_adapters`, or 1 in a view of one slot (`one-slot-gradient`)
+    if seq_len == 1 and batch > slots:
         # A decoding step of more rows than slots: every slot's factors read where they are, each row's own kept
         # by a 0/1 mask. The gathered copies (rows x in x rank, per module) do not change from step to step, so
         # XLA hoisted them out of the decoding loop, all 420 of SmolLM2's at once: 1.8 GB held through a 32-row
         # batch's decode, and read again at every step. With fewer rows than slots the copies are the smaller.
-        own = jax.nn.one_hot(adapter_indices, self.max_lora_adapters, dtype=x.dtype)[:, None, :, None]
+        own = jax.nn.one_hot(adapter_indices, slots, dtype=x.dtype)[:, None, :, None]
         down = jnp.einsum("bti,nir->btnr", x, self.lora_A[...]) * own
         out = jnp.einsum("btnr,nro->bto", down, self.lora_B[...])
     else:
@@ -421,14 +419,20 @@ class OneSlotPass:
         return put(accumulated, mine.grad_sum, jnp.int32(slot), adapter_indices), losses, logprobs
 
 
-def has_experts(engine) -> bool:
-    """Whether the engine's model has LoRA experts, which keep upstream's routing over every slot."""
+def views_serve(engine) -> bool:
+    """Whether one slot's view can stand for the engine's weights (`one-slot-gradient`): its LoRA layers take each
+    example's own factors (`lora-per-example`), which read a view as they read every slot; upstream's routing over
+    `max_lora_adapters` slots (its linear and embedding layers, and LoRA experts always) does not."""
+    from tx.layers.lora import LoRAEmbed, LoRALinear
+
+    if LoRALinear.apply_lora is not lora_per_example or LoRAEmbed.apply_lora is not embed_lora_per_example:
+        return False
     if not hasattr(engine, "_txflow_experts"):
         from flax import nnx
         from tx.layers.lora import LoRAExpert
 
         engine._txflow_experts = any(isinstance(m, LoRAExpert) for _, m in nnx.iter_modules(engine.model))
-    return engine._txflow_experts
+    return not engine._txflow_experts
 
 
 def one_slot_gradient() -> None:
@@ -454,7 +458,7 @@ def one_slot_gradient() -> None:
     @functools.wraps(upstream_pass)
     def _model_pass(self, prepared_batch, model_pass_fn):
         slots = {self.models[m].adapter_index for m in prepared_batch.all_model_ids if m in self.models}
-        self._txflow_one_slot = slots.pop() if len(slots) == 1 and not has_experts(self) else None
+        self._txflow_one_slot = slots.pop() if len(slots) == 1 and views_serve(self) else None
         try:
             return upstream_pass(self, prepared_batch, model_pass_fn)
         finally:
@@ -471,7 +475,7 @@ def one_slot_gradient() -> None:
     def load_sampler_weights(self, prepared_batch):
         # Within `sample`: a batch of one adapter samples from that slot's view, each row's index 0 in it.
         indices = upstream_load(self, prepared_batch)
-        if getattr(self, "_txflow_sampling", None) == [] and len(set(indices)) == 1 and not has_experts(self):
+        if getattr(self, "_txflow_sampling", None) == [] and len(set(indices)) == 1 and views_serve(self):
             self._txflow_sampling.append((self.lora_params, self.non_lora_params))
             _, self.lora_params, self.non_lora_params = slot_view([], self.lora_params, self.non_lora_params,
                                                                   indices[0])
