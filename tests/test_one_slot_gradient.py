@@ -32,7 +32,8 @@ def engine(monkeypatch):
     upstream's again after the test); two models, "a" in slot 1 and "b" in slot 2 of 3, each after one optimizer
     step (so that both LoRA factors get gradients)."""
     for owner, name in ((backend.JaxBackendImpl, "_create_loss_and_grad_fn"), (backend.JaxBackendImpl, "_model_pass"),
-                        (backend.JaxBackendImpl, "_micro_batch_size"), (LoRAEmbed, "apply_lora"),
+                        (backend.JaxBackendImpl, "_micro_batch_size"), (backend.JaxBackendImpl, "sample"),
+                        (backend.JaxBackendImpl, "load_sampler_weights"), (LoRAEmbed, "apply_lora"),
                         (LoRALinear, "apply_lora"), (llama3, "dot_product_attention"),
                         (qwen3, "dot_product_attention")):
         monkeypatch.setattr(owner, name, getattr(owner, name))

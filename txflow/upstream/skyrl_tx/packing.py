@@ -281,6 +281,11 @@ def shapes_of(engine, rows: list[list[int]], targets: list[list[int]], adapters:
     return len(rows), "packed", plan.rows, plan.length, queries_for(plan, pad_batch(targets, length, np.int32)).count
 
 
+def adapters_of(engine, model_ids: list[str]) -> list[int]:
+    """Each row's adapter slot, by its model (0, the base model's, for a model the engine does not hold)."""
+    return [getattr(engine.models.get(m), "adapter_index", 0) for m in model_ids]
+
+
 def whole_batch_packs(engine, batch) -> bool:
     """Whether a batch of more rows than one micro-batch (`train_micro_batch_size`, which bounds a pass's memory)
     packs into one that computes no more than a micro-batch of upstream's would: its packed tokens and its head's
@@ -293,7 +298,7 @@ def whole_batch_packs(engine, batch) -> bool:
     if not 0 < micro < len(rows) or not installed_and_packs(engine):
         return False
     length = round_up_seq_len(max(len(row) for row in rows))
-    adapters = [getattr(engine.models.get(m), "adapter_index", 0) for m in batch.all_model_ids]
+    adapters = adapters_of(engine, batch.all_model_ids)
     plan = plan_for([np.asarray(row) for row in rows], adapters, length)
     budget = micro * length
     return plan is not None and plan.rows * plan.length <= budget \

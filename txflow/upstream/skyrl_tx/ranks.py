@@ -188,7 +188,7 @@ def every_program_compile_logged() -> None:
         total, fsdp = len(prepared_batch.all_input_ids), self.mesh.shape["fsdp"]
         micro = self._micro_batch_size(total) if total else 1
         length = backend.round_up_seq_len(max((len(ids) for ids in prepared_batch.all_input_ids), default=0))
-        adapters = [getattr(self.models.get(m), "adapter_index", 0) for m in prepared_batch.all_model_ids]
+        adapters = packing.adapters_of(self, prepared_batch.all_model_ids)
         shapes = set()
         for start in range(0, total, micro):  # a micro-batch's rows, padded to the devices, and its packing
             rows = prepared_batch.all_input_ids[start:start + micro]
@@ -457,7 +457,7 @@ def one_slot_gradient() -> None:
 
     @functools.wraps(upstream_pass)
     def _model_pass(self, prepared_batch, model_pass_fn):
-        slots = {self.models[m].adapter_index for m in prepared_batch.all_model_ids if m in self.models}
+        slots = set(packing.adapters_of(self, prepared_batch.all_model_ids))
         self._txflow_one_slot = slots.pop() if len(slots) == 1 and views_serve(self) else None
         try:
             return upstream_pass(self, prepared_batch, model_pass_fn)
@@ -473,24 +473,25 @@ def one_slot_gradient() -> None:
 
     @functools.wraps(upstream_load)
     def load_sampler_weights(self, prepared_batch):
-        # Within `sample`: a batch of one adapter samples from that slot's view, each row's index 0 in it.
+        # Within `sample` (upstream merges its model from these weights right after): a batch of one adapter samples
+        # from that slot's view, each row's index 0 in it; `sample` puts the whole weights back.
         indices = upstream_load(self, prepared_batch)
-        if getattr(self, "_txflow_sampling", None) == [] and len(set(indices)) == 1 and views_serve(self):
-            self._txflow_sampling.append((self.lora_params, self.non_lora_params))
-            _, self.lora_params, self.non_lora_params = slot_view([], self.lora_params, self.non_lora_params,
-                                                                  indices[0])
-            return [0] * len(indices)
-        return indices
+        if not getattr(self, "_txflow_sampling", False) or self._txflow_whole is not None \
+                or len(set(indices)) != 1 or not views_serve(self):  # (a view already stands for them)
+            return indices
+        self._txflow_whole = (self.lora_params, self.non_lora_params)
+        _, self.lora_params, self.non_lora_params = slot_view([], self.lora_params, self.non_lora_params, indices[0])
+        return [0] * len(indices)
 
     @functools.wraps(upstream_sample)  # its annotations serialise the broadcast call
     def sample(self, prepared_batch):
-        self._txflow_sampling = []
+        self._txflow_sampling, self._txflow_whole = True, None
         try:
             return upstream_sample(self, prepared_batch)
         finally:
-            if self._txflow_sampling:  # the whole weights back, whatever happened
-                self.lora_params, self.non_lora_params = self._txflow_sampling[0]
-            self._txflow_sampling = None
+            if self._txflow_whole is not None:  # whatever happened
+                self.lora_params, self.non_lora_params = self._txflow_whole
+            self._txflow_sampling, self._txflow_whole = False, None
 
     JaxBackendImpl.sample, JaxBackendImpl.load_sampler_weights = sample, load_sampler_weights
     _model_pass.upstream, _create_loss_and_grad_fn.upstream = upstream_pass, upstream
