@@ -97,13 +97,19 @@ def prompt_logprobs_as_tinkers() -> None:
 
 
 FILL_QUIET_S = 0.05
-"""How long a partial sampling batch waits for another request before it starts (`full-sampling-batches`). A
-client's burst is not even: the SDK's first request on a new sampling client came ~30 ms before the rest on a busy
-machine, and with 20 ms the engine sampled it alone (the nightly's evaluations ran 1 + 8 + 8 + 7 requests, the lone
-one in a program of its own: 1.3 s a batch, 4-15 s to load or compile it). Every lone request waits this long: 100 ms
-cost a test of many one-at-a-time calls 13% of its time, 50 ms half that."""
-FILL_LIMIT_S = 0.4
-"""The longest a partial sampling batch waits in all, however the requests trickle in."""
+"""How long a partial sampling batch of one request waits for another before it starts (`full-sampling-batches`).
+A client's burst is not even: the SDK's first request on a new sampling client came ~30 ms before the rest on a
+busy machine, and with 20 ms the engine sampled it alone (the nightly's evaluations ran 1 + 8 + 8 + 7 requests, the
+lone one in a program of its own: 1.3 s a batch, 4-15 s to load or compile it). Every lone request waits this long:
+100 ms cost a test of many one-at-a-time calls 13% of its time, 50 ms half that."""
+BURST_QUIET_S = 0.15
+"""How long a batch of several requests (a burst being stored) waits for the next one. The API stores a burst's
+requests one after another, and on 2 cores, beside the engine's own reads, one of the demo's 32 evaluation requests
+was stored 109 ms after the one before it: the batch started without it, and it was sampled alone, a whole padded
+pass (4.8 s on SmolLM2), in 4 of 10 demo runs."""
+FILL_LIMIT_S = 1.0
+"""The longest a partial sampling batch waits in all, however the requests trickle in (32 requests took 0.4 s to
+store on a busy machine)."""
 
 
 def fills_sampling_batches() -> None:
@@ -156,13 +162,17 @@ def fills_sampling_batches() -> None:
             return upstream(self, session)
         found = pick(self, session)
         deadline = time.monotonic() + FILL_LIMIT_S
+        quiet = 0.0  # since the batch last grew
         while found and room_left(self, found) and time.monotonic() < deadline:
             time.sleep(FILL_QUIET_S)
             with Session(self.db_engine) as fresh:  # a new read: the first session's snapshot is as it began
                 more = pick(self, fresh)
-            if len(more) <= len(found):
+            if len(more) > len(found):
+                found, quiet = more, 0.0
+                continue
+            quiet += FILL_QUIET_S
+            if quiet >= (FILL_QUIET_S if len(found) == 1 else BURST_QUIET_S) - 1e-9:
                 break
-            found = more
         return found
 
     TinkerEngine.find_batchable_sample = find_batchable_sample
