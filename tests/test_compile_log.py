@@ -84,3 +84,44 @@ def test_each_program_is_logged_under_what_it_computes_the_first_time_its_shape_
         logger.removeHandler(lines)
     # Upstream's metrics keep their figure per length.
     assert set(impl.metrics.train_seq_len_jit_times) == {32} and set(impl.metrics.sample_seq_len_jit_times) == {32}
+
+
+def test_the_end_of_a_compile_says_how_much_of_it_the_persistent_cache_held(monkeypatch, tmp_path):
+    """The end line counts the program's executables that JAX's persistent cache held, and what compiling them had
+    taken: the run then says "loaded from this machine's cache" rather than "compiled" (`txflow.cluster.compiles`)."""
+    import jax
+    from jax._src import compilation_cache
+    from tx.utils.generator import GeneratorMixin
+
+    for owner, name in ((backend.JaxBackendImpl, "_model_pass"), (backend.JaxBackendImpl, "_jit_timing_context"),
+                        (GeneratorMixin, "generate")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))
+    previous = {key: getattr(jax.config, key) for key in ("jax_compilation_cache_dir",
+                                                           "jax_persistent_cache_min_compile_time_secs")}
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "jax-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    compilation_cache.reset_cache()
+    ranks.every_program_compile_logged()
+    lines = Lines()
+    logger.addHandler(lines)
+    try:
+        impl = backend.JaxBackendImpl(resolve_base_model(TINY_MODEL), backend.JaxBackendConfig(
+            max_lora_adapters=2, max_lora_rank=4, train_micro_batch_size=4, sample_max_num_sequences=1))
+        impl.create_model("m", types.LoraConfig(rank=4, alpha=8.0, seed=0))
+        ends = []
+        for _ in range(2):  # an empty cache, then the same program in a process that has not compiled it
+            lines.lines.clear()
+            impl.forward_backward(model_pass(4, 20))
+            ends += [line for line in lines.lines if line.startswith("JIT compilation for train seq_len=32")]
+            jax.clear_caches()
+            ranks.COMPILED.clear()
+    finally:
+        logger.removeHandler(lines)
+        for key, value in previous.items():
+            jax.config.update(key, value)
+        compilation_cache.reset_cache()
+    compiled, loaded = (re.search(r"\(persistent cache: (\d+) of (\d+) loaded, ([0-9.]+)s of compiling saved\)$",
+                                  end) for end in ends)
+    assert compiled and loaded, ends
+    assert int(compiled[1]) == 0 < int(compiled[2])  # nothing was in the cache: every executable compiled
+    assert int(loaded[1]) == int(loaded[2]) == int(compiled[2]) and float(loaded[3]) > 0  # all of them loaded

@@ -1,10 +1,14 @@
-"""The run says what the engine compiles while it compiles, and the report gets each program's seconds: rank
-0's log read as the engine's console logger writes it (wrapped lines, arriving in pieces)."""
+"""The run says what the engine compiles while it compiles, whether it was compiled or loaded from the machine's
+cache, and how long it took here before; the report gets each program's seconds: rank 0's log read as the engine's
+console logger writes it (wrapped lines, arriving in pieces)."""
 
 from __future__ import annotations
 
 import logging
 
+import pytest
+
+from txflow.cluster import compiles
 from txflow.cluster.compiles import CompileWatch
 from txflow.cluster.records import Cluster, ProcessRecord
 
@@ -16,12 +20,20 @@ WRAPPED = ("2026-12-02 23:25:21,433 - INFO - tx: JIT compiling for sample seq_le
            "2026-12-02 23:25:53,346 - INFO - tx: JIT compiling for train seq_len=64 in      \n"
            "progress...                                                                     \n")
 LATER = ("2026-12-02 23:26:18,038 - INFO - tx: JIT compilation for train seq_len=64 took  \n"
-         "24.69s                                                                          \n"
+         "24.69s (persistent cache: 1 of 3 loaded, 0.4s of compiling saved)              \n"
          "2026-12-02 23:26:18,100 - INFO - tx: JIT compiling for optimizer seq_len=0 in progress...\n"
-         "2026-12-02 23:26:30,100 - INFO - tx: JIT compilation for optimizer seq_len=0 took 12.00s\n")
+         "2026-12-02 23:26:30,100 - INFO - tx: JIT compilation for optimizer seq_len=0 took 3.20s \n"
+         "(persistent cache: 2 of 2 loaded, 10.1s of compiling saved)\n")
+
+
+@pytest.fixture(autouse=True)
+def machine_cache(tmp_path, monkeypatch):
+    """A cache directory of the test's own: what the machine compiled before is kept there."""
+    monkeypatch.setenv("TXFLOW_CACHE", str(tmp_path / "cache"))
 
 
 def watch_of(tmp_path) -> tuple[CompileWatch, object]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     log = tmp_path / "rank0.log"
     log.write_text("")
     cluster = Cluster(run_id="c", launcher="local", state_dir=str(tmp_path), host="127.0.0.1", api_port=1,
@@ -35,23 +47,32 @@ def test_each_program_is_announced_when_it_starts_and_timed_when_it_is_ready(tmp
     caplog.set_level(logging.INFO, logger="txflow")
     text = WRAPPED + LATER
     cut = text.index("23.46") + 3  # a read that ends inside a figure
-    for piece in (text[:cut], text[cut:len(WRAPPED)], LATER[:40], LATER[40:]):
+    within = text.index("2 of 2") + 3  # ... and one inside the cache's note
+    for piece in (text[:cut], text[cut:len(WRAPPED)], LATER[:40], text[len(WRAPPED) + 40:within], text[within:]):
         with open(log, "a") as f:
             f.write(piece)
         watch.poll()
+    watch.stop()
     said = [r.getMessage() for r in caplog.records]
+    first = "(the first time on this machine: XLA compiles it once, later runs load it from the cache)"
     assert said == [
-        "compiling the sample program for prompts of 32 tokens (XLA, once per shape; later runs on this machine "
-        "load it from the cache)",
-        "the sample 32 program is ready after 23.5 s",
-        "compiling the train program for sequences of 64 tokens (XLA, once per shape; later runs on this machine "
-        "load it from the cache)",
-        "the train 64 program is ready after 24.7 s",
-        "compiling the optimizer program for the adapters (XLA, once per shape; later runs on this machine load it "
-        "from the cache)",
-        "the optimizer program is ready after 12.0 s",
+        f"compiling the sample program for prompts of 32 tokens {first}",
+        "the sample 32 program is ready after 23.5 s",  # an engine that did not say what the cache did
+        f"compiling the train program for sequences of 64 tokens {first}",
+        "the train 64 program is ready after 24.7 s (compiled; later runs on this machine load it from the cache)",
+        f"compiling the optimizer program for the adapters {first}",
+        "the optimizer program is ready after 3.2 s (loaded from this machine's cache; compiling it took 10.1 s)",
     ]
-    assert watch.timings() == {"compile sample 32": 23.46, "compile train 64": 24.69, "compile optimizer": 12.0}
+    assert watch.timings() == {"compile sample 32": 23.46, "compile train 64": 24.69, "compile optimizer": 3.2}
+    # The next run on this machine says how long it may wait: what compiling each program took here.
+    assert compiles.recorded("x") == {"train 64": 24.7, "optimizer": 10.1}
+    caplog.clear()
+    again, log = watch_of(tmp_path / "again")
+    log.write_text(WRAPPED[len(WRAPPED) - 160:])  # the train program starting
+    again.poll()
+    assert [r.getMessage() for r in caplog.records] == [
+        "compiling the train program for sequences of 64 tokens, or loading it from this machine's cache "
+        "(compiling it took ~25 s here)"]
 
 
 def test_an_attached_run_says_nothing_of_what_compiled_before_it(tmp_path, caplog):
@@ -61,5 +82,5 @@ def test_an_attached_run_says_nothing_of_what_compiled_before_it(tmp_path, caplo
     caplog.set_level(logging.INFO, logger="txflow")
     with open(log, "a") as f:
         f.write(LATER)
-    watch.poll()
-    assert watch.timings() == {"compile train 64": 24.69, "compile optimizer": 12.0}  # the end of one it saw begin
+    watch.poll(final=True)
+    assert watch.timings() == {"compile train 64": 24.69, "compile optimizer": 3.2}  # the end of one it saw begin

@@ -3,11 +3,15 @@
 A real model's first request of each shape waits for XLA: seconds to a minute on a CPU, and nothing else
 moves meanwhile. The engine logs each program it compiles (`JIT compiling for <program> seq_len=<n> in
 progress...`, then `... took <s>s`; upstream's lines, written for every shape of a train, forward or sample
-program and for the optimizer by `txflow.upstream.skyrl_tx.ranks`); this watcher turns them into the run's own
-log lines and adds up each program's seconds for the report's `timings_s` (`compile <program> <n>`)."""
+program and for the optimizer by `txflow.upstream.skyrl_tx.ranks`, which adds how many of its executables came
+from JAX's persistent cache); this watcher turns them into the run's own log lines and adds up each program's
+seconds for the report's `timings_s` (`compile <program> <n>`). What a program took to compile on this machine is
+kept (`COMPILE_RECORD` in txflow's cache), so that a later run says how long it may wait."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import threading
 from pathlib import Path
@@ -16,9 +20,42 @@ from txflow.cluster.records import Cluster
 from txflow.log import get_logger
 
 STARTED = re.compile(r"JIT compiling for (\w+) seq_len=(\d+) in progress")
-FINISHED = re.compile(r"JIT compilation for (\w+) seq_len=(\d+) took ([0-9.]+)s")
+FINISHED = re.compile(r"JIT compilation for (\w+) seq_len=(\d+) took ([0-9.]+)s(?: \(persistent cache: (\d+) of (\d+) "
+                      r"loaded, ([0-9.]+)s of compiling saved\))?")
 UNITS = {"train": "sequences of {n} tokens", "forward": "sequences of {n} tokens", "sample": "prompts of {n} tokens",
          "optimizer": "the adapters"}
+
+
+COMPILE_RECORD = "compile-seconds.json"
+"""In txflow's cache: per base model (its directory's name), what each program took to compile on this machine."""
+
+
+def record_path() -> Path:
+    from txflow.upstream.tiny_model import cache_dir
+
+    return cache_dir() / COMPILE_RECORD
+
+
+def recorded(model: str) -> dict[str, float]:
+    """What each program of `model` took to compile here before ({} when nothing is known)."""
+    try:
+        return dict(json.loads(record_path().read_text()).get(model, {}))
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def record(model: str, name: str, seconds: float) -> None:
+    """Keep what compiling `name` took, for the next run's message; a record that cannot be written is skipped."""
+    path = record_path()
+    try:
+        known = json.loads(path.read_text()) if path.is_file() else {}
+        known.setdefault(model, {})[name] = round(seconds, 1)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+        partial.write_text(json.dumps(known, indent=1, sort_keys=True))
+        partial.replace(path)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def program_name(kind: str, length: str) -> str:
@@ -31,6 +68,7 @@ class CompileWatch:
 
     def __init__(self, cluster: Cluster, interval_s: float = 0.5):
         self.cluster = cluster
+        self.model = Path(cluster.base_model_path).name  # its directory's name: a model and its conversion
         self.interval_s = interval_s
         self.seconds: dict[str, float] = {}
         self._offset = 0
@@ -52,14 +90,15 @@ class CompileWatch:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=5)
-        self.poll()  # what the log said last
+        self.poll(final=True)  # what the log said last
 
     def timings(self) -> dict[str, float]:
         """The report's entries: `compile <program>` -> seconds, for every program seen compiling."""
         return {f"compile {name}": seconds for name, seconds in self.seconds.items()}
 
-    def poll(self) -> None:
-        """Read what rank 0 logged since the last poll and say what started or finished compiling."""
+    def poll(self, final: bool = False) -> None:
+        """Read what rank 0 logged since the last poll and say what started or finished compiling (`final`: the
+        log will not grow, so a line is whole as it stands)."""
         engine = next((p for p in list(self.cluster.processes) if p.role == "coordinator"), None)
         if engine is None or not Path(engine.log).is_file():
             return  # not started yet, or its log lives on another node
@@ -71,17 +110,43 @@ class CompileWatch:
         text = re.sub(r"\s+", " ", self._pending + chunk.decode(errors="replace"))
         consumed = 0
         for match in sorted([*STARTED.finditer(text), *FINISHED.finditer(text)], key=lambda m: m.start()):
+            if match.re is FINISHED and match.group(4) is None and not final and self._unfinished(text[match.end():]):
+                break  # what the cache did may still be on its way: read the line again next time
             name = program_name(match.group(1), match.group(2))
             if match.re is STARTED:
-                what = UNITS.get(match.group(1), "{n}").format(n=match.group(2))
-                get_logger().info(f"compiling the {match.group(1)} program for {what} (XLA, once per shape; "
-                                  f"later runs on this machine load it from the cache)")
+                get_logger().info(self.starting(match.group(1), match.group(2), name))
             else:
-                self.seconds[name] = round(self.seconds.get(name, 0.0) + float(match.group(3)), 3)
-                get_logger().info(f"the {name} program is ready after {float(match.group(3)):.1f} s")
+                took = float(match.group(3))
+                self.seconds[name] = round(self.seconds.get(name, 0.0) + took, 3)
+                get_logger().info(self.ready(name, took, match))
             consumed = match.end()
         # Keep an unfinished line for the next poll (a wrapped line may arrive in two reads), not the rest.
         self._pending = text[consumed:][-400:]
+
+    @staticmethod
+    def _unfinished(rest: str) -> bool:
+        """Whether the text after a compile's end line may still become its persistent-cache note."""
+        start = " (persistent cache:"
+        return rest.startswith(start) or start.startswith(rest)
+
+    def starting(self, kind: str, length: str, name: str) -> str:
+        what = f"the {kind} program for {UNITS.get(kind, '{n}').format(n=length)}"
+        before = recorded(self.model).get(name)
+        if before is None:
+            return f"compiling {what} (the first time on this machine: XLA compiles it once, later runs load it " \
+                   f"from the cache)"
+        return f"compiling {what}, or loading it from this machine's cache (compiling it took ~{before:.0f} s here)"
+
+    def ready(self, name: str, took: float, match: re.Match) -> str:
+        said = f"the {name} program is ready after {took:.1f} s"
+        if match.group(4) is None:  # the engine did not say what the cache did (JAX's cache off)
+            return said
+        found, asked, saved = int(match.group(4)), int(match.group(5)), float(match.group(6))
+        if found == asked:  # loaded: what it saved is what compiling it took
+            record(self.model, name, saved)
+            return f"{said} (loaded from this machine's cache; compiling it took {saved:.1f} s)"
+        record(self.model, name, took)
+        return f"{said} (compiled; later runs on this machine load it from the cache)"
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

@@ -126,20 +126,52 @@ def lora_computes_each_examples_adapter() -> None:
 COMPILED: set[tuple] = set()
 
 
+# What JAX's persistent compilation cache did in this process: executables asked of it, found in it, and the
+# seconds their compiles had taken (what loading them saved). JAX reports these as monitoring events.
+CACHE_EVENTS = {"asked": 0, "found": 0, "saved_s": 0.0}
+
+
+def count_cache_events() -> None:
+    """Listen to JAX's persistent-cache events (once per process), so that a compile's log line can say whether its
+    programs were compiled or loaded from this machine's cache."""
+    from jax import monitoring
+
+    if getattr(count_cache_events, "installed", False):
+        return
+
+    def on_event(event: str, **_) -> None:
+        if event == "/jax/compilation_cache/compile_requests_use_cache":
+            CACHE_EVENTS["asked"] += 1
+        elif event == "/jax/compilation_cache/cache_hits":
+            CACHE_EVENTS["found"] += 1
+
+    def on_duration(event: str, seconds: float, **_) -> None:
+        if event == "/jax/compilation_cache/compile_time_saved_sec":
+            CACHE_EVENTS["saved_s"] += max(seconds, 0.0)
+
+    monitoring.register_event_listener(on_event)
+    monitoring.register_event_duration_secs_listener(on_duration)
+    count_cache_events.installed = True
+
+
 @contextlib.contextmanager
 def compile_logged(kind: str, length: int, shapes: set[tuple], enforce_eager: bool = False):
     """Logs the call inside as `kind` of `length` compiling, in upstream's words, when it runs a program of `shapes`
-    this process has not compiled yet (`compile-log`)."""
+    this process has not compiled yet (`compile-log`); the end says how many of its executables came from the
+    persistent cache and what compiling them had taken (`txflow.cluster.compiles` reads it)."""
     from tx.utils.log import logger
 
     if enforce_eager or shapes <= COMPILED:
         yield
         return
     logger.info(f"JIT compiling for {kind} seq_len={length} in progress...")
-    began = time.time()
+    began, before = time.time(), dict(CACHE_EVENTS)
     yield
     COMPILED.update(shapes)
-    logger.info(f"JIT compilation for {kind} seq_len={length} took {time.time() - began:.2f}s")
+    asked, found = (CACHE_EVENTS[k] - before[k] for k in ("asked", "found"))
+    cache = (f" (persistent cache: {found} of {asked} loaded, {CACHE_EVENTS['saved_s'] - before['saved_s']:.1f}s of "
+             f"compiling saved)") if asked else ""
+    logger.info(f"JIT compilation for {kind} seq_len={length} took {time.time() - began:.2f}s{cache}")
 
 
 def optimizer_compile_logged() -> None:
@@ -176,6 +208,7 @@ def every_program_compile_logged() -> None:
     from tx.tinker.backends.jax import JaxBackendImpl
     from tx.utils import generator
 
+    count_cache_events()
     if hasattr(generator.GeneratorMixin.generate, "upstream"):
         return
     COMPILED.clear()  # installed once per process; a test installs it again over upstream's methods
