@@ -46,6 +46,16 @@ def add_samples(db, count: int, prompt: int = 3, num_samples: int = 1) -> None:
         session.commit()
 
 
+def found_while(holder, sender) -> int:
+    """The batch's size when `sender` adds requests from another thread while the engine looks."""
+    thread = threading.Thread(target=sender)
+    thread.start()
+    try:
+        return found(holder)[0]
+    finally:
+        thread.join()
+
+
 def found(holder) -> tuple[int, float]:
     began = time.monotonic()
     with Session(holder.db_engine) as session:
@@ -62,12 +72,7 @@ def test_a_batch_with_room_takes_the_requests_that_arrive_while_they_keep_coming
             time.sleep(0.005)
             add_samples(patched.db_engine, 1, prompt)
 
-    sender = threading.Thread(target=trickle)
-    sender.start()
-    try:
-        count, _ = found(patched)
-    finally:
-        sender.join()
+    count = found_while(patched, trickle)
     assert count == room  # a full batch; the rest are the next one's
 
 
@@ -81,12 +86,7 @@ def test_the_first_request_of_a_burst_waits_for_the_rest_that_comes_a_little_lat
         time.sleep(0.03)
         add_samples(patched.db_engine, ROOM - 1)
 
-    sender = threading.Thread(target=rest)
-    sender.start()
-    try:
-        count, _ = found(patched)
-    finally:
-        sender.join()
+    count = found_while(patched, rest)
     assert count == ROOM
 
 
@@ -99,12 +99,7 @@ def test_a_burst_waits_for_a_request_the_api_stored_a_tenth_of_a_second_after_th
         time.sleep(0.11)
         add_samples(patched.db_engine, 1)
 
-    sender = threading.Thread(target=last)
-    sender.start()
-    try:
-        count, _ = found(patched)
-    finally:
-        sender.join()
+    count = found_while(patched, last)
     assert count == SHORT_ROOM == 32
 
 

@@ -131,7 +131,7 @@ def float32_noise(model, reference: ExportReference, logprobs: list[list[float]]
     The float32 `model`'s own `logprobs` against float64 are one draw of that rounding; another float32
     computation (the cluster's, SkyRL-tx's forward) rounds its own way, and where a token is ill-conditioned the
     two draws can be far apart: on the tiny model after 12 SFT steps at lr 1e-2, one token's float32 error was
-    1.1e-4 in PEFT and 3.6e-5 on the cluster, and a CI run saw the cluster 1.08e-4 from PEFT while PEFT's own
+    1.1e-4 in PEFT and 3.6e-5 on the cluster, and in another run the cluster was 1.08e-4 from PEFT while PEFT's own
     error was at most 1.25e-5. So the noise is the largest of that draw and NOISE_TRIALS more: float32 passes
     whose embeddings are moved at random by float32's unit roundoff, so that every later sum rounds another way.
     The model is then widened in place and narrowed back, which is exact: every float32 is a float64."""

@@ -24,7 +24,7 @@ EXPORT_DIR, PEFT_DIR, MERGED_DIR = "export", "peft", "merged"  # <run_root>/expo
 # Largest |logprob difference| the export may show against SkyRL's figures, per token, when the model's own
 # float32 noise is small. Both sides compute in float32; on the tiny model after 3 SFT steps: at most 2e-6
 # (docs/exports-and-promotion.md). Right exports have come as far as 1.08e-4 from the cluster's figures while the
-# PEFT model's own float32 pass was at most 1.25e-5 from float64 (a CI run's custom client, 12 steps at lr 1e-2;
+# PEFT model's own float32 pass was at most 1.25e-5 from float64 (a custom client's 12 steps at lr 1e-2;
 # fourteen repeats here measured 2.9e-6 to 7.4e-5), and 5.4e-5 on SmolLM2-135M against SkyRL-tx's float32
 # forward. A wrong export is off by far more: 0.15 nats at the least (alpha wrong by 2x), 0.2-0.6 with upstream's
 # config (LoRA on 2 of 7 modules), 1.6-1.9 with a module dropped. 3e-4 leaves about 3x room over the right

@@ -105,8 +105,8 @@ lone one in a program of its own: 1.3 s a batch, 4-15 s to load or compile it). 
 BURST_QUIET_S = 0.15
 """How long a batch of several requests (a burst being stored) waits for the next one. The API stores a burst's
 requests one after another, and on 2 cores, beside the engine's own reads, one of the demo's 32 evaluation requests
-was stored 109 ms after the one before it: the batch started without it, and it was sampled alone, a whole padded
-pass (4.8 s on SmolLM2), in 4 of 10 demo runs."""
+was stored 109 ms after the one before it (4 of 10 demo runs had such a gap): a batch that waited 50 ms for it would
+sample it alone, a whole padded pass (4.8 s on SmolLM2)."""
 FILL_LIMIT_S = 1.0
 """The longest a partial sampling batch waits in all, however the requests trickle in (32 requests took 0.4 s to
 store on a busy machine)."""

@@ -284,9 +284,10 @@ PATCHES: tuple[Patch, ...] = (
             "five batches of a full one's cost instead of four, in two of its three evaluations. A wait of 20 ms "
             "was too short for the SDK's first request on a new sampling client, which came ~30 ms before the "
             "rest on a busy machine: the nightly's RL evaluations ran 1 + 8 + 8 + 7 requests, the lone one in a "
-            "program of its own (loaded in 4 s, compiled in 15 s on a first run). With a single 50 ms quiet "
-            "spell and 0.4 s in all, the API stored one of the demo's 32 evaluation requests 109 ms after the one "
-            "before it, and it was sampled alone (4.8 s on SmolLM2) in 4 of 10 demo runs.",
+            "program of its own (loaded in 4 s, compiled in 15 s on a first run). Within a burst the API stored one of "
+            "the demo's 32 evaluation requests 109 ms after the one before it: a batch that waits 50 ms for the "
+            "next request samples it alone (4.8 s on SmolLM2; 4 of 10 demo runs), hence the longer wait once "
+            "a batch holds several.",
         until="upstream batches continuously.",
     ),
     Patch(
