@@ -42,10 +42,14 @@ def test_the_summary_names_each_program_compile_each_process_and_the_targets(ben
     assert "rank 0 (engine) 5400 / 210" in text and "api 300 / 4" in text
     assert ("cold demo 182.0 s (target <= 240 s: met); warm demo 126.0 s (target <= 90 s: NOT met); warm / cold "
             "0.692; every check passed: True") in text
+    assert "slowest compile in the cold run: sample 64 17.6 s (target <= 15 s a program: NOT met)" in text
+    text = bench.summary(run("cold", 182.0, {"sample 64": 11.6, "train 64": 9.1}), run("warm", 126.0, {}))
+    assert "slowest compile in the cold run: sample 64 11.6 s (target <= 15 s a program: met)" in text
 
 
 def test_a_failed_run_is_said_so(bench):
     text = bench.summary(run("cold", 300.0, {}, status="failed"), run("warm", 80.0, {}))
     assert "## cold: 300.0 s, failed (restore check FAILED" in text and "compiles (s): none logged" in text
+    assert "slowest compile" not in text
     assert "target <= 240 s: NOT met" in text and "target <= 90 s: met" in text
     assert "every check passed: False" in text

@@ -87,8 +87,10 @@ def test_each_program_is_logged_under_what_it_computes_the_first_time_its_shape_
 
 
 def test_the_end_of_a_compile_says_how_much_of_it_the_persistent_cache_held(monkeypatch, tmp_path):
-    """The end line counts the program's executables that JAX's persistent cache held, and what compiling them had
-    taken: the run then says "loaded from this machine's cache" rather than "compiled" (`txflow.cluster.compiles`)."""
+    """The end line says how much of the call went to making the program (tracing, lowering, compiling or loading:
+    the report's compile seconds), counts the program's executables that JAX's persistent cache held, and what
+    compiling them had taken: the run then says "loaded from this machine's cache" rather than "compiled"
+    (`txflow.cluster.compiles`)."""
     import jax
     from jax._src import compilation_cache
     from tx.utils.generator import GeneratorMixin
@@ -120,8 +122,10 @@ def test_the_end_of_a_compile_says_how_much_of_it_the_persistent_cache_held(monk
         for key, value in previous.items():
             jax.config.update(key, value)
         compilation_cache.reset_cache()
-    compiled, loaded = (re.search(r"\(persistent cache: (\d+) of (\d+) loaded, ([0-9.]+)s of compiling saved\)$",
-                                  end) for end in ends)
+    compiled, loaded = (re.search(r"took ([0-9.]+)s \(compiling ([0-9.]+)s; persistent cache: (\d+) of (\d+) loaded, "
+                                  r"([0-9.]+)s of compiling saved\)$", end) for end in ends)
     assert compiled and loaded, ends
-    assert int(compiled[1]) == 0 < int(compiled[2])  # nothing was in the cache: every executable compiled
-    assert int(loaded[1]) == int(loaded[2]) == int(compiled[2]) and float(loaded[3]) > 0  # all of them loaded
+    assert int(compiled[3]) == 0 < int(compiled[4])  # nothing was in the cache: every executable compiled
+    assert int(loaded[3]) == int(loaded[4]) == int(compiled[4]) and float(loaded[5]) > 0  # all of them loaded
+    # What went to making the program is part of the call, and loading it takes less than compiling it.
+    assert 0 < float(compiled[2]) <= float(compiled[1]) and 0 < float(loaded[2]) < float(compiled[2]), ends

@@ -3,10 +3,12 @@
 A real model's first request of each shape waits for XLA: seconds to a minute on a CPU, and nothing else
 moves meanwhile. The engine logs each program it compiles (`JIT compiling for <program> seq_len=<n> in
 progress...`, then `... took <s>s`; upstream's lines, written for every shape of a train, forward or sample
-program and for the optimizer by `txflow.upstream.skyrl_tx.ranks`, which adds how many of its executables came
-from JAX's persistent cache); this watcher turns them into the run's own log lines and adds up each program's
-seconds for the report's `timings_s` (`compile <program> <n>`). What a program took to compile on this machine is
-kept (`COMPILE_RECORD` in txflow's cache), so that a later run says how long it may wait."""
+program and for the optimizer by `txflow.upstream.skyrl_tx.ranks`, which adds how much of that first call went to
+making the program and how many of its executables came from JAX's persistent cache); this watcher turns them
+into the run's own log lines and adds up each program's compile seconds for the report's `timings_s` (`compile
+<program> <n>`): tracing, lowering, XLA's compile or the cache's load, not the program's first run. What a program
+took to compile on this machine is kept (`COMPILE_RECORD` in txflow's cache), so that a later run says how long it
+may wait."""
 
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ from txflow.cluster.records import Cluster
 from txflow.log import get_logger
 
 STARTED = re.compile(r"JIT compiling for (\w+) seq_len=(\d+) in progress")
-FINISHED = re.compile(r"JIT compilation for (\w+) seq_len=(\d+) took ([0-9.]+)s(?: \(persistent cache: (\d+) of (\d+) "
-                      r"loaded, ([0-9.]+)s of compiling saved\))?")
+# The end line's note, when the engine counts JAX's events: the seconds of the first call that went to making the
+# program (`compiling`; the rest is its first run), then what the persistent cache held, when it is on.
+FINISHED = re.compile(r"JIT compilation for (\w+) seq_len=(\d+) took ([0-9.]+)s(?: \(compiling ([0-9.]+)s(?:; "
+                      r"persistent cache: (\d+) of (\d+) loaded, ([0-9.]+)s of compiling saved)?\))?")
 UNITS = {"train": "sequences of {n} tokens", "forward": "sequences of {n} tokens", "sample": "prompts of {n} tokens",
          "optimizer": "the adapters"}
 
@@ -117,7 +121,8 @@ class CompileWatch:
                 get_logger().info(self.starting(match.group(1), match.group(2), name))
             else:
                 took = float(match.group(3))
-                self.seconds[name] = round(self.seconds.get(name, 0.0) + took, 3)
+                compiling = took if match.group(4) is None else float(match.group(4))
+                self.seconds[name] = round(self.seconds.get(name, 0.0) + compiling, 3)
                 get_logger().info(self.ready(name, took, match))
             consumed = match.end()
         # Keep an unfinished line for the next poll (a wrapped line may arrive in two reads), not the rest.
@@ -125,8 +130,8 @@ class CompileWatch:
 
     @staticmethod
     def _unfinished(rest: str) -> bool:
-        """Whether the text after a compile's end line may still become its persistent-cache note."""
-        start = " (persistent cache:"
+        """Whether the text after a compile's end line may still become its note."""
+        start = " (compiling"
         return rest.startswith(start) or start.startswith(rest)
 
     def starting(self, kind: str, length: str, name: str) -> str:
@@ -139,14 +144,18 @@ class CompileWatch:
 
     def ready(self, name: str, took: float, match: re.Match) -> str:
         said = f"the {name} program is ready after {took:.1f} s"
-        if match.group(4) is None:  # the engine did not say what the cache did (JAX's cache off)
+        if match.group(4) is None:  # the engine did not say what went to compiling
             return said
-        found, asked, saved = int(match.group(4)), int(match.group(5)), float(match.group(6))
+        compiling = float(match.group(4))
+        if match.group(5) is None:  # JAX's persistent cache is off: every program compiles
+            return f"{said}: compiled in {compiling:.1f} s, the rest was its first run"
+        found, asked, saved = int(match.group(5)), int(match.group(6)), float(match.group(7))
         if found == asked:  # loaded: what it saved is what compiling it took
             record(self.model, name, saved)
-            return f"{said} (loaded from this machine's cache; compiling it took {saved:.1f} s)"
-        record(self.model, name, took)
-        return f"{said} (compiled; later runs on this machine load it from the cache)"
+            return f"{said}: loaded from this machine's cache in {compiling:.1f} s (compiling it took {saved:.1f} s)"
+        record(self.model, name, compiling)
+        return f"{said}: compiled in {compiling:.1f} s, the rest was its first run (later runs on this machine " \
+               f"load it from the cache)"
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):

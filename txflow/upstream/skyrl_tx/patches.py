@@ -214,10 +214,12 @@ PATCHES: tuple[Patch, ...] = (
         slug="compile-log",
         module="ranks",
         what="Each shape of a train, forward or sampling program is logged when it first runs (`JIT compiling for "
-             "forward seq_len=64 ...`), and so is the optimizer's program; the line at its end says how many of its "
-             "executables JAX's persistent cache held and what compiling them had taken (`count_cache_events`). "
-             "The run says what it waits for, whether it compiled or loaded, and its report adds up each "
-             "program's seconds (tests/test_compile_log.py).",
+             "forward seq_len=64 ...`), and so is the optimizer's program; the line at its end says how much of the "
+             "first call went to making the program (tracing, lowering, compiling or loading: JAX's own events), "
+             "how many of its executables JAX's persistent cache held and what compiling them had taken "
+             "(`count_cache_events`). The run says what it waits for, whether it compiled or loaded, and its "
+             "report adds up each program's compile seconds, without the first run that follows "
+             "(tests/test_compile_log.py).",
         why="Upstream logs a compile the first time it meets a length, as `train` for a forward_backward and a "
             "forward alike and as `sample` for every sampling program of that length: a forward, another "
             "micro-batch row count, or a sampling batch with prompt logprobs or another new-token count "
