@@ -1,14 +1,16 @@
 """SkyRL-tx's model code as every rank and the export's reference run it: a tied output head that reads the weights it
 is given (`tied-head-from-arguments`), the decoder layers under one scan (`scanned-layers`), the tied head's LoRA
 (`tied-head-lora`), one prefill per distinct prompt of a sampling batch (`prefill-once-per-prompt`), prompt logprobs
-a chunk at a time (`prompt-logprobs-in-chunks`) and, on a CPU, a bfloat16 model's layers computed in float32
-(`scan-in-float32-on-cpu`). `tied-head-from-arguments`, `scanned-layers`, `prefill-once-per-prompt` and
-`prompt-logprobs-in-chunks` leave every number the model computes as it was, up to float32 rounding
-(tests/test_scanned_layers.py, tests/test_prefill_once.py, tests/test_prompt_logprobs_in_chunks.py); they change
-what XLA is asked to compile. `scan-in-float32-on-cpu` rounds the layers' figures less."""
+a chunk at a time (`prompt-logprobs-in-chunks`), on a CPU, a bfloat16 model's layers computed in float32
+(`scan-in-float32-on-cpu`), and base weights loaded, not drawn first (`base-weights-not-drawn`).
+`tied-head-from-arguments`, `scanned-layers`, `prefill-once-per-prompt` and `prompt-logprobs-in-chunks` leave every
+number the model computes as it was, up to float32 rounding (tests/test_scanned_layers.py, tests/test_prefill_once.py,
+tests/test_prompt_logprobs_in_chunks.py); they change what XLA is asked to compile. `scan-in-float32-on-cpu` rounds
+the layers' figures less."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 
@@ -375,6 +377,24 @@ def prompt_logprobs_in_chunks() -> None:
     _prefill_and_decode.upstream, _prefill_and_decode.in_chunks = upstream, in_chunks
     _prefill_and_decode.deduplicated = getattr(current, "deduplicated", None)
     GeneratorMixin._prefill_and_decode = staticmethod(_prefill_and_decode)
+
+
+@contextlib.contextmanager
+def base_weights_not_drawn():
+    """Builds a model whose base weights are loaded next (upstream's `load_safetensors`, which replaces every one of
+    them and fails on a key the checkpoint lacks) with zeros where upstream's kernels, embeddings and norms draw
+    random values (`base-weights-not-drawn`): SmolLM2's draws took 1-1.6 s of every engine start and export, for
+    values nothing read. Every key split happens as before (a layer takes its key, then calls the initialiser), and
+    the LoRA factors' initialisers (zeros, and `init_lora_adapter`'s own) are untouched, so every later draw is the
+    same. Only while the model is built: nothing else in the process sees the change."""
+    from flax import nnx
+
+    drawn = nnx.initializers.lecun_normal, nnx.initializers.normal
+    nnx.initializers.lecun_normal = nnx.initializers.normal = lambda *_, **__: nnx.initializers.zeros_init()
+    try:
+        yield
+    finally:
+        nnx.initializers.lecun_normal, nnx.initializers.normal = drawn
 
 
 def install() -> None:

@@ -449,6 +449,17 @@ PATCHES: tuple[Patch, ...] = (
         until="upstream imports peft where it writes the config.",
     ),
     Patch(
+        slug="base-weights-not-drawn",
+        module="models, ranks, reference",
+        what="The engine and the export's reference build the model with zeros where upstream draws random "
+             "kernels, embeddings and norms, then load the base weights over them as before "
+             "(`models.base_weights_not_drawn`); the LoRA factors' initialisers and every key split are upstream's.",
+        why="Upstream draws every base weight at random and its loader then replaces each one (or fails on a "
+            "missing key): on SmolLM2 the draws took 1-1.6 s of every engine start and export, for values nothing "
+            "read (tests/test_base_weights.py holds the built engine's state equal to upstream's).",
+        until="upstream builds the model abstractly before it loads a checkpoint.",
+    ),
+    Patch(
         slug="tied-head-lora",
         module="models, lora_config",
         what="The head applies the embedding's LoRA (`tied_head`: the one shared matrix `E + s A B` at both "

@@ -620,6 +620,28 @@ def sampling_batches_fit_the_call(factor: int = SAMPLE_ROWS_FACTOR) -> None:
     backend.JaxBackendImpl.sample = sample
 
 
+def base_weights_loaded_not_drawn() -> None:
+    """The engine builds its model with `models.base_weights_not_drawn`: upstream's backend loads the base weights
+    right after (`base-weights-not-drawn`)."""
+    from tx.tinker.backends import jax as backend
+
+    upstream = backend.get_model_class
+    if hasattr(upstream, "upstream"):
+        return
+
+    def get_model_class(config):
+        model_class = upstream(config)
+
+        def build(*args, **kwargs):
+            with models.base_weights_not_drawn():
+                return model_class(*args, **kwargs)
+
+        return build
+
+    get_model_class.upstream = upstream
+    backend.get_model_class = get_model_class
+
+
 def install() -> None:
     """Every change a rank gets in upstream's backend and model code (also what a benchmark of the engine in
     one process installs, so that it measures what the ranks run)."""
@@ -631,6 +653,7 @@ def install() -> None:
     loss_chunks_fit_the_batch()
     lora_computes_each_examples_adapter()
     models.install()
+    base_weights_loaded_not_drawn()
     optimizer_compile_logged()
     every_program_compile_logged()
     optimizer_covers_its_own_slot()

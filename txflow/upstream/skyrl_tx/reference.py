@@ -75,7 +75,8 @@ def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]
     adapter = jnp.ones((ROWS,), dtype=jnp.int32)  # every row through the trained adapter (slot 1)
     models.install()  # the cluster's model code, so that the reference computes what the cluster computes
     with jax.set_mesh(mesh), nnx.use_eager_sharding(True):
-        model = get_model_class(config)(config, dtype=get_dtype(dtype), rngs=nnx.Rngs(0))
+        with models.base_weights_not_drawn():
+            model = get_model_class(config)(config, dtype=get_dtype(dtype), rngs=nnx.Rngs(0))
         load_safetensors(base_model_path, config, model)
         init_lora_adapter(model, adapter_index=0, lora_config=LoraConfig(rank=1, alpha=1.0, seed=0))
         init_lora_adapter(model, adapter_index=1, lora_config=lora)
