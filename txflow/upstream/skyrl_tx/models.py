@@ -2,7 +2,8 @@
 is given (`tied-head-from-arguments`), the decoder layers under one scan (`scanned-layers`), the tied head's LoRA
 (`tied-head-lora`), one prefill per distinct prompt of a sampling batch (`prefill-once-per-prompt`), prompt logprobs
 a chunk at a time (`prompt-logprobs-in-chunks`), on a CPU, a bfloat16 model's layers computed in float32
-(`scan-in-float32-on-cpu`), and base weights loaded, not drawn first (`base-weights-not-drawn`).
+(`scan-in-float32-on-cpu`), base weights loaded, not drawn first (`base-weights-not-drawn`), and the engine's
+layers' frozen weights held stacked by layer (`base-layers-stacked`).
 `tied-head-from-arguments`, `scanned-layers`, `prefill-once-per-prompt` and `prompt-logprobs-in-chunks` leave every
 number the model computes as it was, up to float32 rounding (tests/test_scanned_layers.py, tests/test_prefill_once.py,
 tests/test_prompt_logprobs_in_chunks.py); they change what XLA is asked to compile. `scan-in-float32-on-cpu` rounds
@@ -78,7 +79,8 @@ def scanned(upstream_call):
     0.10-0.13 s in upstream's loop), and the decode program is the smallest one to compile unrolled.
 
     On a CPU a bfloat16 model's layers run in float32 under the scan (`scan-in-float32-on-cpu`): their weights are
-    widened once per call, after the stack, and the layers compute in float32 (`widened`)."""
+    widened once per call, after the stack, and the layers compute in float32 (`widened`). Where the engine holds
+    the frozen weights stacked and widened already (`base-layers-stacked`), only the LoRA weights are."""
 
     def __call__(self, input_ids, *, attention_mask, positions, output_hidden_states=None, adapter_indices=None,
                  kv_cache=None):
@@ -96,9 +98,10 @@ def scanned(upstream_call):
             return upstream_call(self, input_ids, attention_mask=attention_mask, positions=positions,
                                  output_hidden_states=output_hidden_states, adapter_indices=adapter_indices,
                                  kv_cache=kv_cache)
-        # The layers' weights stacked along a new first axis, inside the program: the engine's state keeps
-        # upstream's per-layer layout, which its checkpoints, its LoRA slots and txflow's exports address.
-        weights = jax.tree.map(lambda *per_layer: jnp.stack(per_layer), *(state for _, state in layers))
+        # The layers' weights stacked along a new first axis: the engine's state keeps upstream's per-layer layout,
+        # which its checkpoints, its LoRA slots and txflow's exports address. The frozen ones come stacked
+        # already where the engine holds them so (`base-layers-stacked`); the rest are stacked here, in the program.
+        weights = stacked_layers(self, [state for _, state in layers])
         cache = None if kv_cache is None else (jnp.stack(kv_cache.keys), jnp.stack(kv_cache.values))
         hidden = self.embed_tokens(input_ids, adapter_indices=adapter_indices)
         outer_dtype, wide = hidden.dtype, widened(weights)
@@ -126,6 +129,91 @@ def scanned(upstream_call):
     return __call__
 
 
+STACKED = "txflow_stacked_layers"  # the decoder stack's attribute that holds its layers' frozen weights stacked
+
+
+@functools.cache
+def stacked_base():
+    """The variable type of a decoder layers' frozen weight stacked by layer (`base-layers-stacked`): not a LoRA
+    weight, so upstream's split puts it with the base weights, which every program takes as arguments and nothing
+    trains or saves."""
+    from flax import nnx
+
+    return type("StackedBase", (nnx.Variable,), {"__module__": __name__})
+
+
+def frozen_leaf(path) -> bool:
+    """Whether a layer's weight at `path` stays as loaded: every weight but the LoRA factors and the per-slot
+    ranks and scales (`lora_*`), which `create_model` and training change."""
+    return not any(str(getattr(key, "key", "")).startswith("lora_") for key in path)
+
+
+def leaf_name(path) -> str:
+    """A layer's weight's name in the stack's dict: its path within the layer ("mlp.down_proj.kernel")."""
+    return ".".join(str(key.key) for key in path if hasattr(key, "key"))
+
+
+def stacked_layers(stack, per_layer: list):
+    """The decoder layers' weights (`per_layer`, each layer's state) stacked along a new first axis: the frozen
+    ones read from the decoder stack's `STACKED` where the engine holds them (`base-layers-stacked`), the others
+    (LoRA) stacked here."""
+    import jax
+    import jax.numpy as jnp
+
+    held = getattr(stack, STACKED, None)
+
+    def one(path, *leaves):
+        name = leaf_name(path)
+        if held is not None and frozen_leaf(path) and name in held:
+            return held[name][...]
+        return jnp.stack(leaves)
+
+    return jax.tree_util.tree_map_with_path(one, *per_layer)
+
+
+def stack_base_layers(model) -> bool:
+    """Gives the model's decoder stack its layers' frozen weights stacked by layer, in the dtype its scan computes
+    in (`widened`), as `stacked_base` variables under `STACKED` (`base-layers-stacked`); each keeps its layer's
+    sharding, a layer axis first. Once, right after the base weights' load: nothing changes them later. False,
+    and nothing held, where the layers differ in structure (the stack does not scan them)."""
+    import jax
+    from flax import nnx
+
+    stack = getattr(model, "model", None)
+    layers = getattr(stack, "layers", None)
+    if not layers or hasattr(stack, STACKED):
+        return False
+    split = [nnx.split(layer) for layer in layers]
+    if any(graphdef != split[0][0] for graphdef, _ in split[1:]):
+        return False
+
+    def frozen(state) -> dict:
+        leaves = jax.tree_util.tree_leaves_with_path(state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+        return {leaf_name(path): variable for path, variable in leaves if frozen_leaf(path)}
+
+    per_layer = [frozen(state) for _, state in split]
+    first = per_layer[0]
+
+    def build(arrays):
+        stacked = {name: jax.numpy.stack([layer[name] for layer in arrays]) for name in arrays[0]}
+        return widened(stacked) or stacked
+
+    def sharding_of(array):
+        sharding = array.sharding
+        if isinstance(sharding, jax.sharding.NamedSharding):
+            return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *sharding.spec))
+        return sharding
+
+    arrays = [{name: variable[...] for name, variable in layer.items()} for layer in per_layer]
+    out = jax.jit(build, out_shardings={name: sharding_of(array) for name, array in arrays[0].items()})(arrays)
+    held = {}
+    for name, array in out.items():
+        names = first[name].get_metadata().get("out_sharding")
+        held[name] = stacked_base()(array, **({"out_sharding": (None, *names)} if names else {}))
+    setattr(stack, STACKED, nnx.Dict(held))
+    return True
+
+
 def widened(stacked_weights):
     """The layers' stacked weights in float32 when the program runs on a CPU and they hold bfloat16
     (`scan-in-float32-on-cpu`), else None.
@@ -133,8 +221,9 @@ def widened(stacked_weights):
     XLA's CPU runtime has no bfloat16 GEMM of its own: it converts a bfloat16 dot's operands, and under the scan
     it does so for each layer in the forward and again in the backward. Widened once per call, SmolLM2's SFT step
     takes about half the time for ~0.4 GB more at its peak, while the call lasts (docs/performance.md). The
-    model's state stays bfloat16: its checkpoints, exports and memory at rest are unchanged. A GPU or TPU
-    multiplies bfloat16 natively, so it keeps the model's dtype."""
+    model's state stays bfloat16, and so do its checkpoints and exports; the engine holds a float32 copy of the
+    layers' frozen weights beside it (`base-layers-stacked`). A GPU or TPU multiplies bfloat16 natively, so it
+    keeps the model's dtype."""
     import jax
     import jax.numpy as jnp
 

@@ -460,6 +460,18 @@ PATCHES: tuple[Patch, ...] = (
         until="upstream builds the model abstractly before it loads a checkpoint.",
     ),
     Patch(
+        slug="base-layers-stacked",
+        module="models, ranks",
+        what="Right after the engine loads the base weights, its decoder stack holds the layers' frozen weights "
+             "(every weight but the LoRA factors and their per-slot ranks and scales) stacked by layer, in the "
+             "dtype the scan computes in (float32 for a bfloat16 model on a CPU), as variables of its own that "
+             "every program takes with the base weights (`models.stack_base_layers`). The scanned layers read them "
+             "and stack only the LoRA weights per call. The same figures (tests/test_stacked_base.py).",
+        why="Every call of a scanned program stacked and widened each layer's weights anew: on SmolLM2 about 0.4 GB "
+            "written per forward_backward and per sampling batch, a tenth of the step's time.",
+        until="upstream scans its layers over weights it holds stacked.",
+    ),
+    Patch(
         slug="tied-head-lora",
         module="models, lora_config",
         what="The head applies the embedding's LoRA (`tied_head`: the one shared matrix `E + s A B` at both "

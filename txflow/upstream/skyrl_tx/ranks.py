@@ -642,6 +642,25 @@ def base_weights_loaded_not_drawn() -> None:
     backend.get_model_class = get_model_class
 
 
+def base_layers_stacked() -> None:
+    """Right after upstream's backend loads the base weights, the model's decoder stack holds its layers' frozen
+    weights stacked by layer, in the dtype the scan computes in (`models.stack_base_layers`, `base-layers-stacked`)."""
+    from tx.tinker.backends import jax as backend
+
+    upstream = backend.load_safetensors
+    if hasattr(upstream, "upstream"):
+        return
+
+    @functools.wraps(upstream)
+    def load_safetensors(checkpoint_path, config, model, *args, **kwargs):
+        loaded = upstream(checkpoint_path, config, model, *args, **kwargs)
+        models.stack_base_layers(model)
+        return loaded
+
+    load_safetensors.upstream = upstream
+    backend.load_safetensors = load_safetensors
+
+
 def install() -> None:
     """Every change a rank gets in upstream's backend and model code (also what a benchmark of the engine in
     one process installs, so that it measures what the ranks run)."""
@@ -654,6 +673,7 @@ def install() -> None:
     lora_computes_each_examples_adapter()
     models.install()
     base_weights_loaded_not_drawn()
+    base_layers_stacked()
     optimizer_compile_logged()
     every_program_compile_logged()
     optimizer_covers_its_own_slot()
