@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -143,6 +144,35 @@ def test_a_bfloat16_models_layers_compute_in_float32_under_the_scan_on_a_cpu(ups
     assert 0 < bfloat16_dots(widened) and bfloat16_dots(widened) * 3 < bfloat16_dots(narrow)
     assert all(g.dtype == jnp.bfloat16 for g in jax.tree.leaves(grads))
     # Same figures as without it in float32: test_the_scanned_layers_compute_what_upstreams_loop_computes.
+
+
+def rematerialised_layers(model, mesh, tokens, mask) -> int:
+    """How many rematerialised (checkpointed) functions the training program's scans hold."""
+    jax.clear_caches()
+    program, lora, rest = loss_program(model)
+    with jax.set_mesh(mesh):
+        jaxpr = jax.make_jaxpr(program)(lora, rest, tokens, mask)
+
+    def count(jaxpr, in_scan: bool) -> int:
+        found = 0
+        for eqn in jaxpr.eqns:
+            found += in_scan and eqn.primitive.name in ("checkpoint", "remat", "remat2")
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else [value]:
+                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
+                    if isinstance(sub, jax.extend.core.Jaxpr):
+                        found += count(sub, in_scan or eqn.primitive.name == "scan")
+        return found
+
+    return count(jaxpr.jaxpr, False)
+
+
+def test_a_bfloat16_models_widened_layers_keep_only_their_dots_for_the_backward():
+    # `widened-layers-keep-their-dots`: under the scan a widened layer saves its projections' outputs and computes
+    # the rest again; a float32 model's layers keep what upstream's keep (their figures to the last bits above).
+    models.install()
+    assert rematerialised_layers(*build(TINY_MODEL, dtype=jnp.bfloat16)) >= 1
+    assert rematerialised_layers(*build(TINY_MODEL)) == 0
 
 
 def constants_of(text: str) -> list[int]:

@@ -2,7 +2,8 @@
 is given (`tied-head-from-arguments`), the decoder layers under one scan (`scanned-layers`), the tied head's LoRA
 (`tied-head-lora`), one prefill per distinct prompt of a sampling batch (`prefill-once-per-prompt`), prompt logprobs
 a chunk at a time (`prompt-logprobs-in-chunks`), on a CPU, a bfloat16 model's layers computed in float32
-(`scan-in-float32-on-cpu`), base weights loaded, not drawn first (`base-weights-not-drawn`), and the engine's
+(`scan-in-float32-on-cpu`) and keeping only their projections' outputs for the backward
+(`widened-layers-keep-their-dots`), base weights loaded, not drawn first (`base-weights-not-drawn`), and the engine's
 layers' frozen weights held stacked by layer (`base-layers-stacked`).
 `tied-head-from-arguments`, `scanned-layers`, `prefill-once-per-prompt` and `prompt-logprobs-in-chunks` leave every
 number the model computes as it was, up to float32 rounding (tests/test_scanned_layers.py, tests/test_prefill_once.py,
@@ -118,6 +119,14 @@ def scanned(upstream_call):
                 kv_cache=layer_cache)
             return hidden, (keys, values)
 
+        if wide is not None:
+            # For the backward, a widened layer keeps its projections' outputs and computes the rest again (norms,
+            # activations, rotary embedding, attention's scores and weights): cheap to recompute, and the loop saves
+            # and zero-fills less (`widened-layers-keep-their-dots`). Its figures move by float32 rounding (XLA
+            # fuses otherwise), which a bfloat16 model's widened layers are far coarser than; a float32 model's
+            # layers keep upstream's figures to the last bits that tests/test_scanned_layers.py holds.
+            layer_step = jax.checkpoint(layer_step, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                                        prevent_cse=False)
         hidden, (keys, values) = jax.lax.scan(layer_step, hidden, (weights, cache))
         if wide is not None:  # what follows the layers (the norm, the head, the KV cache) keeps the model's dtype
             hidden, keys, values = hidden.astype(outer_dtype), keys.astype(outer_dtype), values.astype(outer_dtype)
