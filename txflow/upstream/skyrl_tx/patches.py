@@ -367,8 +367,9 @@ PATCHES: tuple[Patch, ...] = (
         slug="scan-in-float32-on-cpu",
         module="models",
         what="On a CPU, a bfloat16 model's decoder layers run under the scan in float32: the stacked weights are "
-             "widened once per call and every submodule of the layer computes in float32; the hidden state, KV "
-             "cache, final norm and head keep the model's dtype, and so do its state, checkpoints and exports. "
+             "widened once per call (the engine's frozen ones once, at the load: `base-layers-stacked`) and every "
+             "submodule of the layer computes in float32; the hidden state, KV cache, final norm and head keep the "
+             "model's dtype, and so do its state, checkpoints and exports. "
              "Training and prefill figures move by bfloat16 rounding; float32 models compute what they did "
              "(tests/test_scanned_layers.py, which also holds the layers' dots to float32).",
         why="XLA's CPU runtime converts the operands of every bfloat16 dot; under the scan it does so per layer in "
