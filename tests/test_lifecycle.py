@@ -432,7 +432,9 @@ def test_a_promotion_that_fails_leaves_the_pointer_as_it_was(tmp_path):
     promotion.promote(checkpoints, "prod", "good", {"peft": good}, {})
     bad, _ = committed_export(tmp_path, "bad")
     with open(Path(bad) / "adapter_model.safetensors", "r+b") as f:  # changed after its commit
-        f.write(b"\0")
+        first = f.read(1)[0]
+        f.seek(0)
+        f.write(bytes([first ^ 0xFF]))  # a byte that differs (its content is random: writing 0 changed 1 in 256)
     with pytest.raises(ValueError, match="is not the committed one"):
         promotion.promote(checkpoints, "prod", "bad", {"peft": bad}, {})
     assert read_promoted(checkpoints, "prod") == files
