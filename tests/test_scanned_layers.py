@@ -146,25 +146,25 @@ def test_a_bfloat16_models_layers_compute_in_float32_under_the_scan_on_a_cpu(ups
     # Same figures as without it in float32: test_the_scanned_layers_compute_what_upstreams_loop_computes.
 
 
+def program_eqns(jaxpr, in_scan: bool = False):
+    """Every equation of a jaxpr and of the jaxprs inside it, each with whether it sits inside a scan."""
+    for eqn in jaxpr.eqns:
+        yield eqn, in_scan
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else [value]:
+                sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
+                if isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from program_eqns(sub, in_scan or eqn.primitive.name == "scan")
+
+
 def rematerialised_layers(model, mesh, tokens, mask) -> int:
     """How many rematerialised (checkpointed) functions the training program's scans hold."""
     jax.clear_caches()
     program, lora, rest = loss_program(model)
     with jax.set_mesh(mesh):
         jaxpr = jax.make_jaxpr(program)(lora, rest, tokens, mask)
-
-    def count(jaxpr, in_scan: bool) -> int:
-        found = 0
-        for eqn in jaxpr.eqns:
-            found += in_scan and eqn.primitive.name in ("checkpoint", "remat", "remat2")
-            for value in eqn.params.values():
-                for sub in value if isinstance(value, (tuple, list)) else [value]:
-                    sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's
-                    if isinstance(sub, jax.extend.core.Jaxpr):
-                        found += count(sub, in_scan or eqn.primitive.name == "scan")
-        return found
-
-    return count(jaxpr.jaxpr, False)
+    return sum(1 for eqn, in_scan in program_eqns(jaxpr.jaxpr)
+               if in_scan and eqn.primitive.name in ("checkpoint", "remat", "remat2"))
 
 
 def test_a_bfloat16_models_widened_layers_keep_only_their_dots_for_the_backward():

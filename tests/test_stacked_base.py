@@ -7,7 +7,6 @@ Upstream's JAX backend and model code in this process, on the tiny model."""
 from __future__ import annotations
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -16,7 +15,7 @@ from tx.tinker import types
 from tx.tinker.backends import jax as backend
 
 from tests.test_one_slot_gradient import rows_of
-from tests.test_scanned_layers import build, loss_program
+from tests.test_scanned_layers import build, loss_program, program_eqns
 from txflow.config import TINY_MODEL
 from txflow.upstream.skyrl_tx import models, ranks
 from txflow.upstream.tiny_model import resolve_base_model
@@ -94,13 +93,7 @@ def stacks_of_frozen_weights(model) -> int:
     count = len(model.model.layers)
     shapes = {(count, *v[...].shape) for path, v in nnx.to_flat_state(nnx.state(model.model.layers[0]))
               if "lora" not in str(path)}
-
-    def walk(jaxpr):
-        yield from jaxpr.eqns
-        for sub in jax.extend.core.subjaxprs(jaxpr):
-            yield from walk(sub)
-
-    return sum(1 for eqn in walk(jaxpr.jaxpr) if eqn.primitive.name in ("stack", "concatenate")
+    return sum(1 for eqn, _ in program_eqns(jaxpr.jaxpr) if eqn.primitive.name in ("stack", "concatenate")
                and tuple(eqn.outvars[0].aval.shape) in shapes)
 
 

@@ -173,7 +173,7 @@ def stacked_layers(stack, per_layer: list):
 
     def one(path, *leaves):
         name = leaf_name(path)
-        if held is not None and frozen_leaf(path) and name in held:
+        if held is not None and name in held:  # (it holds the frozen ones only)
             return held[name][...]
         return jnp.stack(leaves)
 
