@@ -35,7 +35,7 @@ def backend():
     checkpoint_io.adapter_state_in_one_program()
     ranks.optimizer_covers_its_own_slot()
     try:
-        impl = JaxBackendImpl(resolve_base_model("tiny"), JaxBackendConfig(max_lora_adapters=16, max_lora_rank=8))
+        impl = JaxBackendImpl(resolve_base_model("tiny"), JaxBackendConfig(max_lora_adapters=20, max_lora_rank=8))
         impl.upstream_save = lambda path, model_id: upstream_save(impl, path, model_id)
         impl.upstream_slicing = {name: function for (_, name), function in slicing.items()}
         yield impl
@@ -251,3 +251,44 @@ def assert_close(a: list[np.ndarray], b: list[np.ndarray]) -> None:
     worst = max(float(np.max(np.abs(x - y), initial=0.0)) for x, y in zip(a, b))
     print(f"max |difference| {worst:.3g}")
     assert worst <= 1e-6
+
+
+def test_the_optimizer_step_in_one_flat_call_is_the_slot_step_bit_for_bit(backend):
+    """`optimizer-flat-call`: the engine's step (`ranks.flat_optimizer_step`, one jitted program over lists of arrays)
+    leaves every slot's weights, the optimizer's whole state (moments, step count, hyperparameters) and the gradient
+    sums and counts exactly as `ranks.slot_step` under nnx.jit does (what the engine ran before), twice in a row,
+    and writes them into the same variables."""
+    from tx.tinker import types
+
+    new_model(backend, "flat", rank=8, seed=17)
+    index = backend.models["flat"].adapter_index
+    optimizer = backend.optimizers["flat"]
+    weight_variables = jax.tree_util.tree_leaves(backend.lora_params, is_leaf=ranks.is_variable)
+    adam = types.AdamParams(learning_rate=0.05, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.1)
+
+    def everything() -> list[np.ndarray]:
+        return [np.asarray(x).copy() for x in jax.tree.leaves(nnx.as_pure(
+            (backend.lora_params, nnx.state(optimizer), backend.accumulated_grads.grad_sum,
+             backend.accumulated_grads.counts)))]
+
+    for _ in range(2):  # the second step from moments that are no longer zero
+        optimizer_step_of(backend, "flat", weight_decay=0.0, optimize=False)
+        optimizer_step_of(backend, "flat", weight_decay=0.0, optimize=False)  # two passes: a mean of two
+        grads, before = backend.accumulated_grads, everything()
+        weights, state = nnx.as_pure(backend.lora_params), nnx.as_pure(nnx.state(optimizer))
+        hp = optimizer.opt_state.hyperparams
+        for name, value in (("learning_rate", 0.05), ("b1", 0.9), ("b2", 0.95), ("eps", 1e-8),
+                            ("weight_decay", 0.1)):
+            hp[name][...] = value
+        with jax.set_mesh(backend.mesh):
+            backend.accumulated_grads = nnx.jit(ranks.slot_step)(grads, backend.lora_params, optimizer,
+                                                                 jax.numpy.int32(index))
+        expected = everything()
+        assert any(not np.array_equal(a, b) for a, b in zip(before, expected))  # it stepped
+        nnx.update(backend.lora_params, weights)  # back to where the step started, then the engine's step
+        nnx.update(optimizer, state)
+        backend.accumulated_grads = grads
+        assert all(np.array_equal(a, b) for a, b in zip(everything(), before))
+        backend.optim_step("flat", types.OptimStepInput(adam_params=adam))
+        assert_same_state(everything(), expected)
+        assert jax.tree_util.tree_leaves(backend.lora_params, is_leaf=ranks.is_variable) == weight_variables

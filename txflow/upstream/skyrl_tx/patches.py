@@ -422,6 +422,19 @@ PATCHES: tuple[Patch, ...] = (
         until="upstream's optimizer covers the model's own slot only.",
     ),
     Patch(
+        slug="optimizer-flat-call",
+        module="ranks",
+        what="A model's optimizer step (`optimizer-own-slot`) is one `jax.jit` program over lists of arrays "
+             "(`ranks.flat_optimizer_step`): the LoRA weights, gradient sums and the optimizer's state go in as "
+             "arrays, and what comes out is written into the same variables. The same bits as the step under "
+             "nnx.jit (tests/test_checkpoint_io.py). SmolLM2, 8 slots, in one process: 0.150 -> 0.108-0.111 s a "
+             "step, and the process's peak RSS 4.41-4.44 -> 4.13-4.16 GB.",
+        why="Upstream jits the step with `nnx.jit`, which takes the weights, gradients and optimizer through "
+            "flax's graph on the way in and out at every call (1,688 variables on SmolLM2): about 0.1 s of "
+            "Python against a program of a few hundredths of a second.",
+        until="upstream's step is a plain jitted function of arrays.",
+    ),
+    Patch(
         slug="one-slot-gradient",
         module="ranks",
         what="A forward_backward whose rows all train one model runs on that model's slot alone: its LoRA "

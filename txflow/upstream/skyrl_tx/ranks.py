@@ -299,6 +299,93 @@ def slot_optimizer(self, adapter_index: int):
         return nnx.Optimizer(view, tx, wrt=self.model.is_lora_param)
 
 
+def slot_step(accumulated_grads, lora_params, optimizer, adapter_index):
+    """One model's optimizer step on its own slot (`optimizer-own-slot`), on flax's objects: the slot's mean
+    gradient, upstream's `Optimizer.update` on a view of the slot's weights, the view written back, the slot's
+    gradient sum reset. Run eagerly (`enforce_eager`); jitted, `flat_optimizer_step` computes the same."""
+    import jax
+    from flax import nnx
+
+    def slot(w):  # the slot axis comes first in every LoRA weight; `adapter_index` is traced
+        return jax.lax.dynamic_slice_in_dim(w, adapter_index, 1, axis=0)
+
+    count = accumulated_grads.counts[adapter_index]
+    view = jax.tree.map(slot, lora_params)
+    optimizer.update(view, jax.tree.map(lambda g: slot(g) / count.astype(g.dtype), accumulated_grads.grad_sum))
+    nnx.update(lora_params, jax.tree.map(
+        lambda w, mine: jax.lax.dynamic_update_slice_in_dim(w, mine, adapter_index, axis=0),
+        nnx.as_pure(lora_params), nnx.as_pure(view)))
+    return accumulated_grads.reset_adapter(adapter_index)
+
+
+def is_variable(x) -> bool:
+    from flax import nnx
+
+    return isinstance(x, nnx.Variable)
+
+
+@functools.lru_cache(maxsize=16)  # (each model's optimizer has a transform of its own)
+def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree):
+    """The jitted optimizer step of `flat_optimizer_step` for one structure of weights, gradients and optimizer
+    state: upstream's step on one slot (`optimizer-own-slot`), taking and returning lists of arrays."""
+    import jax
+    import optax
+    from flax import nnx
+
+    def step(grad_leaves, counts, lora_leaves, opt_leaves, count, adapter_index):
+        def slot(w):  # the slot axis comes first in every LoRA weight; `adapter_index` is traced
+            return jax.lax.dynamic_slice_in_dim(w, adapter_index, 1, axis=0)
+
+        # The trees as nnx.jit rebuilt them (Variables around the arrays), and upstream's `Optimizer.update` on them.
+        lora = jax.tree_util.tree_unflatten(lora_tree, lora_leaves)
+        grad_sum = jax.tree_util.tree_unflatten(grad_tree, grad_leaves)
+        opt_state = jax.tree_util.tree_unflatten(opt_tree, opt_leaves)
+        n = counts[adapter_index]
+        view = jax.tree.map(slot, lora)
+        grads = jax.tree.map(lambda g: slot(g) / n.astype(g.dtype), grad_sum)
+        params = nnx.as_pure(nnx.state(view, wrt))
+        updates, new_state = tx.update(nnx.as_pure(nnx.state(grads, wrt)), nnx.as_pure(opt_state), params)
+        mine = jax.tree.leaves(optax.apply_updates(params, updates))
+        whole = jax.tree.leaves(nnx.as_pure(lora))
+        new_opt = jax.tree.leaves(new_state)
+        if len(mine) != len(whole) or len(new_opt) != len(opt_leaves):  # (at trace time)
+            raise ValueError("the optimizer's state does not match the LoRA weights it steps")
+        return ([g.at[adapter_index].set(0) for g in grad_leaves], counts.at[adapter_index].set(0),
+                [jax.lax.dynamic_update_slice_in_dim(w, m, adapter_index, axis=0) for w, m in zip(whole, mine)],
+                new_opt, count + 1)
+
+    return jax.jit(step)
+
+
+def flat_optimizer_step(accumulated_grads, lora_params, optimizer, adapter_index):
+    """`optimizer-flat-call`: one model's optimizer step (`optimizer-own-slot`) as one jitted program over lists of
+    arrays, whose results are written into the weights' and the optimizer's variables, as nnx.jit wrote them.
+
+    nnx.jit flattened the engine's LoRA weights, the gradient sums and the optimizer's moments (422 + 422 + 844
+    variables on SmolLM2) through flax's graph on the way in and again on the way out, at every step: 0.11 s of
+    Python against a program of a few hundredths (docs/performance.md). The same arithmetic (a test holds the
+    two to the same bits)."""
+    import jax
+
+    lora_vars = jax.tree_util.tree_leaves(lora_params, is_leaf=is_variable)
+    opt_vars = jax.tree_util.tree_leaves(optimizer.opt_state, is_leaf=is_variable)
+    grad_leaves, grad_tree = jax.tree_util.tree_flatten(accumulated_grads.grad_sum)
+    # The structures with the variables as pytree nodes, as the program rebuilds them from its arguments.
+    program = flat_step_program(optimizer.tx, optimizer.wrt,
+                                jax.tree_util.tree_structure(lora_params), grad_tree,
+                                jax.tree_util.tree_structure(optimizer.opt_state))
+    grads, counts, lora, opt, count = program(grad_leaves, accumulated_grads.counts,
+                                              [v.get_raw_value() for v in lora_vars],
+                                              [v.get_raw_value() for v in opt_vars], optimizer.step.get_raw_value(),
+                                              adapter_index)
+    for variable, value in zip(lora_vars, lora):
+        variable.set_raw_value(value)
+    for variable, value in zip(opt_vars, opt):
+        variable.set_raw_value(value)
+    optimizer.step.set_raw_value(count)
+    return type(accumulated_grads)(grad_sum=jax.tree_util.tree_unflatten(grad_tree, grads), counts=counts)
+
+
 def optimizer_covers_its_own_slot() -> None:
     """Upstream gives each model an `nnx.Optimizer` over the LoRA weights of every slot: Adam's two moments of every
     slot for each model (k models on a cluster of S slots hold 2kS slots of moments, ~1.45 GB a model on SmolLM2's
@@ -308,7 +395,6 @@ def optimizer_covers_its_own_slot() -> None:
     reads that slot's mean gradient and weights, updates them as upstream's step does, and writes that slot back
     (`optimizer-own-slot`); every other slot keeps its weights bit for bit. The checkpoint's optimizer state is the
     same slice as upstream's (slot index 0 of the one-slot view), so checkpoints load either way."""
-    import jax
     from flax import nnx
     from tx.tinker.backends import jax as backend
     from tx.tinker.backends.jax import JaxBackendImpl
@@ -320,22 +406,7 @@ def optimizer_covers_its_own_slot() -> None:
     @functools.wraps(upstream)
     def create_loss_and_grad_fn(self):
         upstream(self)
-
-        def compute_grads_and_update(accumulated_grads, lora_params, optimizer, adapter_index):
-            def slot(w):  # the slot axis comes first in every LoRA weight; `adapter_index` is traced
-                return jax.lax.dynamic_slice_in_dim(w, adapter_index, 1, axis=0)
-
-            count = accumulated_grads.counts[adapter_index]
-            view = jax.tree.map(slot, lora_params)
-            optimizer.update(view, jax.tree.map(lambda g: slot(g) / count.astype(g.dtype),
-                                                accumulated_grads.grad_sum))
-            nnx.update(lora_params, jax.tree.map(
-                lambda w, mine: jax.lax.dynamic_update_slice_in_dim(w, mine, adapter_index, axis=0),
-                nnx.as_pure(lora_params), nnx.as_pure(view)))
-            return accumulated_grads.reset_adapter(adapter_index)
-
-        self._compute_grads_and_update = (compute_grads_and_update if self.config.enforce_eager
-                                          else nnx.jit(compute_grads_and_update))
+        self._compute_grads_and_update = slot_step if self.config.enforce_eager else flat_optimizer_step
 
     def create_model(self, model_id, lora_config):
         # Upstream's `create_model`, with the optimizer of the model's own slot.
