@@ -4,9 +4,10 @@ losses (`tinker-losses`), the compilation cache written by every rank (`compilat
 batch (`loss-chunks`), each example's own adapter in every LoRA linear layer (`lora-per-example`), the model code of
 `models` (`tied-head-from-arguments`, `scanned-layers`), sampling prompts in one length bucket (`sampling-buckets`),
 sampling calls in batches sized to them (`sampling-rows`), every program's compile in the log under what it computes
-(`compile-log`), each model's optimizer over its own slot only (`optimizer-own-slot`), the rows of a training batch
-that share a prompt computed once (`packed-prefixes`) and a one-model batch's gradient over its own slot only
-(`one-slot-gradient`); `run` imports upstream without torch (`rank-imports`)."""
+(`compile-log`), each model's optimizer over its own slot only (`optimizer-own-slot`), its step one jitted call over
+arrays (`optimizer-flat-call`), the rows of a training batch that share a prompt computed once (`packed-prefixes`) and
+a one-model batch's gradient over its own slot only (`one-slot-gradient`); `run` imports upstream without torch
+(`rank-imports`)."""
 
 from __future__ import annotations
 
