@@ -253,11 +253,26 @@ def assert_close(a: list[np.ndarray], b: list[np.ndarray]) -> None:
     assert worst <= 1e-6
 
 
+def slot_step(accumulated_grads, lora_params, optimizer, adapter_index):
+    """The step `optimizer-own-slot` made under nnx.jit, on flax's objects: the slot's mean gradient, upstream's
+    `Optimizer.update` on a view of the slot's weights, the view written back, the slot's gradient sum reset."""
+    def slot(w):  # the slot axis comes first in every LoRA weight; `adapter_index` is traced
+        return jax.lax.dynamic_slice_in_dim(w, adapter_index, 1, axis=0)
+
+    count = accumulated_grads.counts[adapter_index]
+    view = jax.tree.map(slot, lora_params)
+    optimizer.update(view, jax.tree.map(lambda g: slot(g) / count.astype(g.dtype), accumulated_grads.grad_sum))
+    nnx.update(lora_params, jax.tree.map(
+        lambda w, mine: jax.lax.dynamic_update_slice_in_dim(w, mine, adapter_index, axis=0),
+        nnx.as_pure(lora_params), nnx.as_pure(view)))
+    return accumulated_grads.reset_adapter(adapter_index)
+
+
 def test_the_optimizer_step_in_one_flat_call_is_the_slot_step_bit_for_bit(backend):
     """`optimizer-flat-call`: the engine's step (`ranks.flat_optimizer_step`, one jitted program over lists of arrays)
     leaves every slot's weights, the optimizer's whole state (moments, step count, hyperparameters) and the gradient
-    sums and counts exactly as `ranks.slot_step` under nnx.jit does (what the engine ran before), twice in a row,
-    and writes them into the same variables."""
+    sums and counts exactly as `slot_step` under nnx.jit does (the step on flax's objects), twice in a row, and
+    writes them into the same variables."""
     from tx.tinker import types
 
     new_model(backend, "flat", rank=8, seed=17)
@@ -281,7 +296,7 @@ def test_the_optimizer_step_in_one_flat_call_is_the_slot_step_bit_for_bit(backen
                             ("weight_decay", 0.1)):
             hp[name][...] = value
         with jax.set_mesh(backend.mesh):
-            backend.accumulated_grads = nnx.jit(ranks.slot_step)(grads, backend.lora_params, optimizer,
+            backend.accumulated_grads = nnx.jit(slot_step)(grads, backend.lora_params, optimizer,
                                                                  jax.numpy.int32(index))
         expected = everything()
         assert any(not np.array_equal(a, b) for a, b in zip(before, expected))  # it stepped

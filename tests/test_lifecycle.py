@@ -434,7 +434,7 @@ def test_a_promotion_that_fails_leaves_the_pointer_as_it_was(tmp_path):
     with open(Path(bad) / "adapter_model.safetensors", "r+b") as f:  # changed after its commit
         first = f.read(1)[0]
         f.seek(0)
-        f.write(bytes([first ^ 0xFF]))  # a byte that differs (its content is random: writing 0 changed 1 in 256)
+        f.write(bytes([first ^ 0xFF]))  # a byte that differs from the one there (the content is random)
     with pytest.raises(ValueError, match="is not the committed one"):
         promotion.promote(checkpoints, "prod", "bad", {"peft": bad}, {})
     assert read_promoted(checkpoints, "prod") == files

@@ -190,7 +190,7 @@ def test_sft_on_s3_is_durable_and_a_fresh_run_resumes_from_the_bucket(tmp_path, 
     roles[typed] = "txflow"
     # A process that one of these started and that has no role of its own (a helper it runs, or a child read
     # between its fork and its exec) inherits its parent's environment: it counts as its parent's role, which must
-    # then hold no more than that role's credentials. (A helper of the API's, caught once in a suite, failed here.)
+    # then hold no more than that role's credentials.
     while unassigned := [pid for pid in processes if pid not in roles and parents.get(pid) in roles]:
         for pid in unassigned:
             roles[pid] = roles[parents[pid]]

@@ -300,25 +300,6 @@ def slot_optimizer(self, adapter_index: int):
         return nnx.Optimizer(view, tx, wrt=self.model.is_lora_param)
 
 
-def slot_step(accumulated_grads, lora_params, optimizer, adapter_index):
-    """One model's optimizer step on its own slot (`optimizer-own-slot`), on flax's objects: the slot's mean
-    gradient, upstream's `Optimizer.update` on a view of the slot's weights, the view written back, the slot's
-    gradient sum reset. Run eagerly (`enforce_eager`); jitted, `flat_optimizer_step` computes the same."""
-    import jax
-    from flax import nnx
-
-    def slot(w):  # the slot axis comes first in every LoRA weight; `adapter_index` is traced
-        return jax.lax.dynamic_slice_in_dim(w, adapter_index, 1, axis=0)
-
-    count = accumulated_grads.counts[adapter_index]
-    view = jax.tree.map(slot, lora_params)
-    optimizer.update(view, jax.tree.map(lambda g: slot(g) / count.astype(g.dtype), accumulated_grads.grad_sum))
-    nnx.update(lora_params, jax.tree.map(
-        lambda w, mine: jax.lax.dynamic_update_slice_in_dim(w, mine, adapter_index, axis=0),
-        nnx.as_pure(lora_params), nnx.as_pure(view)))
-    return accumulated_grads.reset_adapter(adapter_index)
-
-
 def is_variable(x) -> bool:
     from flax import nnx
 
@@ -326,9 +307,11 @@ def is_variable(x) -> bool:
 
 
 @functools.lru_cache(maxsize=16)  # (each model's optimizer has a transform of its own)
-def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree):
-    """The jitted optimizer step of `flat_optimizer_step` for one structure of weights, gradients and optimizer
-    state: upstream's step on one slot (`optimizer-own-slot`), taking and returning lists of arrays."""
+def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree, jitted: bool = True):
+    """The optimizer step of `flat_optimizer_step` for one structure of weights, gradients and optimizer state,
+    jitted unless the engine runs eagerly (`enforce_eager`): upstream's step on one slot (`optimizer-own-slot`), the
+    slot's mean gradient through the optimizer's transform, its weights written back and its gradient sum reset,
+    taking and returning lists of arrays."""
     import jax
     import optax
     from flax import nnx
@@ -355,12 +338,12 @@ def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree):
                 [jax.lax.dynamic_update_slice_in_dim(w, m, adapter_index, axis=0) for w, m in zip(whole, mine)],
                 new_opt, count + 1)
 
-    return jax.jit(step)
+    return jax.jit(step) if jitted else step
 
 
-def flat_optimizer_step(accumulated_grads, lora_params, optimizer, adapter_index):
+def flat_optimizer_step(accumulated_grads, lora_params, optimizer, adapter_index, jitted: bool = True):
     """`optimizer-flat-call`: one model's optimizer step (`optimizer-own-slot`) as one jitted program over lists of
-    arrays, whose results are written into the weights' and the optimizer's variables, as nnx.jit wrote them.
+    arrays, whose results are written into the weights' and the optimizer's variables in place.
 
     nnx.jit flattened the engine's LoRA weights, the gradient sums and the optimizer's moments (422 + 422 + 844
     variables on SmolLM2) through flax's graph on the way in and again on the way out, at every step: 0.11 s of
@@ -374,7 +357,7 @@ def flat_optimizer_step(accumulated_grads, lora_params, optimizer, adapter_index
     # The structures with the variables as pytree nodes, as the program rebuilds them from its arguments.
     program = flat_step_program(optimizer.tx, optimizer.wrt,
                                 jax.tree_util.tree_structure(lora_params), grad_tree,
-                                jax.tree_util.tree_structure(optimizer.opt_state))
+                                jax.tree_util.tree_structure(optimizer.opt_state), jitted)
     grads, counts, lora, opt, count = program(grad_leaves, accumulated_grads.counts,
                                               [v.get_raw_value() for v in lora_vars],
                                               [v.get_raw_value() for v in opt_vars], optimizer.step.get_raw_value(),
@@ -407,7 +390,8 @@ def optimizer_covers_its_own_slot() -> None:
     @functools.wraps(upstream)
     def create_loss_and_grad_fn(self):
         upstream(self)
-        self._compute_grads_and_update = slot_step if self.config.enforce_eager else flat_optimizer_step
+        self._compute_grads_and_update = functools.partial(flat_optimizer_step,
+                                                           jitted=not self.config.enforce_eager)
 
     def create_model(self, model_id, lora_config):
         # Upstream's `create_model`, with the optimizer of the model's own slot.
