@@ -181,3 +181,29 @@ def test_a_run_attaching_again_leaves_its_ids_earlier_keys_to_the_holder_which_r
     finally:
         live.kill()
         live.wait()
+
+
+def test_a_model_whose_creation_the_engine_refused_holds_no_slot(tmp_path):
+    """The engine refuses a model when every slot is held; its row stays, with a failed creation future. Counted, it
+    would make `cluster status` print fewer free slots than there are (below zero), and a run attaching wait for a
+    slot in vain."""
+    from sqlmodel import Session, SQLModel, create_engine
+    from tx.tinker import db_models, types
+
+    db_url = f"sqlite:///{tmp_path / 'tinker.db'}"
+    engine = create_engine(db_url)
+    SQLModel.metadata.create_all(engine)
+    rows = {"held": db_models.RequestStatus.COMPLETED, "refused": db_models.RequestStatus.FAILED,
+            "creating": db_models.RequestStatus.PENDING}
+    with Session(engine) as session:
+        session.add(db_models.SessionDB(session_id="s", sdk_version="0.38.0", status="active"))
+        for request_id, (model_id, status) in enumerate(rows.items(), start=1):
+            session.add(db_models.FutureDB(request_id=request_id, request_type=types.RequestType.CREATE_MODEL,
+                                           model_id=model_id, request_data={}, status=status))
+            session.add(db_models.ModelDB(model_id=model_id, base_model="tiny", lora_config={}, status="created",
+                                          request_id=request_id, session_id="s"))
+        session.commit()
+    engine.dispose()
+    assert sorted(named.loaded_models(db_url)) == ["creating", "held"]
+    serves = named.Serves.model_construct(lora_adapters=4)
+    assert named.free_slots(serves, db_url) == 1

@@ -143,12 +143,19 @@ def test_custom_client_runs_again_after_a_fault_and_every_checkpoint_it_saved_is
 def test_custom_client_that_fails_fails_the_run_with_its_output(tmp_path, txflow_env, reaper):
     state = reaper.watch(tmp_path / "state")
     bad = tmp_path / "bad_client.py"
-    bad.write_text("import sys\nprint('about to fail', flush=True)\nsys.exit(3)\n")
+    # It dies of a signal, as a native library or an SDK's daemon thread at interpreter exit can, with a
+    # second thread alive: the run's error names the signal, and the client's log holds both threads' stacks.
+    bad.write_text("import os, threading, time\n"
+                   "def background_loop():\n    time.sleep(600)\n"
+                   "threading.Thread(target=background_loop, daemon=True).start()\n"
+                   "print('about to fail', flush=True)\nos.abort()\n")
     result = run_txflow(["run", "custom", "--base-model", "tiny", "--run-id", "bad-custom", "--state-dir", str(state),
                          "--processes", "1",
                          "--checkpoints", str(tmp_path / "ckpt"), "--client", str(bad), "--json"],
                         txflow_env, tmp_path)
     assert result.returncode == 1
     report = json.loads(result.stdout)
-    assert "exited with code 3" in report["error"] and "about to fail" in report["error"]
+    assert "exited with code -6" in report["error"] and "about to fail" in report["error"], report["error"]
+    log = (state / "logs" / "client.log").read_text()
+    assert "Fatal Python error: Aborted" in log and 'in background_loop' in log, log
     assert alive_pids(state) == []

@@ -308,8 +308,8 @@ class RunConfig(BaseModel, extra="forbid"):
     )
     processes: int = Field(
         default=1, description="Number of JAX processes (ranks), coordinator included. Default: 1 (one process "
-        "uses every device of its machine; each rank of a real model holds a copy of the JIT-compiled programs: "
-        "SmolLM2-135M's ranks peaked at 6-7 GiB each), and 2 for `tiny`, whose runs exercise a multi-rank cluster.")
+        "uses every device of its machine; each rank holds the model and its own compiled programs and buffers: a "
+        "SmolLM2-135M rank peaks at about 4.5 GB), and 2 for `tiny`, whose runs exercise a multi-rank cluster.")
     devices_per_process: int = Field(default=1, ge=1, description="Accelerator devices per process (1 on CPU).")
     launcher: Literal["local", "ray"] = Field(
         default="local",

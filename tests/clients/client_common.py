@@ -55,6 +55,8 @@ def squared_logprobs(data, logprobs_list):
 
 
 def train_custom(training, batch, steps=3):
+    """A few steps of the custom loss. Give it a client whose optimizer starts afresh (one restored from state
+    without its optimizer): momentum another loss left in Adam's moments can carry a step uphill."""
     for _ in range(steps):
         out = training.forward_backward_custom(batch, squared_logprobs).result()
         # Small steps: at 1e-2 Adam overshoots on its second step and the loss can jump up.

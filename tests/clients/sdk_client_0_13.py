@@ -12,6 +12,7 @@ The API key comes from TINKER_API_KEY, as the SDK expects.
 """
 
 import argparse
+import sys
 
 import tinker
 from client_common import BATCH, datum, greedy, mean_nll, train_custom, train_with_each_loss
@@ -59,7 +60,9 @@ def main():
 
     if not args.core_only:
         train_with_each_loss(training, batch, LOSSES)
-        train_custom(training, batch)
+        train_custom(restored, batch)
+    # The cluster's handshake turns the SDK's pyqwest transport off; the SDK imports pyqwest only to use it.
+    print(f"http transport {'pyqwest' if 'pyqwest' in sys.modules else 'httpx'}", flush=True)
     print("done", flush=True)
 
 

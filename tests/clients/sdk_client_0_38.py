@@ -13,6 +13,7 @@ The API key comes from TINKER_API_KEY, as the SDK expects.
 
 import argparse
 import os
+import sys
 
 import httpx
 import tinker
@@ -63,14 +64,16 @@ def main():
         print(f"saved sampler tokens {greedy(saved)}", flush=True)
 
         if not args.core_only:
-            beyond_the_core(service, training, batch, args.model_name, args.base_url)
+            beyond_the_core(service, training, restored, batch, args.model_name, args.base_url)
+    # The cluster's handshake turns the SDK's pyqwest transport off; the SDK imports pyqwest only to use it.
+    print(f"http transport {'pyqwest' if 'pyqwest' in sys.modules else 'httpx'}", flush=True)
     print("done", flush=True)
 
 
-def beyond_the_core(service, training, batch, model_name, base_url):
+def beyond_the_core(service, training, restored, batch, model_name, base_url):
     """Each loss, a custom loss, the LoRA flags, and what the cluster refuses."""
     train_with_each_loss(training, batch, LOSSES, ratio_mask=True)
-    train_custom(training, batch)
+    train_custom(restored, batch)
     # One module family left out at a time: the saved adapter holds exactly the others.
     for flag in ("train_unembed", "train_mlp", "train_attn"):
         other = service.create_lora_training_client(base_model=model_name, rank=8, **{flag: False}).result()

@@ -271,13 +271,16 @@ def database_url(serves: Serves, cfg: RunConfig | None = None) -> str:
 
 def loaded_models(db_url: str, session_ids: list[str] | None = None, unloading: bool | None = True) -> list[str]:
     """The models the engine holds (not unloaded; being unloaded too unless `unloading` is False), of
-    `session_ids` only when given; with `unloading` None, every model of `session_ids`, unloaded or not."""
+    `session_ids` only when given; with `unloading` None, every model of `session_ids`, unloaded or not.
+    A model whose creation failed (the engine refused it, every slot held) keeps its row but no slot."""
     from sqlalchemy import create_engine, text
 
     engine = create_engine(db_url)
     try:
         with engine.connect() as conn:
-            rows = conn.execute(text("SELECT model_id, session_id, status FROM models")).all()
+            rows = conn.execute(text(
+                "SELECT m.model_id, m.session_id, m.status FROM models m LEFT JOIN futures f "
+                "ON f.request_id = m.request_id WHERE f.status IS NULL OR upper(f.status) != 'FAILED'")).all()
     finally:
         engine.dispose()
 

@@ -18,6 +18,14 @@ them and reading their request code: `tinker/lib/internal_client_holder.py`,
    `load_weights`) is declared off, so a newer SDK whose default turns one on
    still takes the path we serve. Can go when upstream serves the handshake
    with the flags it supports (`skyrl` 0.4.0 serves a stub).
+   It also turns the SDK's pyqwest transport off (`use_pyqwest_transport`, the
+   switch Tinker keeps for a broken pyqwest), so 0.25 and 0.38 use httpx's own.
+   pyqwest hands each response to asyncio from a tokio thread; one that lands
+   while the client's interpreter exits takes the GIL during finalization, and
+   Python (3.11 to 3.13) ends that thread with pthread_exit, which cannot
+   unwind the Rust frames: glibc aborts the client silently (SIGABRT after its
+   last line; seen with torch imported, 3 exits in 15 with a request in flight,
+   none with httpx's transport).
 2. Protobuf `forward_backward` bodies (0.25, 0.38). The SDK posts
    `forward_backward` as `application/x-protobuf` and sends forward-only passes
    (`TrainingClient.forward`) to the same endpoint with `forward_only` set,
@@ -83,8 +91,9 @@ from txflow.upstream.skyrl_tx.protobuf import (
 PROTO = "application/x-protobuf"
 SKIP_ENV = "TXFLOW_TINKER_COMPAT_SKIP"
 
-# 1. Flags a client may read; every feature named here is one this server does not have.
+# 1. Flags a client may read; every feature named here is one this server does not have, but the transport.
 CLIENT_CONFIG = {
+    "use_pyqwest_transport": False,  # see the docstring: a client could abort at exit
     "pjwt_auth_enabled": False,
     "proto_compress_fwdbwd": False,
     "sample_use_retrieve_futures": False,
