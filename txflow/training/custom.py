@@ -101,8 +101,10 @@ def _forward_new_lines(path: Path, offset: int, emit) -> int:
 def client_env(cluster: Cluster) -> dict[str, str]:
     """The client's environment: this process's without the run's credentials, plus the cluster's URL and
     key (the one credential it uses). A Python client that dies of a signal (SIGSEGV, SIGABRT: a native
-    library, or an SDK's daemon thread at interpreter exit) writes every thread's stack to its log first."""
+    library, or an SDK's thread at interpreter exit) writes every thread's stack to its log first, unless
+    this environment sets PYTHONFAULTHANDLER itself."""
     env = environ_without_secrets()
     env.update(TINKER_BASE_URL=cluster.base_url, TINKER_API_KEY=cluster.api_key.get_secret_value(),
-               PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1")
+               PYTHONUNBUFFERED="1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     return env
