@@ -8,7 +8,8 @@ wire format, `result_wait` for `result-wait` and `lora_config` for `lora-flags`)
 and `load-optimizer-flag`), `worker` (ranks > 0: `self-gated-startup`), `ranks` (what every rank gets:
 `rank0-checkpoint-io`, `tinker-losses`, `load-optimizer-flag`, `tied-head-from-arguments` and `scanned-layers`
 installed, `default-sigterm`, `compilation-cache`, `loss-chunks`, `lora-per-example`, `sampling-buckets`,
-`sampling-rows`), `models` (`tied-head-from-arguments`, `scanned-layers`, `tied-head-lora`, `prefill-once-per-prompt`;
+`sampling-rows`), `models` (`tied-head-from-arguments`, `scanned-layers`, `tied-head-lora`, `prefill-once-per-prompt`,
+`no-forward-after-the-last-token`;
 the export's reference too), `checkpoint_io` (`rank0-checkpoint-io`, `load-optimizer-flag`), `losses` (`tinker-losses`,
 both ends), `rest` (`rest-surface`; with `auth`'s signed downloads), `served` (`served-names`), `layout`
 (`staged-checkpoints`, `tinker-sampler-paths`) and `launch` (`device-mesh`, `coordinator-bind` and the command line of

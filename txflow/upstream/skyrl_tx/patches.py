@@ -545,6 +545,19 @@ PATCHES: tuple[Patch, ...] = (
         until="upstream computes prompt logprobs in chunks.",
     ),
     Patch(
+        slug="no-forward-after-the-last-token",
+        module="models",
+        what="The sampling program (`models.prefill_and_decode`, upstream's code but for its loop's end) decodes "
+             "one step fewer and samples the last token after the loop, from the logits its last step computed, "
+             "with the same keys: the same tokens, logprobs and stop positions "
+             "(tests/test_no_forward_after_the_last_token.py). The prefill-once and prompt-logprobs programs "
+             "run it too.",
+        why="Upstream's decoding loop runs the model after every token it samples, the last one included, for "
+            "logits nothing reads: one of the 4 decoding passes of the nightly's RL batches, one of 8 of an "
+            "evaluation's.",
+        until="upstream's loop stops after its last token.",
+    ),
+    Patch(
         slug="packed-prefixes",
         module="packing",
         what="A forward_backward or forward micro-batch whose rows share prefixes (the same tokens for the same "
