@@ -78,15 +78,20 @@ def test_the_loop_samples_what_upstreams_samples_with_one_forward_pass_fewer(pro
     passes = program_in(upstream)
     free = sample(model, mesh, prompts, [None] * 4, prompt_logprobs)
     assert len(passes) == MAX_TOKENS  # upstream: a forward pass after each token, the last one's unread
-    # Sampled row 2 stops at its last token, sampled row 3 at its second (the same seeds draw the same tokens):
-    # the stop positions the loop's end and its middle record.
-    last, second = free.generated_ids[2][-1], free.generated_ids[3][1]
-    assert last not in free.generated_ids[2][:-1] and second != free.generated_ids[3][0], free.generated_ids
-    stops = [None, None, [last], [second]]
+    # One sampled row stops at its last token, the other at a token before it (the same seeds draw the same
+    # tokens): the stop positions the loop's end and its middle record. Each stop token is one its row draws there
+    # first.
+    sampled = free.generated_ids[2:]
+    end = next(i for i, tokens in enumerate(sampled) if tokens[-1] not in tokens[:-1])
+    middle = next(j for j in range(1, MAX_TOKENS - 1) if sampled[1 - end][j] not in sampled[1 - end][:j])
+    stops = [None, None, None, None]
+    stops[2 + end], stops[3 - end] = [sampled[end][-1]], [sampled[1 - end][middle]]
     passes = program_in(upstream)
     want = sample(model, mesh, prompts, stops, prompt_logprobs)
     assert want.stop_reasons == ["length", "length", "stop", "stop"]
-    assert [len(tokens) for tokens in want.generated_ids] == [MAX_TOKENS, MAX_TOKENS, MAX_TOKENS, 2]
+    lengths = [MAX_TOKENS] * 4
+    lengths[3 - end] = middle + 1
+    assert [len(tokens) for tokens in want.generated_ids] == lengths
 
     static = ("max_length", "max_new_tokens", "max_top_k", "use_top_p", "prompt_logprobs")
     passes = program_in(jax.jit(models.prefill_and_decode, static_argnames=static))
