@@ -61,7 +61,7 @@ def sample(model, mesh, prompts, stop_tokens, prompt_logprobs: bool):
     ids, mask, adapter_indices = batch(prompts, [1, 0, 1, 1])
     params = [SamplingParams(temperature=0.0 if i < 2 else 0.9, max_tokens=MAX_TOKENS, seed=5 + i,
                              stop_tokens=stop_tokens[i]) for i in range(len(ids))]
-    jax.clear_caches()
+    jax.clear_caches()  # a program traced before the passes were counted would count none
     with jax.set_mesh(mesh):
         out = model.generate(ids, mask, sampling_params=params, adapter_indices=adapter_indices,
                              prompt_logprobs=prompt_logprobs)
@@ -93,8 +93,7 @@ def test_the_loop_samples_what_upstreams_samples_with_one_forward_pass_fewer(pro
     lengths[3 - end] = middle + 1
     assert [len(tokens) for tokens in want.generated_ids] == lengths
 
-    static = ("max_length", "max_new_tokens", "max_top_k", "use_top_p", "prompt_logprobs")
-    passes = program_in(jax.jit(models.prefill_and_decode, static_argnames=static))
+    passes = program_in(jax.jit(models.prefill_and_decode, static_argnames=models.SAMPLING_STATIC))
     got = sample(model, mesh, prompts, stops, prompt_logprobs)
     assert len(passes) == MAX_TOKENS - 1
     assert got.generated_ids == want.generated_ids and got.stop_reasons == want.stop_reasons
@@ -123,9 +122,8 @@ def test_a_batch_of_no_new_tokens_gives_its_prompt_logprobs_as_upstreams(program
     model, mesh, _, _ = build(TINY_MODEL)
     ids, mask, adapters = batch([[3, 4, 5, 6], [7, 8]], [1, 0])
     params = [SamplingParams(temperature=0.0, max_tokens=0, seed=1)] * 2
-    static = ("max_length", "max_new_tokens", "max_top_k", "use_top_p", "prompt_logprobs")
     outs = []
-    for program in (upstream_program(), jax.jit(models.prefill_and_decode, static_argnames=static)):
+    for program in (upstream_program(), jax.jit(models.prefill_and_decode, static_argnames=models.SAMPLING_STATIC)):
         program_in(program)
         with jax.set_mesh(mesh):
             outs.append(model.generate(ids, mask, sampling_params=params, adapter_indices=adapters,

@@ -342,6 +342,10 @@ class PrefillOnce:
         return jax.tree.map(lambda x: x[self._row_of], out)  # every array of it has the batch first
 
 
+# The arguments of upstream's sampling program (`GeneratorMixin._prefill_and_decode`) that it is compiled for.
+SAMPLING_STATIC = ("max_length", "max_new_tokens", "max_top_k", "use_top_p", "prompt_logprobs")
+
+
 def prefill_and_decode(model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices, temperatures,
                        rngs, stop_tokens, top_k_values, top_p_values, max_top_k, use_top_p, prompt_logprobs=False):
     """Upstream's sampling program (`GeneratorMixin._prefill_and_decode` of SkyRL-tx 0.3.0, its code as it is but
@@ -425,8 +429,7 @@ def no_forward_after_the_last_token() -> None:
         if getattr(program, "replaced", None) is not None:
             return
         program = getattr(program, "upstream", None)
-    static = ("max_length", "max_new_tokens", "max_top_k", "use_top_p", "prompt_logprobs")
-    program = jax.jit(prefill_and_decode, static_argnames=static)
+    program = jax.jit(prefill_and_decode, static_argnames=SAMPLING_STATIC)
     program.replaced = current  # upstream's program (not `upstream`: the changes wrapped around it call this one)
     GeneratorMixin._prefill_and_decode = staticmethod(program)
 
@@ -453,9 +456,8 @@ def prefill_once_per_prompt() -> None:
     upstream = GeneratorMixin._prefill_and_decode
     if hasattr(upstream, "upstream"):
         return
-    static = ("max_length", "max_new_tokens", "max_top_k", "use_top_p", "prompt_logprobs")
 
-    @functools.partial(jax.jit, static_argnames=static)
+    @functools.partial(jax.jit, static_argnames=SAMPLING_STATIC)
     def deduplicated(model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices, temperatures,
                      rngs, stop_tokens, top_k_values, top_p_values, max_top_k, use_top_p, prompt_logprobs=False, *,
                      unique_rows, row_of):
@@ -545,9 +547,8 @@ def prompt_logprobs_in_chunks() -> None:
     if getattr(current, "in_chunks", None) is not None:
         return
     upstream = getattr(current, "upstream", current)
-    static = ("max_length", "max_new_tokens", "max_top_k", "use_top_p", "prompt_logprobs")
 
-    @functools.partial(jax.jit, static_argnames=static)
+    @functools.partial(jax.jit, static_argnames=SAMPLING_STATIC)
     def in_chunks(model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices, temperatures, rngs,
                   stop_tokens, top_k_values, top_p_values, max_top_k, use_top_p, prompt_logprobs=False):
         return upstream.__wrapped__(PromptLogprobsInChunks(model), input_ids, attention_mask, max_length,

@@ -342,8 +342,9 @@ def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree, jitted: bool = Tr
 
 
 def flat_optimizer_step(accumulated_grads, lora_params, optimizer, adapter_index, jitted: bool = True):
-    """`optimizer-flat-call`: one model's optimizer step (`optimizer-own-slot`) as one jitted program over lists of
-    arrays, whose results are written into the weights' and the optimizer's variables in place.
+    """`optimizer-flat-call`: one model's optimizer step (`optimizer-own-slot`) as one program over lists of arrays
+    (jitted unless the engine runs eagerly), whose results are written into the weights' and the optimizer's
+    variables in place.
 
     nnx.jit flattened the engine's LoRA weights, the gradient sums and the optimizer's moments (422 + 422 + 844
     variables on SmolLM2) through flax's graph on the way in and again on the way out, at every step: 0.11 s of

@@ -23,9 +23,8 @@ them and reading their request code: `tinker/lib/internal_client_holder.py`,
    pyqwest hands each response to asyncio from a tokio thread; one that lands
    while the client's interpreter exits takes the GIL during finalization, and
    Python (3.11 to 3.13) ends that thread with pthread_exit, which cannot
-   unwind the Rust frames: glibc aborts the client silently (SIGABRT after its
-   last line; seen with torch imported, 3 exits in 15 with a request in flight,
-   none with httpx's transport).
+   unwind the Rust frames: glibc aborts the client silently, after its last
+   line (docs/tinker-api.md, "The HTTP transport").
 2. Protobuf `forward_backward` bodies (0.25, 0.38). The SDK posts
    `forward_backward` as `application/x-protobuf` and sends forward-only passes
    (`TrainingClient.forward`) to the same endpoint with `forward_only` set,
