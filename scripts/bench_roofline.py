@@ -5,7 +5,8 @@ the FLOPs and bytes a step needs (counted from the model's config), and the engi
 Prints, for the demo's SFT step (4 rows, 64-token bucket) and the nightly RL step (8 prompts that share a few-shot
 prefix x 4 samples of 4 tokens, then one update on the 32 rollouts):
 - the peak: a jitted chain of the model's own matmuls (hidden x intermediate, each layer's), forward and
-  forward + backward, in float32 and bfloat16; the best of them is the roofline's FLOP rate;
+  forward + backward, in float32, bfloat16, and bfloat16 products summed in float32 (as the engine multiplies on a
+  CPU with AMX); the best of them is the roofline's FLOP rate;
 - the bandwidth: a jitted sum over 1 GiB;
 - the SFT step: its FLOPs, the roofline time (FLOPs / peak), the measured forward + backward and optimizer
   step, and the fraction of the roofline it reaches (target >= 0.5);
@@ -108,9 +109,50 @@ def timed(function, *args, repeat: int) -> float:
     return best
 
 
+def bfloat16_products_chain():
+    """The MLP chain of `machine_peak` with every product (forward, and the backward's to the input and to the
+    weights) of bfloat16 operands into a float32 result, the weights carried through the scan as their bits: the
+    fastest way this benchmark knows to multiply on a CPU with bfloat16 units (XLA multiplies bfloat16 on them only
+    so; a bfloat16 array a loop slices it widens to float32 first). The benchmark's own code, as the engine's
+    `bfloat16-products-on-cpu` does it."""
+    import jax
+    import jax.numpy as jnp
+
+    def bits(x):
+        return jax.lax.bitcast_convert_type(x, jnp.uint16)
+
+    def bfloat16(x):
+        return jax.lax.bitcast_convert_type(x, jnp.bfloat16)
+
+    def product(a, b, contract):
+        return jax.lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (contract, ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+    @jax.custom_vjp
+    def matmul(h, w):
+        return product(h, bfloat16(w), ((1,), (0,)))
+
+    def forward(h, w):
+        return matmul(h, w), (h.astype(jnp.bfloat16), w)
+
+    def backward(residuals, g):
+        h, w = residuals
+        return product(g, bfloat16(w), ((1,), (1,))), bits(product(h, g, ((0,), (0,))).astype(jnp.bfloat16))
+
+    matmul.defvjp(forward, backward)
+
+    def chain(x, up, down):
+        def layer(h, weights):
+            return h + matmul(jax.nn.silu(matmul(h, weights[0])), weights[1]), None
+        return jax.lax.scan(layer, x, (bits(up), bits(down)))[0]
+
+    return chain
+
+
 def machine_peak(shapes: Shapes, tokens: int, repeat: int) -> dict:
     """GFLOP/s of the model's MLP matmuls chained through its layers (under a scan, as the engine runs them),
-    forward and forward + backward, in float32 and bfloat16; and GB/s of a sum over 1 GiB."""
+    forward and forward + backward, in float32, in bfloat16 and in bfloat16 products summed in float32
+    (`bfloat16_products_chain`); and GB/s of a sum over 1 GiB."""
     import jax
     import jax.numpy as jnp
 
@@ -126,11 +168,22 @@ def machine_peak(shapes: Shapes, tokens: int, repeat: int) -> dict:
                 return h + jax.nn.silu(h @ weights[0]) @ weights[1], None
             return jax.lax.scan(layer, x, (up, down))[0]
 
-        grad = jax.jit(jax.grad(lambda x, up, down: chain(x, up, down).astype(jnp.float32).sum()))
+        # the gradient to the weights too: the 3 x `flops` below count it (before 2026-12-07 only the input's was
+        # asked for, 2 x `flops` of work, so these rates read 1.5 times what the chain did)
+        grad = jax.jit(jax.grad(lambda x, up, down: chain(x, up, down).astype(jnp.float32).sum(),
+                                argnums=(0, 1, 2)))
         flops = shapes.layers * 2 * 2 * tokens * shapes.hidden * shapes.intermediate
         name = jnp.dtype(dtype).name
         rates[f"{name} forward"] = flops / timed(jax.jit(chain), x, up, down, repeat=repeat) / 1e9
         rates[f"{name} forward+backward"] = 3 * flops / timed(grad, x, up, down, repeat=repeat) / 1e9
+    up = (jax.random.normal(key, (shapes.layers, shapes.hidden, shapes.intermediate)) * 0.02).astype(jnp.bfloat16)
+    down = (jax.random.normal(key, (shapes.layers, shapes.intermediate, shapes.hidden)) * 0.02).astype(jnp.bfloat16)
+    x = jax.random.normal(key, (tokens, shapes.hidden))
+    chain = bfloat16_products_chain()
+    grad = jax.jit(jax.grad(lambda x, up, down: chain(x, up, down).sum(), argnums=(0, 1, 2)))
+    flops = shapes.layers * 2 * 2 * tokens * shapes.hidden * shapes.intermediate
+    rates["bfloat16 products forward"] = flops / timed(jax.jit(chain), x, up, down, repeat=repeat) / 1e9
+    rates["bfloat16 products forward+backward"] = 3 * flops / timed(grad, x, up, down, repeat=repeat) / 1e9
     big = jnp.ones((2**28,), jnp.float32)  # 1 GiB
     bandwidth = big.nbytes / timed(jax.jit(jnp.sum), big, repeat=repeat) / 1e9
     return {"gflops": {k: round(v, 1) for k, v in rates.items()}, "peak_gflops": round(max(rates.values()), 1),

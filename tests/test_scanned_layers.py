@@ -125,8 +125,11 @@ def bfloat16_dots(text: str) -> int:
 
 
 def test_a_bfloat16_models_layers_compute_in_float32_under_the_scan_on_a_cpu(upstream_model_code, monkeypatch):
-    # `scan-in-float32-on-cpu`. What XLA is asked: the training program of the bfloat16 model keeps bfloat16 dots
-    # only outside its layers (the embedding's LoRA, the head), and its gradients stay bfloat16 as the state is.
+    # `scan-in-float32-on-cpu`, on a CPU without AMX (with AMX the projections multiply in bfloat16:
+    # tests/test_bfloat16_products.py). What XLA is asked: the training program of the bfloat16 model keeps
+    # bfloat16 dots only outside its layers (the embedding's LoRA, the head), and its gradients stay bfloat16 as the
+    # state is.
+    monkeypatch.setattr(models, "bfloat16_products_on_this_cpu", lambda: False)
     model, mesh, tokens, mask = build(TINY_MODEL, dtype=jnp.bfloat16)
     models.install()
 
@@ -138,7 +141,7 @@ def test_a_bfloat16_models_layers_compute_in_float32_under_the_scan_on_a_cpu(ups
 
     widened, grads = lowered()
     with monkeypatch.context() as undo:
-        undo.setattr(models, "widened", lambda weights: None)
+        undo.setattr(models, "widened", lambda weights, kernels=(): None)
         narrow, _ = lowered()
     print(f"bfloat16 dots: {bfloat16_dots(narrow)} with the layers in bfloat16, {bfloat16_dots(widened)} widened")
     assert 0 < bfloat16_dots(widened) and bfloat16_dots(widened) * 3 < bfloat16_dots(narrow)

@@ -69,8 +69,10 @@ def test_the_engine_with_its_base_layers_stacked_computes_what_it_computed(monke
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6 * max(1.0, float(np.abs(want).max())))
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_the_stack_holds_each_layers_frozen_weights_in_the_dtype_the_scan_computes_in(dtype):
+@pytest.mark.parametrize(("dtype", "products"), [(jnp.float32, True), (jnp.bfloat16, False), (jnp.bfloat16, True)])
+def test_the_stack_holds_each_layers_frozen_weights_in_the_dtype_the_scan_computes_in(dtype, products, monkeypatch):
+    # `products`: on a CPU with AMX (`bfloat16-products-on-cpu`), which a bfloat16 model's projections multiply in
+    monkeypatch.setattr(models, "bfloat16_products_on_this_cpu", lambda: products)
     model, mesh, _, _ = build(TINY_MODEL, dtype)
     with jax.set_mesh(mesh):
         assert models.stack_base_layers(model)
@@ -79,8 +81,15 @@ def test_the_stack_holds_each_layers_frozen_weights_in_the_dtype_the_scan_comput
     layers = [nnx.to_flat_state(nnx.state(layer)) for layer in model.model.layers]
     frozen = [{".".join(map(str, path)): v[...] for path, v in layer if "lora" not in str(path)} for layer in layers]
     assert set(held.keys()) == set(frozen[0]) and len(frozen[0]) >= 7  # the projections and the norms, no LoRA
+    kernels = models.projection_kernels(model.model.layers[0])
+    assert len(kernels) == 7 and kernels <= set(frozen[0])  # q, k, v, o, gate, up, down
     for name in frozen[0]:
         stacked = np.asarray(held[name][...])
+        if dtype == jnp.bfloat16 and products and name in kernels:  # its bits, multiplied in bfloat16
+            assert stacked.dtype == np.uint16
+            want = np.stack([np.asarray(jax.lax.bitcast_convert_type(layer[name], jnp.uint16)) for layer in frozen])
+            np.testing.assert_array_equal(stacked, want)
+            continue
         assert stacked.dtype == np.float32  # on a CPU a bfloat16 model's layers compute in float32
         np.testing.assert_array_equal(stacked, np.stack([np.asarray(layer[name], np.float32) for layer in frozen]))
 

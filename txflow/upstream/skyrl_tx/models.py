@@ -4,7 +4,8 @@ is given (`tied-head-from-arguments`), the decoder layers under one scan (`scann
 after a sampling batch's last token (`no-forward-after-the-last-token`), prompt logprobs a chunk at a time
 (`prompt-logprobs-in-chunks`), on a CPU, a bfloat16 model's layers computed in float32
 (`scan-in-float32-on-cpu`) and keeping only their projections' outputs for the backward
-(`widened-layers-keep-their-dots`), base weights loaded, not drawn first (`base-weights-not-drawn`), and the engine's
+(`widened-layers-keep-their-dots`), on a CPU with AMX its projections and tied head multiplied in bfloat16 into float32
+(`bfloat16-products-on-cpu`), base weights loaded, not drawn first (`base-weights-not-drawn`), and the engine's
 layers' frozen weights held stacked by layer (`base-layers-stacked`).
 `tied-head-from-arguments`, `scanned-layers`, `prefill-once-per-prompt` and `prompt-logprobs-in-chunks` leave every
 number the model computes as it was, up to float32 rounding (tests/test_scanned_layers.py, tests/test_prefill_once.py,
@@ -31,7 +32,12 @@ def tied_head(embed):
     import jax.numpy as jnp
 
     def head(hidden_states, adapter_indices=None):
-        logits = hidden_states @ embed.embedding[...].T
+        embedding = embed.embedding[...]
+        if multiplies_in_bfloat16(embedding):  # (`bfloat16-products-on-cpu`), rounded to upstream's dtype
+            logits = bfloat16_product(hidden_states, embedding, contract=1).astype(
+                jnp.result_type(hidden_states, embedding))
+        else:
+            logits = hidden_states @ embedding.T
         if adapter_indices is None or embed.max_lora_adapters == 0:
             return logits
         scale = embed.lora_scaling[...][adapter_indices]  # (batch,): 0 for an adapter without the embedding
@@ -81,8 +87,10 @@ def scanned(upstream_call):
     0.10-0.13 s in upstream's loop), and the decode program is the smallest one to compile unrolled.
 
     On a CPU a bfloat16 model's layers run in float32 under the scan (`scan-in-float32-on-cpu`): their weights are
-    widened once per call, after the stack, and the layers compute in float32 (`widened`). Where the engine holds
-    the frozen weights stacked and widened already (`base-layers-stacked`), only the LoRA weights are."""
+    widened once per call, after the stack, and the layers compute in float32 (`widened`); on a CPU with AMX the
+    projections' kernels stay bfloat16, carried as their bits, and multiply bfloat16 operands into float32
+    (`bfloat16-products-on-cpu`). Where the engine holds the frozen weights stacked so already
+    (`base-layers-stacked`), only the LoRA weights are widened."""
 
     def __call__(self, input_ids, *, attention_mask, positions, output_hidden_states=None, adapter_indices=None,
                  kv_cache=None):
@@ -106,7 +114,7 @@ def scanned(upstream_call):
         weights = stacked_layers(self, [state for _, state in layers])
         cache = None if kv_cache is None else (jnp.stack(kv_cache.keys), jnp.stack(kv_cache.values))
         hidden = self.embed_tokens(input_ids, adapter_indices=adapter_indices)
-        outer_dtype, wide = hidden.dtype, widened(weights)
+        outer_dtype, wide = hidden.dtype, widened(weights, projection_kernels(self.layers[0]))
         if wide is not None:
             weights, hidden = wide, hidden.astype(jnp.float32)
 
@@ -203,10 +211,11 @@ def stack_base_layers(model) -> bool:
 
     per_layer = [frozen(state) for _, state in split]
     first = per_layer[0]
+    kernels = projection_kernels(layers[0])
 
     def build(arrays):
         stacked = {name: jax.numpy.stack([layer[name] for layer in arrays]) for name in arrays[0]}
-        return widened(stacked) or stacked
+        return widened(stacked, kernels) or stacked
 
     def sharding_of(array):
         sharding = array.sharding
@@ -224,22 +233,148 @@ def stack_base_layers(model) -> bool:
     return True
 
 
-def widened(stacked_weights):
-    """The layers' stacked weights in float32 when the program runs on a CPU and they hold bfloat16
-    (`scan-in-float32-on-cpu`), else None.
+def widened(stacked_weights, kernels=frozenset()):
+    """The layers' stacked weights as a CPU's scan computes with them when they hold bfloat16
+    (`scan-in-float32-on-cpu`), else None: the projections' kernels named in `kernels` as their bits (uint16) where
+    the CPU multiplies bfloat16 (`bfloat16-products-on-cpu`), every other bfloat16 weight in float32.
 
-    XLA's CPU runtime has no bfloat16 GEMM of its own: it converts a bfloat16 dot's operands, and under the scan
-    it does so for each layer in the forward and again in the backward. Widened once per call, SmolLM2's SFT step
-    takes about half the time for ~0.4 GB more at its peak, while the call lasts (docs/performance.md). The
-    model's state stays bfloat16, and so do its checkpoints and exports; the engine holds a float32 copy of the
-    layers' frozen weights beside it (`base-layers-stacked`). A GPU or TPU multiplies bfloat16 natively, so it
-    keeps the model's dtype."""
+    XLA's CPU runtime converts a bfloat16 dot's operands to float32 (it multiplies bfloat16 only into a float32
+    result), and under the scan it did so for each layer in the forward and again in the backward: widened once
+    per call, SmolLM2's SFT step took about half the time for ~0.4 GB more at its peak (docs/performance.md). A
+    kernel multiplied in bfloat16 is carried through the scan as its bits: XLA widens a bfloat16 array that a
+    loop slices, to float32, before the loop (the whole stack, at every call), and leaves 16-bit integers alone.
+    The model's state stays bfloat16, and so do its checkpoints and exports; the engine holds the stack beside it
+    (`base-layers-stacked`). A GPU or TPU multiplies bfloat16 natively, so it keeps the model's dtype."""
     import jax
     import jax.numpy as jnp
 
     if jax.default_backend() != "cpu" or not any(w.dtype == jnp.bfloat16 for w in jax.tree.leaves(stacked_weights)):
         return None
-    return jax.tree.map(lambda w: w.astype(jnp.float32) if w.dtype == jnp.bfloat16 else w, stacked_weights)
+    as_bits = kernels if bfloat16_products_on_this_cpu() else frozenset()
+
+    def one(path, w):
+        if w.dtype != jnp.bfloat16:
+            return w
+        if leaf_name(path) in as_bits:
+            return jax.lax.bitcast_convert_type(w, jnp.uint16)
+        return w.astype(jnp.float32)
+
+    return jax.tree_util.tree_map_with_path(one, stacked_weights)
+
+
+def projection_kernels(layer) -> frozenset:
+    """The names (`leaf_name`'s) of a decoder layer's LoRA linear layers' kernels: the weights its scan may hold as
+    bfloat16 bits (`bfloat16-products-on-cpu`)."""
+    from flax import nnx
+    from tx.layers.lora import LoRALinear
+
+    return frozenset(".".join(map(str, path)) + ".kernel" for path, module in nnx.iter_modules(layer)
+                     if isinstance(module, LoRALinear))
+
+
+@functools.cache
+def bfloat16_products_on_this_cpu() -> bool:
+    """Whether this process computes on a CPU with AMX's bfloat16 tiles (`bfloat16-products-on-cpu`): there XLA's
+    CPU runtime hands a dot of bfloat16 operands with a float32 result to its YNNPACK kernels, which multiply in
+    bfloat16 at several times the float32 rate (1.7 TFLOP/s against 0.33 for a 1024-cube on 2 cores). Measured on
+    AMX only; elsewhere the layers compute in float32 as before."""
+    import re
+
+    import jax
+
+    if jax.default_backend() != "cpu":
+        return False
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return re.search(r"\bamx_bf16\b", cpuinfo.read()) is not None
+    except OSError:
+        return False
+
+
+@functools.cache
+def bfloat16_product_of(dtype, contract: int):
+    """`bfloat16_product` for inputs of `dtype` and a weight contracted on its axis `contract`."""
+    import jax
+    import jax.numpy as jnp
+
+    def bfloat16(weight):
+        return jax.lax.bitcast_convert_type(weight, jnp.bfloat16) if weight.dtype == jnp.uint16 else weight
+
+    def multiply(a, b, dims):
+        return jax.lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (dims, ((), ())),
+                                   preferred_element_type=jnp.float32)
+
+    @jax.custom_vjp
+    def product(x, weight):
+        return multiply(x, bfloat16(weight), ((x.ndim - 1,), (contract,)))
+
+    def forward(x, weight):
+        # The weight as given (the scan's slice of the stack, which the loop then need not save again) and, for a
+        # bfloat16 weight, the input its gradient needs.
+        return product(x, weight), (weight, None if weight.dtype == jnp.uint16 else x.astype(jnp.bfloat16))
+
+    def backward(residuals, g):
+        weight, x = residuals
+        dx = multiply(g, bfloat16(weight), ((g.ndim - 1,), (1 - contract,))).astype(dtype)
+        if x is None:  # bits of a frozen weight: no gradient
+            return dx, None
+        lead = tuple(range(x.ndim - 1))
+        dw = multiply(x, g, (lead, lead)) if contract == 0 else multiply(g, x, (lead, lead))
+        return dx, dw.astype(weight.dtype)
+
+    product.defvjp(forward, backward)
+    return product
+
+
+def bfloat16_product(x, weight, contract: int = 0):
+    """x times `weight` (bfloat16, or its bits as uint16), contracting x's last axis with the weight's axis
+    `contract` (0 for a kernel, in x out; 1 for an embedding, vocabulary x hidden), multiplied in bfloat16 into a
+    float32 result (`bfloat16-products-on-cpu`). Its gradient is multiplied the same way: the gradient's rows
+    rounded to bfloat16, as a bfloat16 model's are."""
+    return bfloat16_product_of(x.dtype, contract)(x, weight)
+
+
+def multiplies_in_bfloat16(weight) -> bool:
+    """Whether a product with `weight` is multiplied in bfloat16 (`bfloat16-products-on-cpu`): its bits (only a
+    scan on such a CPU holds them), or a bfloat16 weight on such a CPU."""
+    import jax.numpy as jnp
+
+    return weight.dtype == jnp.uint16 or (weight.dtype == jnp.bfloat16 and bfloat16_products_on_this_cpu())
+
+
+def linear_in_bfloat16_products(upstream_call):
+    """A LoRA linear layer's `__call__` whose base product is multiplied in bfloat16 into float32
+    (`bfloat16-products-on-cpu`) where `multiplies_in_bfloat16`, then rounded to the layer's dtype as upstream's
+    product is; its LoRA is upstream's. Elsewhere upstream's."""
+
+    def __call__(self, x, adapter_indices=None):
+        kernel = self.kernel[...]
+        if not multiplies_in_bfloat16(kernel):
+            return upstream_call(self, x, adapter_indices)
+        out = bfloat16_product(x, kernel)
+        if self.bias is not None:
+            out = out + self.bias[...]
+        return self.apply_lora(x, out.astype(self.dtype), adapter_indices)
+
+    __call__.upstream = upstream_call
+    return __call__
+
+
+def projections_multiply_in_bfloat16() -> None:
+    """On a CPU with AMX, a bfloat16 model's projections and tied head multiply bfloat16 into float32
+    (`bfloat16-products-on-cpu`), through XLA's YNNPACK kernels.
+
+    XLA's CPU runtime converts the operands of a bfloat16 dot with a bfloat16 result (upstream's) to float32 and
+    multiplies in float32; only a dot of bfloat16 operands into a float32 result reaches the kernels that use
+    the CPU's bfloat16 instructions. For the same figures a bfloat16 model computes (bfloat16 operands), the
+    products come out summed in float32 instead of rounded per layer, and no program holds its weights in float32:
+    SmolLM2's SFT forward_backward 0.58 s against 0.98 s, a sampling batch 0.86 s against 1.49 s, the sampling
+    program's buffers 0.90 GiB against 1.52 GiB (docs/performance.md). Can go when XLA multiplies bfloat16 dots
+    on a CPU's bfloat16 units itself."""
+    from tx.layers.lora import LoRALinear
+
+    if not hasattr(LoRALinear.__call__, "upstream"):
+        LoRALinear.__call__ = linear_in_bfloat16_products(LoRALinear.__call__)
 
 
 def in_float32(layer) -> None:
@@ -589,6 +724,7 @@ def base_weights_not_drawn():
 def install() -> None:
     """Every change, in this process, before a model is built."""
     tied_head_reads_its_arguments()
+    projections_multiply_in_bfloat16()
     decoder_layers_scanned()
     tied_models_train_the_unembedding()
     no_forward_after_the_last_token()
