@@ -395,6 +395,20 @@ PATCHES: tuple[Patch, ...] = (
         until="XLA's CPU backend multiplies bfloat16 dots with bfloat16 results on the CPU's bfloat16 units.",
     ),
     Patch(
+        slug="slots-written-in-place",
+        module="ranks",
+        what="A model's optimizer step, and a one-slot forward_backward's gradient sum (`one-slot-gradient`), "
+             "are written into the slot-stacked LoRA weights and gradient sums in place: a program of its own "
+             "whose arrays are donated, a bfloat16 array written through its bits (`ranks.slot_write_program`). "
+             "Every slot's values stay as they were, bit for bit (tests/test_checkpoint_io.py, "
+             "tests/test_slots_written_in_place.py).",
+        why="XLA's CPU runtime widens a bfloat16 dynamic-update-slice to float32: writing one slot rewrote each "
+            "whole 8-slot array (SmolLM2: 844 of them per optimizer step), converted twice, and freed the copies "
+            "into the allocator. The optimizer step took 0.11-0.15 s and now 0.06 s; a process that trains and "
+            "samples peaked at 4.1-4.8 GB and now 3.6 GB.",
+        until="XLA's CPU backend updates bfloat16 slices in place.",
+    ),
+    Patch(
         slug="sampling-buckets",
         module="ranks",
         what="Prompts shorter than 64 tokens share one sampling bucket.",

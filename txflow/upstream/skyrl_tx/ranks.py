@@ -310,8 +310,9 @@ def is_variable(x) -> bool:
 def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree, jitted: bool = True):
     """The optimizer step of `flat_optimizer_step` for one structure of weights, gradients and optimizer state,
     jitted unless the engine runs eagerly (`enforce_eager`): upstream's step on one slot (`optimizer-own-slot`), the
-    slot's mean gradient through the optimizer's transform, its weights written back and its gradient sum reset,
-    taking and returning lists of arrays."""
+    slot's mean gradient through the optimizer's transform, taking and returning lists of arrays. Jitted, it returns
+    the slot's new weights, which `slot_write_program` writes in place (`slots-written-in-place`); eager, it writes
+    them back and resets the slot's gradient sum itself."""
     import jax
     import optax
     from flax import nnx
@@ -334,11 +335,45 @@ def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree, jitted: bool = Tr
         new_opt = jax.tree.leaves(new_state)
         if len(mine) != len(whole) or len(new_opt) != len(opt_leaves):  # (at trace time)
             raise ValueError("the optimizer's state does not match the LoRA weights it steps")
-        return ([g.at[adapter_index].set(0) for g in grad_leaves], counts.at[adapter_index].set(0),
-                [jax.lax.dynamic_update_slice_in_dim(w, m, adapter_index, axis=0) for w, m in zip(whole, mine)],
-                new_opt, count + 1)
+        if not jitted:
+            return ([g.at[adapter_index].set(0) for g in grad_leaves], counts.at[adapter_index].set(0),
+                    [jax.lax.dynamic_update_slice_in_dim(w, m, adapter_index, axis=0) for w, m in zip(whole, mine)],
+                    new_opt, count + 1)
+        return mine, new_opt, count + 1
 
     return jax.jit(step) if jitted else step
+
+
+def slot_written(whole, part, slot):
+    """`whole` (stacked by slot) with `part` (one slot) written at `slot`; a bfloat16 array through its bits
+    (`slots-written-in-place`): XLA's CPU runtime widens a bfloat16 dynamic-update-slice to float32, which rewrites
+    the whole array, twice converted, where the bits are written in place into a donated buffer."""
+    import jax
+    import jax.numpy as jnp
+
+    if whole.dtype == jnp.bfloat16:
+        bits = jax.lax.dynamic_update_slice_in_dim(jax.lax.bitcast_convert_type(whole, jnp.uint16),
+                                                   jax.lax.bitcast_convert_type(part.astype(whole.dtype),
+                                                                                jnp.uint16), slot, axis=0)
+        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+    return jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype), slot, axis=0)
+
+
+@functools.cache
+def slot_write_program():
+    """A model's step written into the engine's slot-stacked arrays in place (`slots-written-in-place`): the slot's
+    new LoRA weights, its gradient sums and count reset, every other slot untouched, the arrays donated. A program of
+    its own: where the step's reads of the slot and these writes shared one donated program, XLA copied every donated
+    array first (docs/performance.md)."""
+    import jax
+    import jax.numpy as jnp
+
+    def write(lora_leaves, grad_leaves, counts, mine, adapter_index):
+        return ([slot_written(w, m, adapter_index) for w, m in zip(lora_leaves, mine)],
+                [slot_written(g, jnp.zeros((1, *g.shape[1:]), g.dtype), adapter_index) for g in grad_leaves],
+                counts.at[adapter_index].set(0))
+
+    return jax.jit(write, donate_argnums=(0, 1, 2))
 
 
 def flat_optimizer_step(accumulated_grads, lora_params, optimizer, adapter_index, jitted: bool = True):
@@ -349,7 +384,8 @@ def flat_optimizer_step(accumulated_grads, lora_params, optimizer, adapter_index
     nnx.jit flattened the engine's LoRA weights, the gradient sums and the optimizer's moments (422 + 422 + 844
     variables on SmolLM2) through flax's graph on the way in and again on the way out, at every step: 0.11 s of
     Python against a program of a few hundredths (docs/performance.md). The same arithmetic (a test holds the
-    two to the same bits)."""
+    two to the same bits). Jitted, the slot is then written into the engine's arrays in place
+    (`slots-written-in-place`): the arrays given are donated, so nothing may hold them across a step."""
     import jax
 
     lora_vars = jax.tree_util.tree_leaves(lora_params, is_leaf=is_variable)
@@ -359,10 +395,17 @@ def flat_optimizer_step(accumulated_grads, lora_params, optimizer, adapter_index
     program = flat_step_program(optimizer.tx, optimizer.wrt,
                                 jax.tree_util.tree_structure(lora_params), grad_tree,
                                 jax.tree_util.tree_structure(optimizer.opt_state), jitted)
-    grads, counts, lora, opt, count = program(grad_leaves, accumulated_grads.counts,
-                                              [v.get_raw_value() for v in lora_vars],
-                                              [v.get_raw_value() for v in opt_vars], optimizer.step.get_raw_value(),
-                                              adapter_index)
+    lora_leaves = [v.get_raw_value() for v in lora_vars]
+    if jitted:
+        mine, opt, count = program(grad_leaves, accumulated_grads.counts, lora_leaves,
+                                   [v.get_raw_value() for v in opt_vars], optimizer.step.get_raw_value(),
+                                   adapter_index)
+        lora, grads, counts = slot_write_program()(lora_leaves, grad_leaves, accumulated_grads.counts, mine,
+                                                   adapter_index)
+    else:
+        grads, counts, lora, opt, count = program(grad_leaves, accumulated_grads.counts, lora_leaves,
+                                                  [v.get_raw_value() for v in opt_vars],
+                                                  optimizer.step.get_raw_value(), adapter_index)
     for variable, value in zip(lora_vars, lora):
         variable.set_raw_value(value)
     for variable, value in zip(opt_vars, opt):
@@ -467,8 +510,7 @@ def _put(accumulated, grad_sum, slot, adapter_indices):
 
     counts = accumulated.counts + jnp.bincount(adapter_indices, length=accumulated.counts.shape[0])
     return type(accumulated)(grad_sum=jax.tree.map(
-        lambda whole, mine: jax.lax.dynamic_update_slice_in_dim(whole, mine, slot, axis=0),
-        accumulated.grad_sum, grad_sum), counts=counts)
+        lambda whole, mine: slot_written(whole, mine, slot), accumulated.grad_sum, grad_sum), counts=counts)
 
 
 @functools.cache
