@@ -157,3 +157,18 @@ def test_no_program_holds_a_float32_copy_of_a_kernel_where_the_cpu_multiplies_bf
     else:  # the widened layers: the stack in float32 (held so), and each layer's kernels widened for decoding
         assert stacks & float32_arrays(train)
         assert kernels & float32_arrays(sample)
+
+
+def test_a_bfloat16_embeddings_rows_are_taken_as_they_are_without_a_float32_copy():
+    # `embedding-rows-as-bits`
+    models.install()
+    model, mesh, tokens, _ = build(TINY_MODEL, dtype=jnp.bfloat16)
+    embed = model.model.embed_tokens
+    shape = tuple(embed.embedding[...].shape)
+    adapters = jnp.ones(ROWS, jnp.int32)
+    with jax.set_mesh(mesh):
+        ours = jax.jit(lambda t: embed(t, adapter_indices=adapters))
+        upstream = jax.jit(lambda t: type(embed).__call__.upstream(embed, t, adapter_indices=adapters))
+        assert np.asarray(ours(tokens)).tobytes() == np.asarray(upstream(tokens)).tobytes()
+        assert shape not in float32_arrays(ours.lower(tokens).compile().as_text())
+        assert shape in float32_arrays(upstream.lower(tokens).compile().as_text())  # what it spares

@@ -5,8 +5,9 @@ after a sampling batch's last token (`no-forward-after-the-last-token`), prompt 
 (`prompt-logprobs-in-chunks`), on a CPU, a bfloat16 model's layers computed in float32
 (`scan-in-float32-on-cpu`) and keeping only their projections' outputs for the backward
 (`widened-layers-keep-their-dots`), on a CPU with AMX its projections and tied head multiplied in bfloat16 into float32
-(`bfloat16-products-on-cpu`), base weights loaded, not drawn first (`base-weights-not-drawn`), and the engine's
-layers' frozen weights held stacked by layer (`base-layers-stacked`).
+(`bfloat16-products-on-cpu`), a bfloat16 embedding's rows taken as bits (`embedding-rows-as-bits`), base weights
+loaded, not drawn first (`base-weights-not-drawn`), and the engine's layers' frozen weights held stacked by layer
+(`base-layers-stacked`).
 `tied-head-from-arguments`, `scanned-layers`, `prefill-once-per-prompt` and `prompt-logprobs-in-chunks` leave every
 number the model computes as it was, up to float32 rounding (tests/test_scanned_layers.py, tests/test_prefill_once.py,
 tests/test_prompt_logprobs_in_chunks.py); they change what XLA is asked to compile. `scan-in-float32-on-cpu` rounds
@@ -358,6 +359,38 @@ def linear_in_bfloat16_products(upstream_call):
 
     __call__.upstream = upstream_call
     return __call__
+
+
+def embedding_rows_as_bits(upstream_call):
+    """A LoRA embedding's `__call__` that, for a bfloat16 embedding on a CPU, takes its rows through their bits
+    (`embedding-rows-as-bits`): the same rows, bit for bit, then upstream's LoRA. Elsewhere upstream's."""
+
+    def __call__(self, x, adapter_indices=None):
+        import jax
+        import jax.numpy as jnp
+
+        embedding = self.embedding[...]
+        if embedding.dtype != jnp.bfloat16 or self.dtype != jnp.bfloat16 or self.num_embeddings == 1 \
+                or jax.default_backend() != "cpu":
+            return upstream_call(self, x, adapter_indices)
+        rows = jnp.take(jax.lax.bitcast_convert_type(embedding, jnp.uint16), x, axis=0)
+        return self.apply_lora(x, jax.lax.bitcast_convert_type(rows, jnp.bfloat16), adapter_indices)
+
+    __call__.upstream = upstream_call
+    return __call__
+
+
+def embedding_rows_taken_as_bits() -> None:
+    """A bfloat16 embedding's rows are taken through their bits on a CPU (`embedding-rows-as-bits`).
+
+    XLA's CPU runtime gathers from a bfloat16 array by widening the whole array to float32 first: SmolLM2's
+    embedding (49,152 x 576) became a 108 MB float32 copy in the training program, for 256 rows, and in the
+    sampling program, where the decoding loop's copy was held through the batch. Can go when XLA gathers
+    bfloat16 rows as they are."""
+    from tx.layers.lora import LoRAEmbed
+
+    if not hasattr(LoRAEmbed.__call__, "upstream"):
+        LoRAEmbed.__call__ = embedding_rows_as_bits(LoRAEmbed.__call__)
 
 
 def projections_multiply_in_bfloat16() -> None:
@@ -725,6 +758,7 @@ def install() -> None:
     """Every change, in this process, before a model is built."""
     tied_head_reads_its_arguments()
     projections_multiply_in_bfloat16()
+    embedding_rows_taken_as_bits()
     decoder_layers_scanned()
     tied_models_train_the_unembedding()
     no_forward_after_the_last_token()

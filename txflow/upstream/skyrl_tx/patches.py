@@ -395,6 +395,16 @@ PATCHES: tuple[Patch, ...] = (
         until="XLA's CPU backend multiplies bfloat16 dots with bfloat16 results on the CPU's bfloat16 units.",
     ),
     Patch(
+        slug="embedding-rows-as-bits",
+        module="models",
+        what="On a CPU, a bfloat16 embedding's rows (the input tokens' embeddings, in training, the prefill and "
+             "each decoding step) are taken from its bits (uint16) and read back as bfloat16: the same rows, bit "
+             "for bit; its LoRA is upstream's (tests/test_bfloat16_products.py).",
+        why="XLA's CPU runtime gathers from a bfloat16 array by widening all of it to float32 first: SmolLM2's "
+            "embedding became a 108 MB float32 copy in every training and sampling program.",
+        until="XLA's CPU backend gathers bfloat16 rows without widening the array.",
+    ),
+    Patch(
         slug="slots-written-in-place",
         module="ranks",
         what="A model's optimizer step, and a one-slot forward_backward's gradient sum (`one-slot-gradient`), "
