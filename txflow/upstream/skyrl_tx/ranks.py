@@ -88,8 +88,7 @@ def loss_chunks_fit_the_batch() -> None:
 
 def lora_per_example(self, x, base_output, adapter_indices):
     """A LoRA linear layer's output with each example's own adapter (`lora-per-example`): its A and B gathered by the
-    example's adapter index, then two small matmuls (in a decoding step of more rows than slots, every slot's, masked:
-    see below). Upstream sorts the tokens by adapter and runs `ragged_dot` against
+    example's adapter index, then two small matmuls (in a decoding step, every slot's, masked: see below). Upstream sorts the tokens by adapter and runs `ragged_dot` against
     every adapter slot, which XLA on CPU computes densely for all `max_lora_adapters` of them."""
     import jax
     import jax.numpy as jnp
@@ -99,11 +98,13 @@ def lora_per_example(self, x, base_output, adapter_indices):
     batch, seq_len = x.shape[:2]
     x = x.reshape(batch, seq_len, -1)
     slots = self.lora_A.shape[0]  # `max_lora_adapters`, or 1 in a view of one slot (`one-slot-gradient`)
-    if seq_len == 1 and batch > slots:
-        # A decoding step of more rows than slots: every slot's factors read where they are, each row's own kept
-        # by a 0/1 mask. The gathered copies (rows x in x rank, per module) do not change from step to step, so
-        # XLA hoisted them out of the decoding loop, all 420 of SmolLM2's at once: 1.8 GB held through a 32-row
-        # batch's decode, and read again at every step. With fewer rows than slots the copies are the smaller.
+    if seq_len == 1:
+        # A decoding step: every slot's factors read where they are, each row's own kept by a 0/1 mask. The
+        # gathered copies (rows x in x rank, per module) do not change from step to step, so XLA hoisted them out
+        # of the decoding loop, all 420 of SmolLM2's at once: 1.8 GB held through a 32-row batch's decode. And the
+        # same product whatever the batch: a batch of one model runs on its slot's view (`one-slot-gradient`), a
+        # batch of several on every slot, and where one of them gathered (8 rows, 8 slots) and the other masked (a
+        # one-slot view), bfloat16 rounded them apart and a sweep's restore check failed (docs/performance.md).
         own = jax.nn.one_hot(adapter_indices, slots, dtype=x.dtype)[:, None, :, None]
         down = jnp.einsum("bti,nir->btnr", x, self.lora_A[...]) * own
         out = jnp.einsum("btnr,nro->bto", down, self.lora_B[...])
