@@ -88,8 +88,9 @@ def loss_chunks_fit_the_batch() -> None:
 
 def lora_per_example(self, x, base_output, adapter_indices):
     """A LoRA linear layer's output with each example's own adapter (`lora-per-example`): its A and B gathered by the
-    example's adapter index, then two small matmuls (in a decoding step, every slot's, masked: see below). Upstream sorts the tokens by adapter and runs `ragged_dot` against
-    every adapter slot, which XLA on CPU computes densely for all `max_lora_adapters` of them."""
+    example's adapter index, then two small matmuls (in a decoding step, every slot's, masked: see below). Upstream
+    sorts the tokens by adapter and runs `ragged_dot` against every adapter slot, which XLA on CPU computes densely
+    for all `max_lora_adapters` of them."""
     import jax
     import jax.numpy as jnp
 
