@@ -1,5 +1,6 @@
-"""The `full-sampling-batches` change: a sampling batch with room left waits for the rest of a burst of requests,
-on upstream's own `find_batchable_sample` and tables in a real SQLite database. The bounds only tell a wait for
+"""The `full-sampling-batches` change: a sampling batch with room left waits for the rest of a burst of requests;
+and `one-adapter-batches`: it holds one adapter's requests. On upstream's own `find_batchable_sample` and
+tables in a real SQLite database. The bounds only tell a wait for
 more requests from none (tens of milliseconds against a tenth of a second); speed is the benchmark's business."""
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ LONG = 200  # prompt tokens: too long for the larger batch
 
 @pytest.fixture
 def patched(monkeypatch, tmp_path):
-    """Upstream's engine class with the change installed (restored afterwards), and an engine-shaped holder of a
-    fresh database: what `find_batchable_sample` reads of `self`."""
+    """Upstream's engine class with the changes installed as the engine installs them (restored afterwards), and an
+    engine-shaped holder of a fresh database: what `find_batchable_sample` reads of `self`."""
     monkeypatch.setattr(TinkerEngine, "find_batchable_sample", TinkerEngine.find_batchable_sample)
+    engine.batches_of_one_adapter()
     engine.fills_sampling_batches()
     db = create_engine(f"sqlite:///{tmp_path / 'tinker.db'}")
     SQLModel.metadata.create_all(db)
@@ -36,13 +38,15 @@ def patched(monkeypatch, tmp_path):
     return holder
 
 
-def add_samples(db, count: int, prompt: int = 3, num_samples: int = 1) -> None:
+def add_samples(db, count: int, prompt: int = 3, num_samples: int = 1, model: str = "", checkpoint: str = "") -> None:
+    """`count` sampling requests of the base model, or of `model`'s sampler `checkpoint`."""
     request = types.SampleInput(prompt=types.ModelInput(chunks=[types.ModelInputChunk(tokens=[1] * prompt)]),
                                 sampling_params=types.SamplingParams(temperature=0.0, max_tokens=4, seed=0),
-                                num_samples=num_samples, checkpoint_id="", prompt_logprobs=False)
+                                num_samples=num_samples, checkpoint_id=checkpoint, prompt_logprobs=False)
     with Session(db) as session:
         for _ in range(count):
-            session.add(FutureDB(request_type=types.RequestType.SAMPLE, model_id="", request_data=request.model_dump()))
+            session.add(FutureDB(request_type=types.RequestType.SAMPLE, model_id=model,
+                                 request_data=request.model_dump()))
         session.commit()
 
 
@@ -58,9 +62,15 @@ def found_while(holder, sender) -> int:
 
 def found(holder) -> tuple[int, float]:
     began = time.monotonic()
+    return len(batch_of(holder)), time.monotonic() - began
+
+
+def batch_of(holder) -> list[tuple[str, str]]:
+    """The (model, checkpoint) of each request of the batch the engine takes next."""
     with Session(holder.db_engine) as session:
         batch = TinkerEngine.find_batchable_sample(holder, session)
-    return len(batch), time.monotonic() - began
+    return [(model, request.checkpoint_id) for model, request in batch.values()]
+
 
 
 @pytest.mark.parametrize("prompt, room", [(LONG, ROOM), (3, SHORT_ROOM)])
@@ -144,3 +154,44 @@ def test_a_long_request_among_short_ones_gets_upstreams_batch(patched):
         session.commit()
     count, _ = found(patched)
     assert count == 3  # the long one and the 2 after it: upstream's pick
+
+
+def test_a_batch_holds_the_requests_of_one_adapter_and_the_others_wait_their_turn(patched):
+    # Interleaved as a sweep's members send them: model a's live sampler, b's, a's restored sampler, the base model.
+    db = patched.db_engine
+    add_samples(db, 3, model="a", checkpoint="live")
+    add_samples(db, 2, model="b", checkpoint="live")
+    add_samples(db, 2, model="a", checkpoint="live")
+    add_samples(db, 2)
+    add_samples(db, 1, model="a", checkpoint="restored")
+    add_samples(db, 1, model="b", checkpoint="live")
+    expected = [[("a", "live")] * 5, [("b", "live")] * 3, [("", "")] * 2, [("a", "restored")]]
+    for want in expected:  # each in a batch of its own, in the order of its first request
+        batch = batch_of(patched)
+        assert batch == want
+        with Session(db) as session:
+            taken = [f for f in session.exec(select(FutureDB).order_by(FutureDB.request_id)).all()
+                     if (f.model_id, f.request_data["checkpoint_id"]) == want[0]]
+            for future in taken:
+                session.delete(future)
+            session.commit()
+    assert batch_of(patched) == []
+
+
+def test_a_batch_of_one_adapter_still_fills_with_its_own_requests_that_keep_coming(patched):
+    db = patched.db_engine
+    add_samples(db, 2, model="a", checkpoint="live")
+
+    def sender():  # a's burst goes on while b's requests come too
+        for _ in range(3):
+            time.sleep(0.03)
+            add_samples(db, 2, model="b", checkpoint="live")
+            add_samples(db, 2, model="a", checkpoint="live")
+
+    thread = threading.Thread(target=sender)
+    thread.start()
+    try:
+        batch = batch_of(patched)
+    finally:
+        thread.join()
+    assert batch == [("a", "live")] * 8

@@ -387,6 +387,15 @@ def test_a_sweep_trains_its_members_side_by_side_ranks_them_and_promotes_the_bes
     assert promoted["approver"] is None
     assert_tracked_in_mlflow(work, reports)
     assert "| 1 | sw-00 | 0.02 | 32 | passed |" in (work / "sweep" / "ranking.md").read_text()
+    # The member trained and sampled exactly as the same run alone on the cluster does (`one-adapter-batches`):
+    # its neighbour's requests, pending beside its own, were never in its batches.
+    alone = start_run(shared, "sw-alone", "--learning-rate", "2e-2", "--steps", "4")
+    out, _ = alone.communicate(timeout=300)
+    assert alone.returncode == 0, (work / "sw-alone.log").read_text()[-3000:]
+    solo = json.loads(out)
+    assert [m["nll"] for m in solo["metrics"]] == [m["nll"] for m in reports["sw-00"]["metrics"]]
+    for figure in ("loss_before", "loss_after", "final_eval_loss", "live_tokens", "restored_tokens"):
+        assert solo["restore"][figure] == reports["sw-00"]["restore"][figure], figure
     found = wait_for(lambda: (s := status(shared))["free_slots"] == ADAPTERS - 1 and s, 60, "slots released")
     assert found["healthy"] and found["attached_runs"] == []
     assert json.loads((shared["dir"] / "run-keys.json").read_text()) == {}

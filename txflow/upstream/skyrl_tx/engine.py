@@ -1,8 +1,9 @@
 """Rank 0, the engine (which hosts the JAX coordinator): `self-gated-startup` (it waits for the API's
 tables), `broadcast-delete-model` (unloads reach the workers), its end of `wake-channel` (wakes to and from
 the API), of `load-optimizer-flag` (a state load restores the optimizer only when the client asked),
-`tinker-sampler-paths` (sampler paths as Tinker's), `prompt-logprobs` (prompt logprobs as Tinker's) and
-`full-sampling-batches` (a sampling batch with room waits for the rest of a burst)."""
+`tinker-sampler-paths` (sampler paths as Tinker's), `prompt-logprobs` (prompt logprobs as Tinker's),
+`one-adapter-batches` (every batch holds one adapter's requests) and `full-sampling-batches` (a sampling batch with
+room waits for the rest of a burst)."""
 
 from __future__ import annotations
 
@@ -110,6 +111,57 @@ sample it alone, a whole padded pass (4.8 s on SmolLM2)."""
 FILL_LIMIT_S = 1.0
 """The longest a partial sampling batch waits in all, however the requests trickle in (32 requests took 0.4 s to
 store on a busy machine)."""
+
+
+def batches_of_one_adapter() -> None:
+    """Every batch the engine runs holds one adapter's requests (`one-adapter-batches`). A sampling batch takes the
+    first pending request's model and checkpoint (or the base model), and the others wait for a batch of their own.
+    A forward or forward_backward batch of several models runs as one batch per model, in the order of their
+    first requests, within the same pass: a model's optimizer step, taken in that pass after its gradients, must
+    find them all.
+
+    A batch of one adapter runs on that slot's view (`one-slot-gradient`), a batch of several on every slot, and in
+    bfloat16 the two programs round a row's figures apart (SmolLM2: a sampled token's logprob 0.125-0.5 off, and
+    then other greedy tokens). A run's figures then depended on what the cluster's other runs sent at the same
+    moment: a sweep's restore check, which compares a live sampler with its restored copy exactly, failed for the
+    members whose two evaluations met different neighbours, and the same sweep trained its members to other losses
+    each time. An evaluation's 32 greedy samples fill a sampling batch on their own (`sampling-rows`), and a
+    training batch of three models' rows ran no faster than three batches (docs/performance.md)."""
+    from tx.tinker import types
+    from tx.tinker.engine import TinkerEngine, logger
+
+    upstream_sample = TinkerEngine.find_batchable_sample
+
+    def adapter(request) -> tuple[str, str]:
+        model_id, data = request
+        return (model_id, data.checkpoint_id) if data.checkpoint_id else ("", "")
+
+    def find_batchable_sample(self, session):
+        found = upstream_sample(self, session)
+        first = next(iter(found.values()), None)
+        return {key: request for key, request in found.items() if adapter(request) == adapter(first)}
+
+    def per_model(upstream):
+        def process(self, requests: dict) -> dict:
+            models: dict[str, dict] = {}
+            for key, request in requests.items():
+                models.setdefault(request[0], {})[key] = request
+            if len(models) == 1:
+                return upstream(self, requests)
+            results = {}
+            for model_id, part in models.items():
+                try:
+                    results.update(upstream(self, part))
+                except Exception as exc:  # this model's requests fail, as upstream fails a whole batch's
+                    logger.exception(f"Error processing model {model_id}'s part of a batch: {exc}")
+                    results.update({key: types.ErrorResponse(error=str(exc), status="failed") for key in part})
+            return results
+
+        return process
+
+    TinkerEngine.find_batchable_sample = find_batchable_sample
+    TinkerEngine.process_forward_backward = per_model(TinkerEngine.process_forward_backward)
+    TinkerEngine.process_forward = per_model(TinkerEngine.process_forward)
 
 
 def fills_sampling_batches() -> None:
@@ -220,6 +272,7 @@ def run(argv: list[str]) -> None:
         loads_optimizer_when_asked()
         sampler_paths_as_tinkers()
         prompt_logprobs_as_tinkers()
+        batches_of_one_adapter()  # before: the sampling batch it fills is of one adapter
         fills_sampling_batches()
         wakes(entry)
 

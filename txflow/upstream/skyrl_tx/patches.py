@@ -274,6 +274,23 @@ PATCHES: tuple[Patch, ...] = (
         until="upstream does.",
     ),
     Patch(
+        slug="one-adapter-batches",
+        module="engine",
+        what="Every batch the engine runs holds one adapter's requests (`engine.batches_of_one_adapter`). A "
+             "sampling batch takes the first pending request's model and checkpoint, or the base model; the "
+             "others wait for a batch of their own. A forward or forward_backward batch of several models runs "
+             "as one batch per model, in order, in the same pass (a model's optimizer step comes after all its "
+             "gradients, as upstream orders them). Every batch then runs on one slot's view "
+             "(`one-slot-gradient`), and a run's figures do not depend on what other runs send at the same moment "
+             "(tests/test_full_sampling_batches.py, tests/test_view_rows.py, tests/test_shared_cluster_e2e.py).",
+        why="Upstream batches the pending requests of any models together. A batch of several adapters runs "
+            "another program than a batch of one, and in bfloat16 the two round a row's figures apart (SmolLM2: a "
+            "sampled token's logprob 0.125-0.5 off, then other greedy tokens). One or two members of a 3-member "
+            "real-model sweep failed their restore check, whose live and restored samplers had met different "
+            "neighbours, and the same sweep trained its members to other losses each time.",
+        until="upstream's programs round alike whatever adapters a batch holds.",
+    ),
+    Patch(
         slug="full-sampling-batches",
         module="engine",
         what="When the pending sampling requests leave room in the batch, the engine looks again every 50 ms and "
@@ -328,11 +345,11 @@ PATCHES: tuple[Patch, ...] = (
         module="ranks",
         what="Every rank's LoRA linear layers gather each example's own A and B and multiply "
              "(`ranks.lora_per_example`; same outputs and gradients, tests/test_step_patches.py). A decoding step "
-             "of more rows than slots multiplies by every slot's A and B where they are instead, each row's own "
-             "kept by a 0/1 mask: XLA hoisted the gathered copies out of the decoding loop, 1.8 GB of them for a "
-             "32-row SmolLM2 batch (its peak RSS in one process 4.9 -> 4.0 GB, 5.0 -> 4.8 s a batch, the same "
-             "tokens). An embedding's LoRA reads each example's own A rows and B the same way "
-             "(`ranks.embed_lora_per_example`); experts keep upstream's path.",
+             "multiplies by every slot's A and B where they are instead, each row's own kept by a 0/1 mask: XLA "
+             "hoisted the gathered copies out of the decoding loop, 1.8 GB of them for a 32-row SmolLM2 batch "
+             "(its peak RSS in one process 4.9 -> 4.0 GB, 5.0 -> 4.8 s a batch, the same tokens). An embedding's "
+             "LoRA reads each example's own A rows and B the same way (`ranks.embed_lora_per_example`); experts "
+             "keep upstream's path.",
         why="A LoRA linear layer sorts the batch's tokens by adapter and runs `jax.lax.ragged_dot` against every "
             "one of the `max_lora_adapters` slots; XLA on CPU computes it densely for all of them, so with "
             "txflow's 8 slots every step did the LoRA work 8 times (measured on SmolLM2-135M, in-process, 4 "

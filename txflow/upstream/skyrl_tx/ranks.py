@@ -102,10 +102,7 @@ def lora_per_example(self, x, base_output, adapter_indices):
     if seq_len == 1:
         # A decoding step: every slot's factors read where they are, each row's own kept by a 0/1 mask. The
         # gathered copies (rows x in x rank, per module) do not change from step to step, so XLA hoisted them out
-        # of the decoding loop, all 420 of SmolLM2's at once: 1.8 GB held through a 32-row batch's decode. And the
-        # same product whatever the batch: a batch of one model runs on its slot's view (`one-slot-gradient`), a
-        # batch of several on every slot, and where one of them gathered (8 rows, 8 slots) and the other masked (a
-        # one-slot view), bfloat16 rounded them apart and a sweep's restore check failed (docs/performance.md).
+        # of the decoding loop, all 420 of SmolLM2's at once: 1.8 GB held through a 32-row batch's decode.
         own = jax.nn.one_hot(adapter_indices, slots, dtype=x.dtype)[:, None, :, None]
         down = jnp.einsum("bti,nir->btnr", x, self.lora_A[...]) * own
         out = jnp.einsum("btnr,nro->bto", down, self.lora_B[...])
