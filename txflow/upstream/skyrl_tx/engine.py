@@ -2,8 +2,8 @@
 tables), `broadcast-delete-model` (unloads reach the workers), its end of `wake-channel` (wakes to and from
 the API), of `load-optimizer-flag` (a state load restores the optimizer only when the client asked),
 `tinker-sampler-paths` (sampler paths as Tinker's), `prompt-logprobs` (prompt logprobs as Tinker's),
-`one-adapter-batches` (every batch holds one adapter's requests) and `full-sampling-batches` (a sampling batch with
-room waits for the rest of a burst)."""
+`one-adapter-batches` (every batch holds one adapter's requests), `full-sampling-batches` (a sampling batch with
+room waits for the rest of a burst) and `requests-in-order` (a model's optimizer step after its gradients)."""
 
 from __future__ import annotations
 
@@ -164,6 +164,58 @@ def batches_of_one_adapter() -> None:
     TinkerEngine.process_forward = per_model(TinkerEngine.process_forward)
 
 
+def each_models_requests_in_order() -> None:
+    """A model's single requests (an optimizer step, a save, a load, an unload) run after every request of that
+    model that came before them (`requests-in-order`).
+
+    Upstream's pass over the pending requests looks for model passes first, then for samples, then for single
+    requests, each a read of its own, and runs them in that order. A forward_backward stored after the first look
+    and an optimizer step stored after it, both before the last look, ran step before gradient: the step found no
+    gradient and the next one took two. txflow's sampling look waits up to a second for a batch to fill
+    (`full-sampling-batches`), long enough for a run training beside one that samples: a sweep member lost an
+    update that way (its third loss was its second's). A sample held back for its own batch (`one-adapter-batches`)
+    could likewise meet its model already unloaded. Here the single requests of a model whose earlier requests this
+    pass did not take wait for the next pass."""
+    from sqlmodel import select
+    from tx.tinker import types
+    from tx.tinker.db_models import FutureDB, RequestStatus
+    from tx.tinker.engine import TinkerEngine
+
+    upstream_passes = TinkerEngine.find_batchable_model_passes
+    upstream_samples = TinkerEngine.find_batchable_sample
+    upstream_singles = TinkerEngine.find_single_requests
+    ordered = (types.RequestType.FORWARD_BACKWARD, types.RequestType.FORWARD, types.RequestType.SAMPLE)
+
+    def find_batchable_model_passes(self, session, request_type):
+        found = upstream_passes(self, session, request_type)
+        if request_type == types.RequestType.FORWARD_BACKWARD:  # the pass's first look
+            self._txflow_taken = set()
+        self._txflow_taken = getattr(self, "_txflow_taken", set()) | set(found)
+        return found
+
+    def find_batchable_sample(self, session):
+        found = upstream_samples(self, session)
+        self._txflow_taken = getattr(self, "_txflow_taken", set()) | set(found)
+        return found
+
+    def find_single_requests(self, session):
+        found = upstream_singles(self, session)
+        taken = getattr(self, "_txflow_taken", set())
+        waiting: dict[str, int] = {}  # each model's first request this pass left pending
+        for model_id, request_id in session.exec(
+                select(FutureDB.model_id, FutureDB.request_id).where(FutureDB.status == RequestStatus.PENDING)
+                .where(FutureDB.request_type.in_(ordered))).all():
+            if str(request_id) not in taken:
+                waiting[model_id] = min(waiting.get(model_id, request_id), request_id)
+        self._txflow_taken = set()
+        return {key: request for key, request in found.items()
+                if request[0] not in waiting or int(key) < waiting[request[0]]}
+
+    TinkerEngine.find_batchable_model_passes = find_batchable_model_passes
+    TinkerEngine.find_batchable_sample = find_batchable_sample
+    TinkerEngine.find_single_requests = find_single_requests
+
+
 def fills_sampling_batches() -> None:
     """A sampling batch with room left starts once its requests stop arriving (`full-sampling-batches`): upstream
     takes whatever is pending at the moment it looks, so a client's 32 evaluation samples, stored one after
@@ -274,6 +326,7 @@ def run(argv: list[str]) -> None:
         prompt_logprobs_as_tinkers()
         batches_of_one_adapter()  # before: the sampling batch it fills is of one adapter
         fills_sampling_batches()
+        each_models_requests_in_order()  # after: it records the batches they chose
         wakes(entry)
 
     ranks.run(ENGINE_MODULE, argv, patch)

@@ -291,6 +291,20 @@ PATCHES: tuple[Patch, ...] = (
         until="upstream's programs round alike whatever adapters a batch holds.",
     ),
     Patch(
+        slug="requests-in-order",
+        module="engine",
+        what="A model's single requests (an optimizer step, a save, a load, an unload) wait for the next pass of "
+             "the engine while an earlier forward, forward_backward or sample of that model is pending that this "
+             "pass did not take (`engine.each_models_requests_in_order`; tests/test_requests_in_order.py).",
+        why="Upstream's pass looks for model passes, then samples, then single requests, each a read of its own, and "
+            "runs them in that order: a forward_backward stored after the first look and its optimizer step stored "
+            "before the last ran step first, which found no gradient, and the next step took two. txflow's sampling "
+            "look waits up to a second for its batch to fill (`full-sampling-batches`), so a run training beside "
+            "one that samples met it: a toy sweep member's third loss was its second's (tests/"
+            "test_shared_cluster_e2e.py compares a member with its run alone).",
+        until="upstream orders each model's requests.",
+    ),
+    Patch(
         slug="full-sampling-batches",
         module="engine",
         what="When the pending sampling requests leave room in the batch, the engine looks again every 50 ms and "
