@@ -257,7 +257,7 @@ def widened(stacked_weights, kernels=frozenset()):
         if w.dtype != jnp.bfloat16:
             return w
         if leaf_name(path) in as_bits:
-            return jax.lax.bitcast_convert_type(w, jnp.uint16)
+            return bits_of(w)
         return w.astype(jnp.float32)
 
     return jax.tree_util.tree_map_with_path(one, stacked_weights)
@@ -292,6 +292,23 @@ def bfloat16_products_on_this_cpu() -> bool:
         return False
 
 
+def bits_of(x):
+    """A bfloat16 array's bits, as uint16: where XLA's CPU runtime widens a bfloat16 array to float32 (a loop's
+    slice of it, a gather from it, a slice written into it), it leaves 16-bit integers as they are."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.bitcast_convert_type(x, jnp.uint16)
+
+
+def bfloat16_of(bits):
+    """The bfloat16 array of `bits` (uint16), as `bits_of` took them."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+
+
 @functools.cache
 def bfloat16_product_of(dtype, contract: int):
     """`bfloat16_product` for inputs of `dtype` and a weight contracted on its axis `contract`."""
@@ -299,7 +316,7 @@ def bfloat16_product_of(dtype, contract: int):
     import jax.numpy as jnp
 
     def bfloat16(weight):
-        return jax.lax.bitcast_convert_type(weight, jnp.bfloat16) if weight.dtype == jnp.uint16 else weight
+        return bfloat16_of(weight) if weight.dtype == jnp.uint16 else weight
 
     def multiply(a, b, dims):
         return jax.lax.dot_general(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), (dims, ((), ())),
@@ -373,8 +390,7 @@ def embedding_rows_as_bits(upstream_call):
         if embedding.dtype != jnp.bfloat16 or self.dtype != jnp.bfloat16 or self.num_embeddings == 1 \
                 or jax.default_backend() != "cpu":
             return upstream_call(self, x, adapter_indices)
-        rows = jnp.take(jax.lax.bitcast_convert_type(embedding, jnp.uint16), x, axis=0)
-        return self.apply_lora(x, jax.lax.bitcast_convert_type(rows, jnp.bfloat16), adapter_indices)
+        return self.apply_lora(x, bfloat16_of(jnp.take(bits_of(embedding), x, axis=0)), adapter_indices)
 
     __call__.upstream = upstream_call
     return __call__

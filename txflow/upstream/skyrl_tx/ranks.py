@@ -351,10 +351,9 @@ def slot_written(whole, part, slot):
     import jax.numpy as jnp
 
     if whole.dtype == jnp.bfloat16:
-        bits = jax.lax.dynamic_update_slice_in_dim(jax.lax.bitcast_convert_type(whole, jnp.uint16),
-                                                   jax.lax.bitcast_convert_type(part.astype(whole.dtype),
-                                                                                jnp.uint16), slot, axis=0)
-        return jax.lax.bitcast_convert_type(bits, jnp.bfloat16)
+        bits = jax.lax.dynamic_update_slice_in_dim(models.bits_of(whole), models.bits_of(part.astype(whole.dtype)),
+                                                   slot, axis=0)
+        return models.bfloat16_of(bits)
     return jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype), slot, axis=0)
 
 
