@@ -387,8 +387,9 @@ def test_a_sweep_trains_its_members_side_by_side_ranks_them_and_promotes_the_bes
     assert promoted["approver"] is None
     assert_tracked_in_mlflow(work, reports)
     assert "| 1 | sw-00 | 0.02 | 32 | passed |" in (work / "sweep" / "ranking.md").read_text()
-    # The member trained and sampled exactly as the same run alone on the cluster does (`one-adapter-batches`):
-    # its neighbour's requests, pending beside its own, were never in its batches.
+    # The member trained and sampled exactly as the same run alone on the cluster does: its neighbour's requests,
+    # pending beside its own, were never in its batches (`one-adapter-batches`) and never put its optimizer step
+    # before its gradient (`requests-in-order`).
     alone = start_run(shared, "sw-alone", "--learning-rate", "2e-2", "--steps", "4")
     out, _ = alone.communicate(timeout=300)
     assert alone.returncode == 0, (work / "sw-alone.log").read_text()[-3000:]
