@@ -1,7 +1,7 @@
 """The `full-sampling-batches` change: a sampling batch with room left waits for the rest of a burst of requests;
-and `one-adapter-batches`: it holds one adapter's requests. On upstream's own `find_batchable_sample` and
-tables in a real SQLite database. The bounds only tell a wait for
-more requests from none (tens of milliseconds against a tenth of a second); speed is the benchmark's business."""
+and `one-adapter-batches`: it holds one adapter's requests. On upstream's own `find_batchable_sample` and tables in
+a real SQLite database. The bounds only tell a wait for more requests from none (tens of milliseconds against a tenth
+of a second); speed is the benchmark's business."""
 
 from __future__ import annotations
 
@@ -70,7 +70,6 @@ def batch_of(holder) -> list[tuple[str, str]]:
     with Session(holder.db_engine) as session:
         batch = TinkerEngine.find_batchable_sample(holder, session)
     return [(model, request.checkpoint_id) for model, request in batch.values()]
-
 
 
 @pytest.mark.parametrize("prompt, room", [(LONG, ROOM), (3, SHORT_ROOM)])

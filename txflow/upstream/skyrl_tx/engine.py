@@ -122,11 +122,11 @@ def batches_of_one_adapter() -> None:
 
     A batch of one adapter runs on that slot's view (`one-slot-gradient`), a batch of several on every slot, and in
     bfloat16 the two programs round a row's figures apart (SmolLM2: a sampled token's logprob 0.125-0.5 off, and
-    then other greedy tokens). A run's figures then depended on what the cluster's other runs sent at the same
-    moment: a sweep's restore check, which compares a live sampler with its restored copy exactly, failed for the
-    members whose two evaluations met different neighbours, and the same sweep trained its members to other losses
-    each time. An evaluation's 32 greedy samples fill a sampling batch on their own (`sampling-rows`), and a
-    training batch of three models' rows ran no faster than three batches (docs/performance.md)."""
+    then other greedy tokens). So a run computes what it would alone whatever its neighbours send: a restore check
+    that compares a live sampler with its restored copy exactly holds on a shared cluster, and a sweep's members
+    train as their runs alone. An evaluation's 32 greedy samples fill a sampling batch on their own
+    (`sampling-rows`), and a training batch of three models' rows ran no faster than three batches
+    (docs/performance.md)."""
     from tx.tinker import types
     from tx.tinker.engine import TinkerEngine, logger
 
@@ -172,10 +172,9 @@ def each_models_requests_in_order() -> None:
     requests, each a read of its own, and runs them in that order. A forward_backward stored after the first look
     and an optimizer step stored after it, both before the last look, ran step before gradient: the step found no
     gradient and the next one took two. txflow's sampling look waits up to a second for a batch to fill
-    (`full-sampling-batches`), long enough for a run training beside one that samples: a sweep member lost an
-    update that way (its third loss was its second's). A sample held back for its own batch (`one-adapter-batches`)
-    could likewise meet its model already unloaded. Here the single requests of a model whose earlier requests this
-    pass did not take wait for the next pass."""
+    (`full-sampling-batches`), long enough for a run training beside one that samples to lose an update so; and a
+    sample held back for its own batch (`one-adapter-batches`) could meet its model already unloaded. Here the
+    single requests of a model whose earlier requests this pass did not take wait for the next pass."""
     from sqlmodel import select
     from tx.tinker import types
     from tx.tinker.db_models import FutureDB, RequestStatus
@@ -188,9 +187,8 @@ def each_models_requests_in_order() -> None:
 
     def find_batchable_model_passes(self, session, request_type):
         found = upstream_passes(self, session, request_type)
-        if request_type == types.RequestType.FORWARD_BACKWARD:  # the pass's first look
-            self._txflow_taken = set()
-        self._txflow_taken = getattr(self, "_txflow_taken", set()) | set(found)
+        first_look = request_type == types.RequestType.FORWARD_BACKWARD  # of a pass
+        self._txflow_taken = (set() if first_look else getattr(self, "_txflow_taken", set())) | set(found)
         return found
 
     def find_batchable_sample(self, session):
