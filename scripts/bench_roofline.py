@@ -201,9 +201,10 @@ def engine(model_dir: str, adapters: int, rank: int):
     from txflow.upstream.skyrl_tx.launch import backend_config
 
     ranks.install()
-    # a run's micro-batch and sampling batch sizes (one process), which the packing and the sampling rows go by
+    # a run's micro-batch and sampling batch sizes (one process), which the packing and the sampling rows go by, and
+    # its logprobs' chunks
     sizes = {key: backend_config(RunConfig(), None)[key] for key in ("train_micro_batch_size",
-                                                                      "sample_max_num_sequences")}
+                                                                      "sample_max_num_sequences", "loss_chunk_size")}
     impl = backend.JaxBackendImpl(model_dir, backend.JaxBackendConfig(max_lora_adapters=adapters,
                                                                       max_lora_rank=rank, **sizes))
     impl.create_model("m", types.LoraConfig(rank=rank, alpha=32.0, seed=0))

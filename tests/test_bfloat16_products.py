@@ -135,7 +135,11 @@ def kernel_shapes(model) -> set[tuple[int, ...]]:
 
 
 @pytest.mark.parametrize("products", [False, True])
-def test_no_program_holds_a_float32_copy_of_a_kernel_where_the_cpu_multiplies_bfloat16(bfloat16_model, products):
+def test_no_program_holds_a_float32_copy_of_a_kernel_where_the_cpu_multiplies_bfloat16(bfloat16_model, products,
+                                                                                      monkeypatch):
+    # The prompt logprobs' chunks of hidden states (chunks x positions x hidden, in float32) must not take a kernel
+    # stack's shape: 128 positions of the tiny model's 64 would be its down projection's (layers x 128 x 64).
+    monkeypatch.setattr(models, "LOGPROBS_CHUNK", 96)
     model, mesh, tokens, mask = bfloat16_model(products)
     jax.clear_caches()
     layers = len(model.model.layers)

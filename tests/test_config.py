@@ -372,3 +372,12 @@ def test_children_inherit_no_credential_variable(monkeypatch):
 def test_an_evaluation_task_belongs_to_sft_and_rl():
     assert "eval_task applies to sft and rl" in error_text(mode="custom", client="c.py", eval_task="arithmetic")
     assert RunConfig(mode="rl", eval_task="arithmetic").eval_task == "arithmetic"
+
+
+def test_backend_config_computes_logprobs_in_chunks_of_a_few_hundred_positions():
+    # Upstream's 1024 positions make a chunk's float32 logits 200 MB on SmolLM2's vocabulary, held in several copies
+    from txflow.upstream.skyrl_tx import models
+
+    for processes in (1, 2):
+        assert backend_config(RunConfig(processes=processes), "h:1")["loss_chunk_size"] == models.LOGPROBS_CHUNK
+    assert 64 <= models.LOGPROBS_CHUNK <= 256

@@ -129,6 +129,46 @@ def test_rows_of_two_models_keep_upstreams_program(engine, monkeypatch):
     assert all(np.abs(grad[1]).sum() > 0 and np.abs(grad[2]).sum() > 0 for grad in mixed["grads"].values())
 
 
+def forwarded(impl, batch, one_slot: bool, monkeypatch) -> dict:
+    """What a forward of `batch` gives, on the model's slot alone or (upstream's) over every slot, and whether it
+    left the accumulated gradients as they were (the same arrays)."""
+    taken = []
+    with monkeypatch.context() as patch:
+        patch.setattr(ranks, "slot_view", lambda *args, view=ranks.slot_view: (taken.append(1), view(*args))[1])
+        if not one_slot:
+            patch.setattr(ranks, "views_serve", lambda engine: False)
+        before = jax.tree.leaves(impl.accumulated_grads)
+        outputs = list(impl.forward(batch).values())
+        after = jax.tree.leaves(impl.accumulated_grads)
+    return {"logprobs": [o["logprobs"]["data"] for out in outputs for o in out.loss_fn_outputs],
+            "losses": [o["elementwise_loss"]["data"] for out in outputs for o in out.loss_fn_outputs],
+            "views": len(taken), "kept": all(a is b for a, b in zip(before, after, strict=True)),
+            "accumulated": [np.asarray(a) for a in after]}
+
+
+def test_a_forward_of_one_models_rows_runs_on_its_slot_alone_and_gives_upstreams_figures(engine, monkeypatch):
+    rows = [list(np.random.default_rng(40 + i).integers(1, 200, 18 + i)) for i in range(3)]
+    figures(engine, [rows_of(["a"] * 3, rows)], True, monkeypatch)  # a gradient pending in slot 1
+    pending = [np.asarray(a) for a in jax.tree.leaves(engine.accumulated_grads)]
+    alone = forwarded(engine, rows_of(["a"] * 3, rows), True, monkeypatch)
+    upstream = forwarded(engine, rows_of(["a"] * 3, rows), False, monkeypatch)
+    assert (alone["views"], upstream["views"]) == (1, 0)
+    for key in ("logprobs", "losses"):
+        for got, want in zip(alone[key], upstream[key], strict=True):
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)
+    assert alone["kept"]  # no copy of every slot's gradients, and the pending one untouched
+    for got, want in zip(upstream["accumulated"], pending, strict=True):
+        np.testing.assert_array_equal(got, want)
+    # "a" and "b" are alike so far: a step of "a" (the pending gradient) must show in its slot's figures alone
+    engine.optim_step("a", types.OptimStepInput(adam_params=types.AdamParams(
+        learning_rate=0.05, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)))
+    stepped, other = (forwarded(engine, rows_of([m] * 3, rows), True, monkeypatch) for m in ("a", "b"))
+    assert (stepped["views"], other["views"]) == (1, 1)
+    np.testing.assert_allclose(np.concatenate(other["logprobs"]), np.concatenate(alone["logprobs"]), rtol=0,
+                               atol=2e-6)
+    assert np.abs(np.concatenate(stepped["logprobs"]) - np.concatenate(alone["logprobs"])).max() > 1e-3
+
+
 @pytest.mark.parametrize("models", [["a"] * 3, [""] * 2, ["a", "b", "a"]])
 def test_a_sampling_batch_of_one_adapter_samples_from_its_slot_alone(engine, models, monkeypatch):
     alone, upstream = sampled(engine, models, True, monkeypatch), sampled(engine, models, False, monkeypatch)

@@ -19,7 +19,7 @@ CHUNK = 40  # positions: the batch below has 8 x 23 of them, so several chunks a
 
 def test_prompt_logprobs_in_chunks_are_upstreams_figures(upstream_sampling, monkeypatch):  # noqa: F811
     model, mesh, _, _ = build(TINY_MODEL)
-    monkeypatch.setattr(models, "PROMPT_LOGPROBS_CHUNK", CHUNK)
+    monkeypatch.setattr(models, "LOGPROBS_CHUNK", CHUNK)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(1, 300, n).tolist() for n in (24, 5, 17, 9, 24, 12, 2, 20)]
     adapters = [1, 0, 1, 1, 0, 1, 0, 1]  # the adapter's LoRA in the head's inputs, and the base model's
@@ -38,7 +38,7 @@ def test_prompt_logprobs_in_chunks_are_upstreams_figures(upstream_sampling, monk
 
 def test_the_program_in_chunks_never_holds_every_positions_logits(upstream_sampling, monkeypatch):  # noqa: F811
     model, mesh, _, _ = build(TINY_MODEL)
-    monkeypatch.setattr(models, "PROMPT_LOGPROBS_CHUNK", CHUNK)
+    monkeypatch.setattr(models, "LOGPROBS_CHUNK", CHUNK)
     ids, mask, adapters = batch([[3, 4, 5] * 8] * 8, [1] * 8)
     rows, length, vocab = *ids.shape, model.config.vocab_size
     # The arguments `generate` gives the program: 1 token to sample, no top-k or top-p, prompt logprobs.

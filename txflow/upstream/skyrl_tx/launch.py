@@ -10,7 +10,7 @@ from typing import Any
 
 from txflow.config import RunConfig
 from txflow.upstream import wake
-from txflow.upstream.skyrl_tx import TINKER_DEFAULT_RANK
+from txflow.upstream.skyrl_tx import TINKER_DEFAULT_RANK, models
 from txflow.upstream.skyrl_tx.auth import API_KEY_ENV, LIMITS_ENV, RUN_KEYS_ENV
 from txflow.upstream.skyrl_tx.served import ServedModel
 
@@ -30,6 +30,10 @@ def backend_config(cfg: RunConfig, coordinator_address: str | None) -> dict[str,
         # Upstream's default (0) runs a forward_backward over the whole batch at once: an RL step of SmolLM2-135M
         # (64 sequences) took the engine past 20 GB and the OOM killer; by 8 sequences it stays near 7 GB.
         "train_micro_batch_size": cfg.fsdp * max(1, 8 // cfg.fsdp),
+        # Logprobs over 128 positions at a time (upstream: 1024): a chunk's logits over SmolLM2's 49,152-token
+        # vocabulary are 25 MB in float32 instead of 200, held in several copies; a forward of 8 x 64 tokens
+        # peaked ~100 MB lower, an RL step's ~200 MB, at the same speed (docs/performance.md).
+        "loss_chunk_size": models.LOGPROBS_CHUNK,
     }
     if cfg.processes > 1:
         config["coordinator_address"] = coordinator_address

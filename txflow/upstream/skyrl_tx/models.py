@@ -127,7 +127,9 @@ def scanned(upstream_call):
             hidden, (keys, values) = layer(
                 hidden, attention_mask=attention_mask, positions=positions, adapter_indices=adapter_indices,
                 kv_cache=layer_cache)
-            return hidden, (keys, values)
+            # The KV cache in the model's dtype as each layer's keys and values leave it: stacked in float32 first,
+            # a 32-row sampling batch of SmolLM2 held ~190 MB of float32 keys and values and their bfloat16 copies.
+            return hidden, (keys.astype(outer_dtype), values.astype(outer_dtype))
 
         if wide is not None:
             # For the backward, a widened layer keeps its projections' outputs and computes the rest again (norms,
@@ -138,8 +140,8 @@ def scanned(upstream_call):
             layer_step = jax.checkpoint(layer_step, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
                                         prevent_cse=False)
         hidden, (keys, values) = jax.lax.scan(layer_step, hidden, (weights, cache))
-        if wide is not None:  # what follows the layers (the norm, the head, the KV cache) keeps the model's dtype
-            hidden, keys, values = hidden.astype(outer_dtype), keys.astype(outer_dtype), values.astype(outer_dtype)
+        if wide is not None:  # what follows the layers (the norm, the head) keeps the model's dtype
+            hidden = hidden.astype(outer_dtype)
         return ModelOutput(last_hidden_state=self.norm(hidden),
                            kv_cache=KVCache.update(kv_cache, list(keys), list(values), positions, attention_mask),
                            hidden_states=None)
@@ -663,9 +665,11 @@ def prefill_once_per_prompt() -> None:
     GeneratorMixin._prefill_and_decode = staticmethod(_prefill_and_decode)
 
 
-# Positions whose logits a sampling batch's prompt logprobs compute at once (`prompt-logprobs-in-chunks`): SmolLM2's
-# 49,152-token vocabulary makes that 50 MB in float32, and a chunk of 256 rows is still a full-size matmul.
-PROMPT_LOGPROBS_CHUNK = 256
+# Positions whose logits a sampling batch's prompt logprobs compute at once (`prompt-logprobs-in-chunks`), and a
+# model pass's logprobs (the engine's `loss_chunk_size`, `launch.backend_config`): SmolLM2's 49,152-token vocabulary
+# makes that 25 MB in float32, held in several copies, and a chunk of 128 rows is still a full-size matmul (the
+# same step times as 256 and 1024, measured).
+LOGPROBS_CHUNK = 128
 
 
 class PrefillLogits:
@@ -709,13 +713,13 @@ class PromptLogprobsInChunks:
 
     def logits_to_logprobs(self, logits, target_ids):
         if isinstance(logits, PrefillLogits):
-            return self._model._compute_chunked_logprobs(logits.hidden_states, target_ids, PROMPT_LOGPROBS_CHUNK,
+            return self._model._compute_chunked_logprobs(logits.hidden_states, target_ids, LOGPROBS_CHUNK,
                                                          logits.adapter_indices)
         return self._model.logits_to_logprobs(logits, target_ids)
 
 
 def prompt_logprobs_in_chunks() -> None:
-    """A sampling batch that asks for prompt logprobs computes them `PROMPT_LOGPROBS_CHUNK` positions at a time,
+    """A sampling batch that asks for prompt logprobs computes them `LOGPROBS_CHUNK` positions at a time,
     with the model's own chunked logprobs, as training computes its logprobs (`prompt-logprobs-in-chunks`).
 
     Upstream's program computes the output head at every position of every row (`rows x prompt x 49,152`

@@ -347,7 +347,10 @@ PATCHES: tuple[Patch, ...] = (
         module="ranks",
         what="Every rank sizes the chunks to the batch (`ranks.balanced_chunk`): as many chunks as the "
              "configured size needs, as even as can be, never larger, so the memory bound stays and the padding "
-             "is below one token per chunk.",
+             "is below one token per chunk. txflow configures 128 positions (`models.LOGPROBS_CHUNK`, "
+             "`launch.backend_config`): a chunk's float32 logits over SmolLM2's vocabulary are 25 MB instead of "
+             "200, and a forward of 8 x 64 tokens peaked ~100 MB lower, an RL step's forward_backward ~200 MB, at "
+             "the same step times.",
         why="Upstream computes a batch's logprobs in chunks of `loss_chunk_size` tokens (1024 by default) and "
             "pads the batch's tokens to a multiple of it, so 4 sequences bucketed to 48 tokens (192 tokens) "
             "computed the logits of 1024 rows over the whole vocabulary (49,152 for SmolLM2), and their "
@@ -515,7 +518,10 @@ PATCHES: tuple[Patch, ...] = (
              "upstream's. A batch of several models keeps upstream's program (the engine forms none since "
              "`one-adapter-batches`). The same logprobs, losses, "
              "gradients and counts (tests/test_one_slot_gradient.py). A sampling batch of one adapter samples from "
-             "its slot's view the same way (the same tokens and logprobs). SmolLM2 in one process: the pass's "
+             "its slot's view the same way (the same tokens and logprobs), and so does a forward of one model's "
+             "rows, which then hands back the accumulated gradients it was given (upstream's forward program "
+             "returns a copy of every slot's: 182 MB on SmolLM2's 8 slots; its buffers 385 -> 252 MB). SmolLM2 in "
+             "one process: the pass's "
              "transient 1.83 -> 1.34 GB with 8 slots, 3.77 -> 1.22 GB with 32; the SFT step's forward_backward "
              "1.66 -> 1.36 s, the nightly RL step 5.13 -> 4.41 s; the demo's engine peak 5.6 -> 4.8-5.1 GB.",
         why="Upstream differentiates every slot's LoRA weights in every forward_backward: the program stacks "
@@ -524,6 +530,19 @@ PATCHES: tuple[Patch, ...] = (
             "holds, not with what it trains (SmolLM2 with 8 slots: 2.38 GB of buffers in the program, 1.60 GB "
             "on one slot). Its sampling programs stack every slot's weights the same way.",
         until="upstream differentiates the batch's own adapters only.",
+    ),
+    Patch(
+        slug="freed-memory-returned",
+        module="ranks",
+        what="After each request of an evaluation or a checkpoint (create, forward, sample, save, load, delete; "
+             "`ranks.RETURNS_FREED_MEMORY`) every rank returns the memory glibc holds free to the system "
+             "(`malloc_trim`); a training step's forward_backward and optim_step do not, which would cost each "
+             "step 5-20 ms and its pages faulted back in (tests/test_freed_memory_returned.py). The demo's engine "
+             "peak 3.66-3.69 -> 3.35-3.37 GB.",
+        why="glibc keeps what a program frees below its mmap threshold, which grows to 32 MB as larger blocks are "
+            "freed: most of XLA's buffers. A SmolLM2 rank kept 300-500 MB free so after training and its live "
+            "reference, and the demo's peak, the restore check's sampling, came on top of them.",
+        until="XLA's CPU runtime returns its buffers to the system (or a rank runs under another allocator).",
     ),
     Patch(
         slug="rank-imports",
@@ -608,7 +627,7 @@ PATCHES: tuple[Patch, ...] = (
         slug="prompt-logprobs-in-chunks",
         module="models",
         what="A sampling batch that asks for prompt logprobs computes the last position's logits from its hidden "
-             "state alone and the prompt's logprobs 256 positions at a time, with the model's own chunked "
+             "state alone and the prompt's logprobs 128 positions at a time, with the model's own chunked "
              "logprobs (as training computes them); the same figures up to float32 rounding "
              "(tests/test_prompt_logprobs_in_chunks.py). So an evaluation's batch can have `sampling-rows`' "
              "larger row count without multiplying its memory.",

@@ -6,7 +6,8 @@ batch (`loss-chunks`), each example's own adapter in every LoRA linear layer (`l
 sampling calls in batches sized to them (`sampling-rows`), every program's compile in the log under what it computes
 (`compile-log`), each model's optimizer over its own slot only (`optimizer-own-slot`), its step one jitted call over
 arrays (`optimizer-flat-call`), the rows of a training batch that share a prompt computed once (`packed-prefixes`) and
-a one-model batch's gradient over its own slot only (`one-slot-gradient`); `run` imports upstream without torch
+a one-model batch's gradient over its own slot only (`one-slot-gradient`), and the memory freed by an evaluation's or
+a checkpoint's request returned to the system (`freed-memory-returned`); `run` imports upstream without torch
 (`rank-imports`)."""
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ def every_program_compile_logged() -> None:
             rows = prepared_batch.all_input_ids[start:start + micro]
             targets = prepared_batch.all_targets[start:start + micro]
             packed = packing.shapes_of(self, rows, targets, adapters[start:start + micro], length)[1:]
-            one_slot = ("one slot",) if kind == "train" and getattr(self, "_txflow_one_slot", None) else ()
+            one_slot = ("one slot",) if getattr(self, "_txflow_one_slot", None) is not None else ()
             shapes.add((kind, length, -(-len(rows) // fsdp) * fsdp, *packed, *one_slot))
         current["pass"] = (kind, length, shapes)
         try:
@@ -535,14 +536,16 @@ def slot_view(grad_sum, lora, rest, slot: int):
 
 
 class OneSlotPass:
-    """A forward_backward program that, when every row of the batch trains one model (`one-slot-gradient`), runs
-    on that model's slot alone: the slot's LoRA weights, scales and accumulated gradient are taken out (a view of
-    one slot, each row's adapter index 0 in it), upstream's program (or the packed one) runs on the view, and the
-    slot's gradient sum is written back into the donated accumulator; the counts are upstream's. Otherwise the
-    whole program, as upstream runs it."""
+    """A forward_backward (or forward) program that, when every row of the batch is one model's
+    (`one-slot-gradient`), runs on that model's slot alone: the slot's LoRA weights, scales and accumulated gradient
+    are taken out (a view of one slot, each row's adapter index 0 in it), upstream's program (or the packed one)
+    runs on the view, and the slot's gradient sum is written back into the donated accumulator; the counts are
+    upstream's. A forward (`gradient` false) changes no gradient, so the accumulator it is given comes back as it
+    is: upstream's forward program returns a copy of every slot's (182 MB for SmolLM2 on 8 slots, on top of its
+    buffers over every slot's weights). Otherwise the whole program, as upstream runs it."""
 
-    def __init__(self, engine, inner):
-        self.engine, self.inner = engine, inner
+    def __init__(self, engine, inner, gradient: bool = True):
+        self.engine, self.inner, self.gradient = engine, inner, gradient
 
     def __call__(self, accumulated, lora, rest, input_ids, attention_mask, adapter_indices, *batch):
         import jax.numpy as jnp
@@ -554,6 +557,8 @@ class OneSlotPass:
         counts = jnp.zeros((1,), dtype=accumulated.counts.dtype)
         mine, losses, logprobs = self.inner(type(accumulated)(grad_sum=grads, counts=counts), view, view_rest,
                                             input_ids, attention_mask, jnp.zeros_like(adapter_indices), *batch)
+        if not self.gradient:
+            return accumulated, losses, logprobs
         put = slot_programs()[1]
         return put(accumulated, mine.grad_sum, jnp.int32(slot), adapter_indices), losses, logprobs
 
@@ -575,8 +580,9 @@ def views_serve(engine) -> bool:
 
 
 def one_slot_gradient() -> None:
-    """A forward_backward whose rows all train one model differentiates that model's slot only, and a sampling
-    batch of one adapter samples from that slot alone (`one-slot-gradient`).
+    """A forward_backward whose rows all train one model differentiates that model's slot only, a forward of one
+    model's rows runs on its slot alone, and a sampling batch of one adapter samples from that slot alone
+    (`one-slot-gradient`).
 
     Upstream differentiates the LoRA weights of every slot: the program stacks every slot's weights per layer,
     carries a gradient of every slot through the backward (zeros but for the batch's own), and adds them all to
@@ -607,6 +613,7 @@ def one_slot_gradient() -> None:
     def _create_loss_and_grad_fn(self):
         upstream(self)
         self._forward_backward_and_accumulate = OneSlotPass(self, self._forward_backward_and_accumulate)
+        self._forward = OneSlotPass(self, self._forward, gradient=False)
 
     upstream_sample, upstream_load = JaxBackendImpl.sample, JaxBackendImpl.load_sampler_weights
 
@@ -758,6 +765,48 @@ def base_layers_stacked() -> None:
     backend.load_safetensors = load_safetensors
 
 
+# The backend's requests after which a rank hands its allocator's free memory back (`freed-memory-returned`): those
+# of the evaluations and checkpoints, not a training step's (forward_backward, optim_step), which costs each step
+# 5-20 ms of trimming and as much again in pages faulted back in, and whose next step reuses what the last one freed.
+RETURNS_FREED_MEMORY = ("create_model", "forward", "sample", "save_checkpoint", "load_checkpoint",
+                        "save_sampler_checkpoint", "delete_model")
+
+
+def freed_memory_returned() -> None:
+    """After an evaluation's or a checkpoint's request (`RETURNS_FREED_MEMORY`), every rank returns the memory its
+    allocator holds free to the system (glibc's `malloc_trim`), so that the next program's buffers do not stack on
+    it (`freed-memory-returned`).
+
+    glibc keeps most of what a program frees: the buffers XLA allocates below the mmap threshold (which grows to 32
+    MB as larger ones are freed) go back to the heap, not to the system. SmolLM2's demo rank held 300-500 MB so
+    after its training and live reference, and its peak came in the restore check's sampling on top of them. Where
+    the C library is not glibc, nothing changes."""
+    import ctypes
+
+    from tx.tinker.backends.jax import JaxBackendImpl
+
+    try:
+        trim = ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return
+
+    def returning(upstream):
+        @functools.wraps(upstream)  # its annotations serialise the broadcast call
+        def request(self, *args, **kwargs):
+            try:
+                return upstream(self, *args, **kwargs)
+            finally:
+                trim(0)
+
+        request.returns_freed_memory = True
+        return request
+
+    for name in RETURNS_FREED_MEMORY:
+        upstream = getattr(JaxBackendImpl, name)
+        if not getattr(upstream, "returns_freed_memory", False):
+            setattr(JaxBackendImpl, name, returning(upstream))
+
+
 def install() -> None:
     """Every change a rank gets in upstream's backend and model code (also what a benchmark of the engine in
     one process installs, so that it measures what the ranks run)."""
@@ -778,6 +827,7 @@ def install() -> None:
     sampling_batches_fit_the_call()
     packing.model_passes_pack_shared_prefixes()
     one_slot_gradient()
+    freed_memory_returned()  # last: around every other change to these requests
 
 
 class DeferredModule(types.ModuleType):
