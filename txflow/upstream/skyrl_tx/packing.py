@@ -266,8 +266,12 @@ def packs(engine) -> bool:
 
 
 def installed_and_packs(engine) -> bool:
-    """Whether this engine's model passes are `PackingPass`es and it packs at all."""
-    return isinstance(getattr(engine, "_forward", None), PackingPass) and packs(engine)
+    """Whether this engine's model passes are `PackingPass`es (as they are, or inside the program that runs them
+    on one slot, `ranks.OneSlotPass`) and it packs at all."""
+    program = getattr(engine, "_forward", None)
+    while program is not None and not isinstance(program, PackingPass):
+        program = getattr(program, "inner", None)
+    return program is not None and packs(engine)
 
 
 def shapes_of(engine, rows: list[list[int]], targets: list[list[int]], adapters: list[int], length: int) -> tuple:
