@@ -32,7 +32,7 @@ def backend_config(cfg: RunConfig, coordinator_address: str | None) -> dict[str,
         "train_micro_batch_size": cfg.fsdp * max(1, 8 // cfg.fsdp),
         # Logprobs over 128 positions at a time (upstream: 1024): a chunk's logits over SmolLM2's 49,152-token
         # vocabulary are 25 MB in float32 instead of 200, held in several copies; a forward of 8 x 64 tokens
-        # peaked ~100 MB lower, an RL step's ~200 MB, at the same speed (docs/performance.md).
+        # peaked ~100 MB lower, a forward_backward of 8 x 96 tokens ~200 MB, at the same speed.
         "loss_chunk_size": models.LOGPROBS_CHUNK,
     }
     if cfg.processes > 1:

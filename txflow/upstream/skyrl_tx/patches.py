@@ -349,8 +349,8 @@ PATCHES: tuple[Patch, ...] = (
              "configured size needs, as even as can be, never larger, so the memory bound stays and the padding "
              "is below one token per chunk. txflow configures 128 positions (`models.LOGPROBS_CHUNK`, "
              "`launch.backend_config`): a chunk's float32 logits over SmolLM2's vocabulary are 25 MB instead of "
-             "200, and a forward of 8 x 64 tokens peaked ~100 MB lower, an RL step's forward_backward ~200 MB, at "
-             "the same step times.",
+             "200, and a forward of 8 x 64 tokens peaked ~100 MB lower, a forward_backward of 8 x 96 tokens "
+             "~200 MB, at the same step times.",
         why="Upstream computes a batch's logprobs in chunks of `loss_chunk_size` tokens (1024 by default) and "
             "pads the batch's tokens to a multiple of it, so 4 sequences bucketed to 48 tokens (192 tokens) "
             "computed the logits of 1024 rows over the whole vocabulary (49,152 for SmolLM2), and their "
