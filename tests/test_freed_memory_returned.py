@@ -18,8 +18,9 @@ from txflow.upstream.skyrl_tx import ranks
 # wrapped by the change or not.
 PROBE = """
 import sys
-from tx.tinker.backends.jax import JaxBackendImpl
 from txflow.upstream.skyrl_tx import ranks
+ranks.imports_without_torch()  # as a rank imports the backend
+from tx.tinker.backends.jax import JaxBackendImpl
 
 def rss_mb():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 // 2**20

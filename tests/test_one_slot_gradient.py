@@ -153,7 +153,7 @@ def test_a_forward_of_one_models_rows_runs_on_its_slot_alone_and_gives_upstreams
     alone = forwarded(engine, rows_of(["a"] * 3, rows), True, monkeypatch)
     upstream = forwarded(engine, rows_of(["a"] * 3, rows), False, monkeypatch)
     assert (alone["views"], upstream["views"]) == (1, 0)
-    assert packing.installed_and_packs(engine)  # the one-slot forward still packs (the nightly's RL step: 1.6 s not)
+    assert packing.installed_and_packs(engine)  # the one-slot program wraps the packing one; it still packs
     for key in ("logprobs", "losses"):
         for got, want in zip(alone[key], upstream[key], strict=True):
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-6)

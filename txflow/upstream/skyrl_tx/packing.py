@@ -266,12 +266,9 @@ def packs(engine) -> bool:
 
 
 def installed_and_packs(engine) -> bool:
-    """Whether this engine's model passes are `PackingPass`es (as they are, or inside the program that runs them
-    on one slot, `ranks.OneSlotPass`) and it packs at all."""
-    program = getattr(engine, "_forward", None)
-    while program is not None and not isinstance(program, PackingPass):
-        program = getattr(program, "inner", None)
-    return program is not None and packs(engine)
+    """Whether this engine's model passes are `PackingPass`es (whatever wraps them since, `ranks.OneSlotPass`) and
+    it packs at all."""
+    return getattr(engine, "_txflow_packing_passes", False) and packs(engine)
 
 
 def shapes_of(engine, rows: list[list[int]], targets: list[list[int]], adapters: list[int], length: int) -> tuple:
@@ -340,6 +337,7 @@ def model_passes_pack_shared_prefixes() -> None:
         upstream(self)
         self._forward_backward_and_accumulate = PackingPass(self, self._forward_backward_and_accumulate, True)
         self._forward = PackingPass(self, self._forward, False)
+        self._txflow_packing_passes = True
 
     _create_loss_and_grad_fn.upstream = upstream
     JaxBackendImpl._create_loss_and_grad_fn = _create_loss_and_grad_fn
