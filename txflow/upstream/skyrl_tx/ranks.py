@@ -7,8 +7,8 @@ sampling calls in batches sized to them (`sampling-rows`), every program's compi
 (`compile-log`), each model's optimizer over its own slot only (`optimizer-own-slot`), its step one jitted call over
 arrays (`optimizer-flat-call`), the rows of a training batch that share a prompt computed once (`packed-prefixes`) and
 a one-model batch's gradient over its own slot only (`one-slot-gradient`), and the memory freed by an evaluation's or
-a checkpoint's request returned to the system (`freed-memory-returned`); `run` imports upstream without torch
-(`rank-imports`)."""
+a checkpoint's request returned to the system (`freed-memory-returned`), a sampler save's config written without
+peft (`adapter-config-without-peft`); `run` imports upstream without torch (`rank-imports`)."""
 
 from __future__ import annotations
 
@@ -827,6 +827,7 @@ def install() -> None:
     sampling_batches_fit_the_call()
     packing.model_passes_pack_shared_prefixes()
     one_slot_gradient()
+    adapter_config_without_peft()
     freed_memory_returned()  # last: around every other change to these requests
 
 
@@ -858,10 +859,53 @@ def imports_without_torch() -> None:
     """Upstream's backend imports transformers for configs and tokenizers, which imports torch when it is installed,
     and peft for one `LoraConfig(...).save_pretrained` at a sampler save, which imports torch too: 9 s of a rank's
     start, 6.5 of them torch, transformers' torch side and peft, none of which the JAX engine runs. Transformers is
-    told there is no torch and peft loads at its first use (`rank-imports`)."""
+    told there is no torch, and peft would load at its first use (`rank-imports`): a rank has none since the sampler
+    save writes its config itself (`adapter-config-without-peft`)."""
     os.environ.setdefault("USE_TORCH", "0")
     if os.environ["USE_TORCH"].upper() in ("0", "FALSE", "OFF", "NO"):
         defer_import("peft")  # (torch, when asked for, walks the imported modules and would load it mid-import)
+
+
+# What peft's `LoraConfig(base_model_name_or_path=..., r=..., lora_alpha=...).save_pretrained` writes, but for those
+# three, with the peft the project pins (constraints.txt); tests/test_rank_imports.py holds it to peft's own file.
+PEFT_LORA_CONFIG = {
+    "alora_invocation_tokens": None, "alpha_pattern": {}, "arrow_config": None, "auto_mapping": None, "bias": "none",
+    "corda_config": None, "ensure_weight_tying": False, "eva_config": None, "exclude_modules": None,
+    "fan_in_fan_out": False, "inference_mode": False, "init_lora_weights": True, "kasa_config": None,
+    "layer_replication": None, "layers_pattern": None, "layers_to_transform": None, "loftq_config": {},
+    "lora_bias": False, "lora_dropout": 0.0, "lora_ga_config": None, "megatron_config": None,
+    "megatron_core": "megatron.core", "modules_to_save": None, "monteclora_config": None, "peft_type": "LORA",
+    "peft_version": "0.21.2", "qalora_group_size": 16, "rank_pattern": {}, "revision": None, "target_modules": None,
+    "target_parameters": None, "task_type": None, "trainable_token_indices": None, "use_bdlora": None,
+    "use_dora": False, "use_qalora": False, "use_rslora": False, "velora_config": None,
+}
+
+
+class AdapterConfig:
+    """peft's `LoraConfig` as far as upstream's sampler save uses it (`adapter-config-without-peft`): the same
+    `adapter_config.json`, byte for byte, without importing peft, which imports torch."""
+
+    def __init__(self, *, base_model_name_or_path: str, r: int, lora_alpha: float):
+        self.values = {**PEFT_LORA_CONFIG, "base_model_name_or_path": base_model_name_or_path, "r": r,
+                       "lora_alpha": lora_alpha}
+
+    def save_pretrained(self, save_directory) -> None:
+        import json
+        from pathlib import Path
+
+        Path(save_directory).mkdir(parents=True, exist_ok=True)
+        # peft's own writing: sorted keys, an indent of 2, no newline at the end
+        (Path(save_directory) / "adapter_config.json").write_text(json.dumps(self.values, indent=2, sort_keys=True))
+
+
+def adapter_config_without_peft() -> None:
+    """A sampler save writes its `adapter_config.json` with `AdapterConfig` instead of peft
+    (`adapter-config-without-peft`). Upstream's save builds peft's `LoraConfig` for that one file, and the import
+    of peft, which imports torch, stayed in the rank for the rest of its life: +194 MB resident on a SmolLM2 rank
+    from its first sampler save on (216 MB in a bare process), a third of the way from the demo's peak to 3 GB."""
+    import tx.utils.models as upstream_models
+
+    upstream_models.peft = types.SimpleNamespace(LoraConfig=AdapterConfig)
 
 
 def run(module: str, argv: list[str], patch=None) -> None:
