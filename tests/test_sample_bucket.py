@@ -70,10 +70,12 @@ def test_a_call_of_more_rows_than_a_batch_runs_in_larger_batches_and_samples_the
     ranks.sampling_batches_fit_the_call()
     assert batches(short) == (before, [8])  # one batch of 4 x 2 rows, the same greedy tokens
     assert batches(short[:2])[1] == [2]  # a call that fits upstream's batch keeps it
-    # A call that asks for prompt logprobs (an evaluation) runs in the larger batches however few its rows: one
-    # program for them all.
-    assert batches(short, prompt_logprobs=True)[1] == [8]
-    assert batches(short[:1], prompt_logprobs=True)[1] == [8]
+    # A call that asks for prompt logprobs (an evaluation) runs in batches of its own size however few its rows: one
+    # program for them all, half the larger batch (an evaluation's sampling is where a rank's memory peaks).
+    evaluation = 2 * ranks.EVALUATION_ROWS_FACTOR
+    assert evaluation < 8
+    assert batches(short, prompt_logprobs=True)[1] == [evaluation] * (8 // evaluation)
+    assert batches(short[:1], prompt_logprobs=True)[1] == [evaluation]
     assert batches([100] * 8)[1] == [2, 2, 2, 2]  # rows of 128 + 4 tokens: 4 x as many would hold more positions
     assert config.sample_max_num_sequences == 2  # upstream's again after the call
 

@@ -462,13 +462,15 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         slug="sampling-rows",
         module="ranks, engine",
-        what="When a batch's rows are short (prompt bucket and new tokens within 128), it runs 4 times "
-             "`sample_max_num_sequences` rows (8 in a run): a call of more rows than that, and every call that "
-             "asks for prompt logprobs (an evaluation's greedy samples), however few its rows, so that a run "
-             "compiles one such program, its readiness sample's. The engine takes that many rows of short "
-             "requests into one batch (`full-sampling-batches`). The nightly RL step's 32 samples on SmolLM2 "
-             "take 2.5 s instead of 5.0 s in one process; the demo's 32 greedy evaluation samples (one request "
-             "each) are one batch instead of 4. The same greedy tokens.",
+        what="When a batch's rows are short (prompt bucket and new tokens within 128), a call of more rows than "
+             "`sample_max_num_sequences` (8 in a run) runs in batches of 4 times that many, and every call that "
+             "asks for prompt logprobs (an evaluation's greedy samples), however few its rows, in batches of 2 "
+             "times (`ranks.EVALUATION_ROWS_FACTOR`: an evaluation's sampling is where a rank's memory peaks, "
+             "and 16 rows of SmolLM2 hold ~100 MB less than 32), so that a run compiles one such program, its "
+             "readiness sample's. The engine takes 4 times as many rows of short requests into one call "
+             "(`full-sampling-batches`). The nightly RL step's 32 samples on SmolLM2 take 2.5 s instead of 5.0 s "
+             "in one process; the demo's 32 greedy evaluation samples (one request each) are one call of 2 "
+             "batches instead of 4 calls. The same greedy tokens.",
         why="Upstream samples in batches of `sample_max_num_sequences` rows, each padded to that many, and takes "
             "at most that many requests into a batch; on a CPU a decoding step of 32 rows costs about twice one "
             "of 8 (half as much per row).",

@@ -674,6 +674,10 @@ def sample_prompts_share_a_bucket(floor: int = SAMPLE_BUCKET_FLOOR) -> None:
 # times as many rows, while each holds no more key-value positions than one of upstream's batches of rows of
 # SAMPLE_ROW_TOKENS (`sampling-rows`).
 SAMPLE_ROWS_FACTOR, SAMPLE_ROW_TOKENS = 4, 512
+# A call that asks for prompt logprobs (an evaluation) runs in batches of this many times upstream's rows, however
+# few its rows: half the larger batch, since an evaluation's sampling is where a run's rank peaks (the demo's restore
+# check). 16 rows of SmolLM2 held ~100 MB less than 32 while they ran, and the demo took as long (docs/performance.md).
+EVALUATION_ROWS_FACTOR = 2
 
 
 def rows_are_short(prompt_lengths: list[int], max_tokens: list[int], factor: int = SAMPLE_ROWS_FACTOR,
@@ -693,10 +697,10 @@ def sampling_batches_fit_the_call(factor: int = SAMPLE_ROWS_FACTOR) -> None:
     4 batches of 1.25 s, 5.0 s, against 2.5 s as one batch of 32 (in one process). When its rows are short
     (`rows_are_short`), a batch runs `factor` times upstream's rows:
     - a call of more rows than upstream's batch (the engine takes that many, `full-sampling-batches`);
-    - and every call that asks for prompt logprobs, however few its rows: those are evaluations (greedy tokens
-      and the logprobs of each prompt), whose calls of 24-32 prompts ran in 3-4 batches, and with one size for
-      them all a run compiles one such program, its readiness sample's. Their logits are computed a chunk at a
-      time (`prompt-logprobs-in-chunks`), so the rows do not multiply their memory.
+    - and every call that asks for prompt logprobs, however few its rows, in batches of `EVALUATION_ROWS_FACTOR`
+      times upstream's rows: those are evaluations (greedy tokens and the logprobs of each prompt), whose calls of
+      24-32 prompts ran in 3-4 batches, and with one size for them all a run compiles one such program, its
+      readiness sample's. Their logits are computed a chunk at a time (`prompt-logprobs-in-chunks`).
     Any other call that fits upstream's batch keeps it (a larger one would only pad it), so the programs are two
     row counts at most (`sampling-rows`). Can go when upstream sizes its sampling batches to the call."""
     from tx.tinker.backends import jax as backend
@@ -708,7 +712,9 @@ def sampling_batches_fit_the_call(factor: int = SAMPLE_ROWS_FACTOR) -> None:
         if rows <= 0 or not rows_are_short([len(p) for p in batch.all_prompts],
                                            [p.max_tokens for p in batch.all_sampling_params], factor):
             return None
-        return rows * factor if batch.needs_prompt_logprobs or len(batch.all_prompts) > rows else None
+        if batch.needs_prompt_logprobs:
+            return rows * min(factor, EVALUATION_ROWS_FACTOR)
+        return rows * factor if len(batch.all_prompts) > rows else None
 
     @functools.wraps(upstream_sample)  # its annotations serialise the broadcast call (see above)
     def sample(self, prepared_batch):
