@@ -16,7 +16,7 @@ ranks.imports_without_torch()
 import tx.tinker.backends.jax
 import tx.utils.models as models
 print("torch" in sys.modules, "peft" in sys.modules and type(sys.modules["peft"]) is ranks.DeferredModule)
-ranks.adapter_config_without_peft()
+ranks.install()  # what every rank gets (`ranks.run`)
 for name, r, alpha in (("base", 8, 16), ("other/base", 32, 32.0)):
     models.peft.LoraConfig(base_model_name_or_path=name, r=r, lora_alpha=alpha).save_pretrained(
         f"{sys.argv[1]}/{r}")
