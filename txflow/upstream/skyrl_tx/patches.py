@@ -445,11 +445,7 @@ PATCHES: tuple[Patch, ...] = (
              "are written into the slot-stacked LoRA weights and gradient sums in place: a program of its own "
              "whose arrays are donated, a bfloat16 array written through its bits (`ranks.slot_write_program`). "
              "Every slot's values stay as they were, bit for bit (tests/test_checkpoint_io.py, "
-             "tests/test_slots_written_in_place.py). A slot's view is taken the same way, a bfloat16 array "
-             "through its bits, and every program that slices or writes the 422 weights by slot takes the slot "
-             "index unsigned (`ranks.unsigned`), with no negative-index arithmetic per weight: 13,500 fewer HLO "
-             "instructions in the five programs, ~55 MB less held by a rank (XLA's CPU runtime holds ~4.5 KB per "
-             "instruction of a loaded program), the steps as fast.",
+             "tests/test_slots_written_in_place.py).",
         why="XLA's CPU runtime widens a bfloat16 dynamic-update-slice to float32: writing one slot rewrote each "
             "whole 8-slot array (SmolLM2: 844 of them per optimizer step), converted twice, and freed the copies "
             "into the allocator. The optimizer step took 0.11-0.15 s and now 0.06 s; a process that trains and "

@@ -318,10 +318,8 @@ def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree, jitted: bool = Tr
     from flax import nnx
 
     def step(grad_leaves, counts, lora_leaves, opt_leaves, count, adapter_index):
-        index = unsigned(adapter_index)
-
         def slot(w):  # the slot axis comes first in every LoRA weight; `adapter_index` is traced
-            return jax.lax.dynamic_slice_in_dim(w, index, 1, axis=0)
+            return jax.lax.dynamic_slice_in_dim(w, adapter_index, 1, axis=0)
 
         # The trees as nnx.jit rebuilt them (Variables around the arrays), and upstream's `Optimizer.update` on them.
         lora = jax.tree_util.tree_unflatten(lora_tree, lora_leaves)
@@ -346,21 +344,10 @@ def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree, jitted: bool = Tr
     return jax.jit(step) if jitted else step
 
 
-def unsigned(index):
-    """A traced slot index as an unsigned integer, converted once in a program: JAX wraps a signed index of every
-    dynamic slice and update in its own negative-index arithmetic, four more instructions for each of SmolLM2's 422
-    LoRA weights in a program that slices them all, and XLA's CPU runtime holds ~4.5 KB per instruction of a loaded
-    program for the life of the process (`slots-written-in-place`, docs/performance.md)."""
-    import jax
-    import jax.numpy as jnp
-
-    return jax.lax.convert_element_type(index, jnp.uint32)
-
-
 def slot_written(whole, part, slot):
-    """`whole` (stacked by slot) with `part` (one slot) written at `slot` (`unsigned`); a bfloat16 array through its
-    bits (`slots-written-in-place`): XLA's CPU runtime widens a bfloat16 dynamic-update-slice to float32, which
-    rewrites the whole array, twice converted, where the bits are written in place into a donated buffer."""
+    """`whole` (stacked by slot) with `part` (one slot) written at `slot`; a bfloat16 array through its bits
+    (`slots-written-in-place`): XLA's CPU runtime widens a bfloat16 dynamic-update-slice to float32, which rewrites
+    the whole array, twice converted, where the bits are written in place into a donated buffer."""
     import jax
     import jax.numpy as jnp
 
@@ -381,9 +368,8 @@ def slot_write_program():
     import jax.numpy as jnp
 
     def write(lora_leaves, grad_leaves, counts, mine, adapter_index):
-        index = unsigned(adapter_index)
-        return ([slot_written(w, m, index) for w, m in zip(lora_leaves, mine)],
-                [slot_written(g, jnp.zeros((1, *g.shape[1:]), g.dtype), index) for g in grad_leaves],
+        return ([slot_written(w, m, adapter_index) for w, m in zip(lora_leaves, mine)],
+                [slot_written(g, jnp.zeros((1, *g.shape[1:]), g.dtype), adapter_index) for g in grad_leaves],
                 counts.at[adapter_index].set(0))
 
     return jax.jit(write, donate_argnums=(0, 1, 2))
@@ -510,14 +496,9 @@ _PER_SLOT = ("lora_scaling", "lora_ranks")
 
 def _take(grad_sum, lora, per_slot, slot):
     import jax
-    import jax.numpy as jnp
 
-    index = unsigned(slot)
-
-    def one(w):  # a bfloat16 array through its bits, which XLA's CPU runtime slices without widening them
-        if w.dtype == jnp.bfloat16:
-            return models.bfloat16_of(jax.lax.dynamic_slice_in_dim(models.bits_of(w), index, 1, axis=0))
-        return jax.lax.dynamic_slice_in_dim(w, index, 1, axis=0)
+    def one(w):
+        return jax.lax.dynamic_slice_in_dim(w, slot, 1, axis=0)
 
     return jax.tree.map(one, grad_sum), jax.tree.map(one, lora), [one(w) for w in per_slot]
 
@@ -527,9 +508,8 @@ def _put(accumulated, grad_sum, slot, adapter_indices):
     import jax.numpy as jnp
 
     counts = accumulated.counts + jnp.bincount(adapter_indices, length=accumulated.counts.shape[0])
-    index = unsigned(slot)
     return type(accumulated)(grad_sum=jax.tree.map(
-        lambda whole, mine: slot_written(whole, mine, index), accumulated.grad_sum, grad_sum), counts=counts)
+        lambda whole, mine: slot_written(whole, mine, slot), accumulated.grad_sum, grad_sum), counts=counts)
 
 
 @functools.cache
