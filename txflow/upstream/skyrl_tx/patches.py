@@ -550,7 +550,7 @@ PATCHES: tuple[Patch, ...] = (
         slug="rank-imports",
         module="ranks",
         what="A rank tells transformers there is no torch (`USE_TORCH=0`, unless set) and imports peft only at its "
-             "first use, which no rank has since its sampler saves write their config without peft "
+             "first use, which a rank does not reach: its sampler saves write their config without peft "
              "(`adapter-config-without-peft`).",
         why="Upstream's backend imports transformers (which imports torch when it is installed) for configs and "
             "tokenizers, and peft (which imports torch) for one config file: 9 s of a rank's start on 2 cores, "

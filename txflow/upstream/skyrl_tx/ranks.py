@@ -865,8 +865,8 @@ def imports_without_torch() -> None:
     """Upstream's backend imports transformers for configs and tokenizers, which imports torch when it is installed,
     and peft for one `LoraConfig(...).save_pretrained` at a sampler save, which imports torch too: 9 s of a rank's
     start, 6.5 of them torch, transformers' torch side and peft, none of which the JAX engine runs. Transformers is
-    told there is no torch, and peft would load at its first use (`rank-imports`): a rank has none since the sampler
-    save writes its config itself (`adapter-config-without-peft`)."""
+    told there is no torch, and peft would load at its first use (`rank-imports`), which a rank does not reach: its
+    sampler saves write their config without peft (`adapter-config-without-peft`)."""
     os.environ.setdefault("USE_TORCH", "0")
     if os.environ["USE_TORCH"].upper() in ("0", "FALSE", "OFF", "NO"):
         defer_import("peft")  # (torch, when asked for, walks the imported modules and would load it mid-import)
@@ -906,9 +906,9 @@ class AdapterConfig:
 
 def adapter_config_without_peft() -> None:
     """A sampler save writes its `adapter_config.json` with `AdapterConfig` instead of peft
-    (`adapter-config-without-peft`). Upstream's save builds peft's `LoraConfig` for that one file, and the import
-    of peft, which imports torch, stayed in the rank for the rest of its life: +194 MB resident on a SmolLM2 rank
-    from its first sampler save on (216 MB in a bare process), a third of the way from the demo's peak to 3 GB."""
+    (`adapter-config-without-peft`). Upstream's save builds peft's `LoraConfig` for that one file, and importing
+    peft imports torch, which then stays in the rank for the rest of its life: ~194 MB resident on a SmolLM2 rank
+    from its first sampler save on (216 MB in a bare process)."""
     import tx.utils.models as upstream_models
 
     upstream_models.peft = types.SimpleNamespace(LoraConfig=AdapterConfig)
