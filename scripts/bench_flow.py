@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -305,7 +306,15 @@ def main() -> int:
         JOB.update(RL_JOB[model_kind()], **RL_SHAPE)
     print(f"# {JOB['mode']} on {JOB['base_model']}: {json.dumps(JOB)}\n", flush=True)
 
+    # The work directory (Prefect's home, the runs, the JAX cache: ~260 MB for the real model) goes with the run.
     work = Path(tempfile.mkdtemp(prefix="bench-flow-"))
+    try:
+        return measure(args, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def measure(args, work: Path) -> int:
     base = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
     base.update(PREFECT_HOME=str(work / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                 DO_NOT_TRACK="1", TINKER_TELEMETRY="0")

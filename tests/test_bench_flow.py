@@ -36,7 +36,14 @@ def run_main(bench, monkeypatch, tmp_path, hand, flow):
     monkeypatch.setattr(bench.subprocess, "run", lambda *a, **k: None)
     monkeypatch.setattr(sys, "argv", ["bench_flow.py", "--steps", "20", "--long-steps", "0", "--cache", "off",
                                       "--repeat", "1"])
-    return bench.main()
+    made = []
+    monkeypatch.setattr(bench.tempfile, "mkdtemp", lambda prefix: made.append(tmp_path / f"{prefix}work")
+                        or (made[-1].mkdir(), str(made[-1]))[1])
+    try:
+        return bench.main()
+    finally:
+        # the work directory (Prefect's home, the runs, the JAX cache) is removed, also when a check failed
+        assert len(made) == 1 and not made[0].exists()
 
 
 def test_the_table_reports_phases_ratio_step_overhead_and_memory(bench):
