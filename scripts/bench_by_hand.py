@@ -32,8 +32,10 @@ losses (rl: mean rewards) (the benchmark reads memory and CPU from /proc itself)
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,6 +78,7 @@ def main() -> int:
 
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="by-hand-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # its processes have stopped by then
     (work / "bin").mkdir()
     shim = work / "bin" / "uv"
     shim.write_text(UV_SHIM.format(python=sys.executable))

@@ -17,8 +17,10 @@ requests per checkpoint.
 from __future__ import annotations
 
 import argparse
+import atexit
 import io
 import os
+import shutil
 import statistics
 import sys
 import tarfile
@@ -76,7 +78,9 @@ def main() -> int:
     server = None
     if not os.environ.get("AWS_ENDPOINT_URL"):
         port = free_port()
-        log = Path(tempfile.mkdtemp()) / "moto.log"
+        logs = tempfile.mkdtemp(prefix="bench-discovery-")
+        atexit.register(shutil.rmtree, logs, ignore_errors=True)
+        log = Path(logs) / "moto.log"
         server = spawn([str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)], log)
         os.environ.update(AWS_ENDPOINT_URL=f"http://127.0.0.1:{port}", AWS_ACCESS_KEY_ID="bench",
                           AWS_SECRET_ACCESS_KEY="bench", AWS_DEFAULT_REGION="us-east-1")

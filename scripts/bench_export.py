@@ -11,7 +11,9 @@ step's own seconds from the report.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,6 +48,7 @@ def main() -> int:
     parser.add_argument("--pairs", type=int, default=3)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-export-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # its processes have stopped by then
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(work / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                TINKER_TELEMETRY="0")

@@ -14,7 +14,9 @@ existing cluster is. Prints the medians and their ratio (target <= 1.2).
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -51,6 +53,7 @@ def main() -> int:
     if os.geteuid() != 0:
         raise SystemExit("needs root: the Ray cluster runs in a private network namespace")
     work = Path(tempfile.mkdtemp(prefix="bench-ray-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # its processes have stopped by then
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "RAY_ADDRESS"))}
     env.update(PREFECT_HOME=str(work / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                DO_NOT_TRACK="1", TINKER_TELEMETRY="0")

@@ -11,8 +11,10 @@ past the JIT) against four side by side (the sweep's members).
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -41,6 +43,7 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=1)
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="bench-shared-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # its processes have stopped by then
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
     env.update(PREFECT_HOME=str(work / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false", DO_NOT_TRACK="1",
                TINKER_TELEMETRY="0", TXFLOW_CLUSTERS_DIR=str(work / "clusters"))

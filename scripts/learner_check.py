@@ -19,8 +19,10 @@ takes 6-20 minutes here.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -143,6 +145,7 @@ def main() -> int:
         print_table(rows_from(args.table_from))
         return 0
     work = Path(tempfile.mkdtemp(prefix="learner-check-"))
+    atexit.register(shutil.rmtree, work, ignore_errors=True)  # its processes have stopped by then
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")}
     env.update(PREFECT_HOME=str(work / "prefect-home"), PREFECT_SERVER_ANALYTICS_ENABLED="false",
                DO_NOT_TRACK="1", TINKER_TELEMETRY="0")

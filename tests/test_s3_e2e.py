@@ -11,7 +11,6 @@ import sqlite3
 import subprocess
 import sys
 import tarfile
-import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -288,12 +287,11 @@ def test_truncated_object_in_the_bucket_is_reported_incomplete(s3_env):
     assert not cut.complete and "truncated" in cut.reason.lower()
 
 
-def run_root_layout(fs, root: str) -> dict[str, str]:
+def run_root_layout(fs, root: str, staging: Path) -> dict[str, str]:
     """What a real run leaves: periodic and final states (one state file each), sampler tarballs with
     their probe markers, commit markers, and the run's own files; committed as txflow commits."""
     from txflow.checkpoints import storage
 
-    staging = Path(tempfile.mkdtemp(prefix="txflow-staging-"))
     cfg = RunConfig(base_model="tiny", run_id="layout", checkpoints=root.rsplit("/", 1)[0],
                     state_dir=str(staging)).resolved()
     urls = {}
@@ -333,12 +331,13 @@ def s3_requests(monkeypatch) -> list[str]:
     return sent
 
 
-def test_a_committed_run_root_is_verified_from_the_listing_alone_and_a_changed_byte_is_caught(s3_env, monkeypatch):
+def test_a_committed_run_root_is_verified_from_the_listing_alone_and_a_changed_byte_is_caught(s3_env, monkeypatch,
+                                                                                            tmp_path):
     """States, sampler tarballs, markers: discovery of what txflow committed sends list requests only;
     one byte flipped in the bucket (same size) makes that checkpoint incomplete, and only its marker is read."""
     fs = fsspec.filesystem("s3", skip_instance_cache=True)
     root = f"s3://{BUCKET}/layout/layout"
-    urls = run_root_layout(fs, root)
+    urls = run_root_layout(fs, root, tmp_path)
     sent = s3_requests(monkeypatch)
     s3fs.S3FileSystem.clear_instance_cache()  # no listing cached from the commits above
     found = {a.url: a for a in discover(root, require_commit=True)}
