@@ -132,3 +132,47 @@ def test_a_batch_of_no_new_tokens_gives_its_prompt_logprobs_as_upstreams(program
     assert got.generated_ids == want.generated_ids == [[], []] and got.stop_reasons == want.stop_reasons
     for mine, theirs in zip(got.prompt_logprobs, want.prompt_logprobs):
         np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-6)
+
+
+@pytest.fixture
+def draws(monkeypatch):
+    """The categorical draws and greedy argmaxes the sampling program runs from then on, counted as they run (a
+    branch not taken runs neither)."""
+    ran = {"categorical": 0, "argmax": 0}
+
+    def counting(name, draw):
+        def counted_draw(*args, **kwargs):
+            jax.debug.callback(lambda: ran.__setitem__(name, ran[name] + 1))
+            return draw(*args, **kwargs)
+
+        return counted_draw
+
+    monkeypatch.setattr(jax.random, "categorical", counting("categorical", jax.random.categorical))
+    monkeypatch.setattr(jax.numpy, "argmax", counting("argmax", jax.numpy.argmax))
+    return ran
+
+
+@pytest.mark.parametrize("temperatures", [(0.0, 0.0, 0.0, 0.0), (0.9, 0.7, 1.0, 0.9), (0.0, 0.9, 0.0, 1.0)],
+                         ids=["greedy", "sampled", "mixed"])
+def test_each_token_is_drawn_only_the_way_its_batch_needs(program_in, draws, temperatures):
+    """`one-draw-per-token`: a batch of greedy rows runs no categorical draw, a batch of sampled rows no greedy
+    argmax, and each gives upstream's tokens and logprobs; a mixed batch runs both, as upstream does."""
+    model, mesh, _, _ = build(TINY_MODEL)
+    rng = np.random.default_rng(4)
+    ids, mask, adapter_indices = batch([rng.integers(1, 300, n).tolist() for n in (12, 9, 15, 6)], [1, 0, 1, 1])
+    params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seed=11 + i) for i, t in enumerate(temperatures)]
+    outs = []
+    for program in (upstream_program(), jax.jit(models.prefill_and_decode, static_argnames=models.SAMPLING_STATIC)):
+        program_in(program)
+        jax.clear_caches()  # a program traced before the draws were counted would count none
+        draws.update(categorical=0, argmax=0)
+        with jax.set_mesh(mesh):
+            outs.append(model.generate(ids, mask, sampling_params=params, adapter_indices=adapter_indices))
+            jax.effects_barrier()
+    want, got = outs
+    assert got.generated_ids == want.generated_ids and got.stop_reasons == want.stop_reasons
+    for mine, theirs in zip(got.logprobs, want.logprobs):
+        np.testing.assert_allclose(mine, theirs, rtol=0, atol=1e-6)
+    greedy_rows = sum(t == 0.0 for t in temperatures)
+    assert (draws["categorical"] > 0) == (greedy_rows < len(temperatures))
+    assert (draws["argmax"] > 0) == (greedy_rows > 0)

@@ -535,7 +535,8 @@ SAMPLING_STATIC = ("max_length", "max_new_tokens", "max_top_k", "use_top_p", "pr
 def prefill_and_decode(model, input_ids, attention_mask, max_length, max_new_tokens, adapter_indices, temperatures,
                        rngs, stop_tokens, top_k_values, top_p_values, max_top_k, use_top_p, prompt_logprobs=False):
     """Upstream's sampling program (`GeneratorMixin._prefill_and_decode` of SkyRL-tx 0.3.0, its code as it is but
-    for the loop's end), which stops the decoding loop one forward pass earlier (`no-forward-after-the-last-token`).
+    for the loop's end and its draws), which stops the decoding loop one forward pass earlier
+    (`no-forward-after-the-last-token`) and draws each token only the way its batch needs (`one-draw-per-token`).
 
     Upstream's loop takes `max_new_tokens` steps, each sampling a token from the logits the step before computed
     and then running the model on that token for the next step's logits. The last step's forward pass computes
@@ -565,14 +566,28 @@ def prefill_and_decode(model, input_ids, attention_mask, max_length, max_new_tok
         split_keys = jax.vmap(jax.random.split)(s.rngs)
         rngs, sample_keys = split_keys[:, 0], split_keys[:, 1]
         zero_temp_mask = temperatures == 0.0
-        scaled_logits = s.logits / jnp.where(zero_temp_mask, 1.0, temperatures)[:, None]
-        if max_top_k > 0:
-            scaled_logits = apply_top_k_batch(scaled_logits, top_k_values, max_top_k)
-        if use_top_p:
-            scaled_logits = apply_top_p_batch(scaled_logits, top_p_values)
-        sampled = jax.vmap(lambda key, logit: jax.random.categorical(key, logit, axis=-1))(sample_keys, scaled_logits)
-        greedy = jnp.argmax(s.logits, axis=-1)
-        next_token = jnp.where(zero_temp_mask[:, None], greedy[:, None], sampled[:, None])
+
+        def sampled():
+            scaled_logits = s.logits / jnp.where(zero_temp_mask, 1.0, temperatures)[:, None]
+            if max_top_k > 0:
+                scaled_logits = apply_top_k_batch(scaled_logits, top_k_values, max_top_k)
+            if use_top_p:
+                scaled_logits = apply_top_p_batch(scaled_logits, top_p_values)
+            return jax.vmap(lambda key, logit: jax.random.categorical(key, logit, axis=-1))(sample_keys,
+                                                                                           scaled_logits)
+
+        def greedy():
+            return jnp.argmax(s.logits, axis=-1)
+
+        def either():
+            return jnp.where(zero_temp_mask, greedy(), sampled())
+
+        # Upstream draws every row's token both ways and keeps one per row. A batch is mostly of one kind (an
+        # evaluation's greedy rows, an RL group's sampled ones), and its other draw is not free on a CPU: a
+        # categorical draw over 49,152 logits a row (its noise, then an argmax), or an argmax. Only the
+        # branch the batch needs runs (`one-draw-per-token`); a row's token is the one upstream's `where` keeps.
+        kind = jnp.where(jnp.all(zero_temp_mask), 0, jnp.where(jnp.any(zero_temp_mask), 2, 1))
+        next_token = jax.lax.switch(kind, [greedy, sampled, either])[:, None]
         sampled_logprob = model.logits_to_logprobs(s.logits, next_token[:, 0])[:, None]
         is_stop = jnp.any(next_token == stop_tokens, axis=1)
         stop_pos = jnp.where((s.stop_pos == -1) & is_stop, step + 1, s.stop_pos)
