@@ -279,6 +279,10 @@ def optimizer_bytes(impl) -> int:
     return 7 * sum(x.nbytes for x in jax.tree.leaves(impl.lora_params))
 
 
+def met(held: bool) -> str:
+    return "met" if held else "not met"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--base-model", default="smollm2-135m")
@@ -354,6 +358,7 @@ def main() -> int:
                      "roofline_s": round(sft_roofline, 3), "forward_backward_s": round(sft_s, 3),
                      "optimizer_s": round(optimizer_s, 3), "optimizer_estimate_s": round(optimizer_estimate, 3),
                      "fraction_of_roofline": round(sft_roofline / (sft_s + optimizer_s), 3),
+                     "target_met": sft_roofline / (sft_s + optimizer_s) >= 0.5,
                      "forward_backward_fraction": round(sft_roofline / sft_s, 3),
                      "achieved_gflops": round(sft_flops / sft_s / 1e9, 1)},
         "rl_step": {"prompts": prompts, "samples": samples, "max_tokens": max_tokens,
@@ -364,6 +369,7 @@ def main() -> int:
                     "measured_s": {"sample": round(sample_s, 3), "forward_backward": round(rl_fb_s, 3),
                                    "optimizer": round(rl_optimizer_s, 3), "total": round(rl_measured, 3)},
                     "measured_over_estimate": round(rl_measured / rl_estimate, 2),
+                    "target_met": rl_measured <= 2 * rl_estimate,
                     "sampled_tokens_per_s": round(rollouts * max_tokens / sample_s, 1),
                     "decode_tokens_per_s_at_bandwidth": round(rollouts * bandwidth / shapes.weight_bytes(itemsize),
                                                               1)},
@@ -377,13 +383,13 @@ def main() -> int:
     print(f"SFT step ({s['rows']} x {s['bucket']} tokens): {s['gflop']} GFLOP, roofline {s['roofline_s']} s; "
           f"forward+backward {s['forward_backward_s']} s ({s['achieved_gflops']} GFLOP/s), optimizer "
           f"{s['optimizer_s']} s (estimate {s['optimizer_estimate_s']} s); step/roofline "
-          f"{s['fraction_of_roofline']:.0%} of the roofline (target 50%)")
+          f"{s['fraction_of_roofline']:.1%} of the roofline (target 50%: {met(s['target_met'])})")
     print(f"RL step ({r['prompts']} prompts x {r['samples']} samples of {r['max_tokens']} tokens; buckets "
           f"{r['prompt_bucket']}/{r['train_bucket']}; trained packed as {r['packed']}: {r['forward_backward_gflop']} "
           f"GFLOP, {r['unpacked_gflop']} row by row): estimate {r['estimate_s']['total']} s {r['estimate_s']}, "
           f"measured {r['measured_s']['total']} s {r['measured_s']}: {r['measured_over_estimate']}x the estimate "
-          f"(target <= 2); sampled {r['sampled_tokens_per_s']} tokens/s, bandwidth's limit for these rows "
-          f"{r['decode_tokens_per_s_at_bandwidth']} tokens/s")
+          f"(target <= 2: {met(r['target_met'])}); sampled {r['sampled_tokens_per_s']} tokens/s, bandwidth's limit "
+          f"for these rows {r['decode_tokens_per_s_at_bandwidth']} tokens/s")
     return 0
 
 
