@@ -37,8 +37,13 @@ def run_main(bench, monkeypatch, tmp_path, hand, flow):
     monkeypatch.setattr(sys, "argv", ["bench_flow.py", "--steps", "20", "--long-steps", "0", "--cache", "off",
                                       "--repeat", "1"])
     made = []
-    monkeypatch.setattr(bench.tempfile, "mkdtemp", lambda prefix: made.append(tmp_path / f"{prefix}work")
-                        or (made[-1].mkdir(), str(made[-1]))[1])
+
+    def mkdtemp(prefix):
+        made.append(tmp_path / f"{prefix}work")
+        made[-1].mkdir()
+        return str(made[-1])
+
+    monkeypatch.setattr(bench.tempfile, "mkdtemp", mkdtemp)
     try:
         return bench.main()
     finally:
