@@ -1,8 +1,9 @@
-"""The `bfloat16-products-on-cpu` change: on a CPU with AMX a bfloat16 model's projections and tied head multiply
-bfloat16 operands into float32 results, forward and backward; the layers' kernels go through the scan as their
-bits, so that no program holds a float32 copy of them; the figures stay those of the layers computed in float32
-(`scan-in-float32-on-cpu`) up to the rounding of each product's operands to bfloat16, as a bfloat16 model's are.
-Each test sets whether the CPU multiplies in bfloat16, so that they hold on any CPU."""
+"""The `bfloat16-products-on-cpu` change: on a CPU with bfloat16 dot instructions (AMX, AVX-512 BF16) a bfloat16
+model's projections and tied head multiply bfloat16 operands into float32 results, forward and backward; the layers'
+kernels go through the scan as their bits, so that no program holds a float32 copy of them; the figures stay those
+of the layers computed in float32 (`scan-in-float32-on-cpu`) up to the rounding of each product's operands to
+bfloat16, as a bfloat16 model's are. Each test sets whether the CPU multiplies in bfloat16, so that they hold on any
+CPU."""
 
 from __future__ import annotations
 
@@ -18,6 +19,14 @@ from tx.utils.generator import GeneratorMixin
 from tests.test_scanned_layers import ROWS, build, loss_program
 from txflow.config import TINY_MODEL
 from txflow.upstream.skyrl_tx import models
+
+
+def test_the_cpus_that_multiply_bfloat16_are_those_with_its_dot_instructions():
+    flags = "flags\t\t: fpu sse2 avx2 avx512f avx512bw {} xsave\n"
+    assert models.multiplies_bfloat16(flags.format("amx_bf16 amx_tile"))  # Intel since Sapphire Rapids
+    assert models.multiplies_bfloat16(flags.format("avx512_bf16"))  # AMD since Zen 4, Intel Cooper Lake
+    assert not models.multiplies_bfloat16(flags.format("avx512_vnni"))
+    assert not models.multiplies_bfloat16(flags.format("amx_tile avx512_fp16"))
 
 
 def rounded(x) -> np.ndarray:

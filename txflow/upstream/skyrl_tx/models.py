@@ -4,7 +4,8 @@ is given (`tied-head-from-arguments`), the decoder layers under one scan (`scann
 after a sampling batch's last token (`no-forward-after-the-last-token`), prompt logprobs a chunk at a time
 (`prompt-logprobs-in-chunks`), on a CPU, a bfloat16 model's layers computed in float32
 (`scan-in-float32-on-cpu`) and keeping only their projections' outputs for the backward
-(`widened-layers-keep-their-dots`), on a CPU with AMX its projections and tied head multiplied in bfloat16 into float32
+(`widened-layers-keep-their-dots`), on a CPU with bfloat16 dot instructions its projections and tied head multiplied
+in bfloat16 into float32
 (`bfloat16-products-on-cpu`), a bfloat16 embedding's rows taken as bits (`embedding-rows-as-bits`), base weights
 loaded, not drawn first (`base-weights-not-drawn`), and the engine's layers' frozen weights held stacked by layer
 (`base-layers-stacked`).
@@ -88,8 +89,9 @@ def scanned(upstream_call):
     0.10-0.13 s in upstream's loop), and the decode program is the smallest one to compile unrolled.
 
     On a CPU a bfloat16 model's layers run in float32 under the scan (`scan-in-float32-on-cpu`): their weights are
-    widened once per call, after the stack, and the layers compute in float32 (`widened`); on a CPU with AMX the
-    projections' kernels stay bfloat16, carried as their bits, and multiply bfloat16 operands into float32
+    widened once per call, after the stack, and the layers compute in float32 (`widened`); on a CPU with bfloat16 dot
+    instructions the projections' kernels stay bfloat16, carried as their bits, and multiply bfloat16 operands into
+    float32
     (`bfloat16-products-on-cpu`). Where the engine holds the frozen weights stacked so already
     (`base-layers-stacked`), only the LoRA weights are widened."""
 
@@ -277,21 +279,29 @@ def projection_kernels(layer) -> frozenset:
 
 @functools.cache
 def bfloat16_products_on_this_cpu() -> bool:
-    """Whether this process computes on a CPU with AMX's bfloat16 tiles (`bfloat16-products-on-cpu`): there XLA's
-    CPU runtime hands a dot of bfloat16 operands with a float32 result to its YNNPACK kernels, which multiply in
-    bfloat16 at several times the float32 rate (1.7 TFLOP/s against 0.33 for a 1024-cube on 2 cores). Measured on
-    AMX only; elsewhere the layers compute in float32 as before."""
-    import re
-
+    """Whether this process computes on a CPU with bfloat16 dot instructions (`bfloat16-products-on-cpu`): there
+    XLA's CPU runtime hands a dot of bfloat16 operands with a float32 result to its YNNPACK kernels, which multiply
+    in bfloat16 at several times the float32 rate (`multiplies_bfloat16`). Elsewhere the layers compute in float32
+    as before."""
     import jax
 
     if jax.default_backend() != "cpu":
         return False
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return re.search(r"\bamx_bf16\b", cpuinfo.read()) is not None
+            return multiplies_bfloat16(cpuinfo.read())
     except OSError:
         return False
+
+
+def multiplies_bfloat16(cpuinfo: str) -> bool:
+    """Whether a CPU whose /proc/cpuinfo reads `cpuinfo` has bfloat16 dot instructions that XLA's YNNPACK kernels
+    use: AMX's tiles (`amx_bf16`; 1.7 TFLOP/s against 0.33 in float32 for a 1024-cube on 2 cores) or AVX-512's
+    bfloat16 dot products (`avx512_bf16`, as on AMD's Zen 4: 389 against 188 GFLOP/s, and SmolLM2's SFT
+    forward_backward 1.11 s against 1.82 s; docs/performance.md). Not measured on CPUs with neither."""
+    import re
+
+    return re.search(r"\b(amx_bf16|avx512_bf16)\b", cpuinfo) is not None
 
 
 def bits_of(x):
@@ -412,8 +422,8 @@ def embedding_rows_taken_as_bits() -> None:
 
 
 def projections_multiply_in_bfloat16() -> None:
-    """On a CPU with AMX, a bfloat16 model's projections and tied head multiply bfloat16 into float32
-    (`bfloat16-products-on-cpu`), through XLA's YNNPACK kernels.
+    """On a CPU with bfloat16 dot instructions (AMX, AVX-512 BF16), a bfloat16 model's projections and tied head
+    multiply bfloat16 into float32 (`bfloat16-products-on-cpu`), through XLA's YNNPACK kernels.
 
     XLA's CPU runtime converts the operands of a bfloat16 dot with a bfloat16 result (upstream's) to float32 and
     multiplies in float32; only a dot of bfloat16 operands into a float32 result reaches the kernels that use
