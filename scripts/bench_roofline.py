@@ -271,12 +271,17 @@ def optimizer_step(impl) -> None:
     jax.block_until_ready(impl.lora_params)
 
 
-def optimizer_bytes(impl) -> int:
-    """What an Adam step reads and writes: every LoRA parameter the optimizer covers, its gradient and two
-    moments read, the parameter and moments written."""
+def optimizer_bytes(impl, model_id: str = "m") -> int:
+    """What the model's Adam step reads and writes: its own slot (`optimizer-own-slot`) of the LoRA weights and of
+    the gradient sums, each read and written (the sums reset), and its two moments read and written. Every other
+    slot is left where it is (`slots-written-in-place`)."""
     import jax
+    from flax import nnx
 
-    return 7 * sum(x.nbytes for x in jax.tree.leaves(impl.lora_params))
+    weights = jax.tree.leaves(impl.lora_params)
+    slot = sum(x.nbytes for x in weights) // weights[0].shape[0]  # the gradient sums: the same shapes and dtypes
+    moments = sum(x.nbytes for x in jax.tree.leaves(nnx.state(impl.optimizers[model_id])) if hasattr(x, "nbytes"))
+    return 2 * (2 * slot + moments)
 
 
 def met(held: bool) -> str:

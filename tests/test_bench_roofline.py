@@ -72,3 +72,23 @@ def test_a_packed_step_counts_its_layers_on_the_packed_rows_and_its_head_on_its_
     head = 4 * SHAPES.vocab * SHAPES.hidden * LENGTH  # per row: forward, and backward to the hidden states
     assert packed == pytest.approx(bench.train_flops(SHAPES, 1, LENGTH, 16) + head)
     assert packed < bench.train_flops(SHAPES, ROWS, LENGTH, 16)
+
+
+def test_the_optimizers_bytes_are_its_own_slots():
+    """An Adam step reads and writes one model's slot of the weights and gradient sums and its moments, not every
+    slot of the cluster (`optimizer-own-slot`)."""
+    import types
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    class Moments(nnx.Module):
+        def __init__(self):
+            self.mu = nnx.Variable(jnp.zeros((1, 10, 4), jnp.bfloat16))  # 80 bytes
+            self.nu = nnx.Variable(jnp.zeros((1, 10, 4), jnp.bfloat16))
+            self.count = nnx.Variable(jnp.zeros((), jnp.int32))  # 4 bytes
+
+    impl = types.SimpleNamespace(lora_params={"w": jnp.zeros((8, 10, 4), jnp.bfloat16)},  # 8 slots of 80 bytes
+                                 optimizers={"m": Moments()})
+    # weights and gradient sums: one slot each, read and written; the moments read and written
+    assert bench.optimizer_bytes(impl) == 2 * (2 * 80 + 164)
