@@ -6,7 +6,7 @@ Prints, for the demo's SFT step (4 rows, 64-token bucket) and the nightly RL ste
 prefix x 4 samples of 4 tokens, then one update on the 32 rollouts):
 - the peak: a jitted chain of the model's own matmuls (hidden x intermediate, each layer's), forward and
   forward + backward, in float32, bfloat16, and bfloat16 products summed in float32 (as the engine multiplies on a
-  CPU with AMX); the best of them is the roofline's FLOP rate;
+  CPU with bfloat16 dot instructions); the best of them is the roofline's FLOP rate;
 - the bandwidth: a jitted sum over 1 GiB;
 - the SFT step: its FLOPs, the roofline time (FLOPs / peak), the measured forward + backward and optimizer
   step, and the fraction of the roofline it reaches (target >= 0.5);
