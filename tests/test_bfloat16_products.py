@@ -23,10 +23,11 @@ from txflow.upstream.skyrl_tx import models
 
 def test_the_cpus_that_multiply_bfloat16_are_those_with_its_dot_instructions():
     flags = "flags\t\t: fpu sse2 avx2 avx512f avx512bw {} xsave\n"
-    assert models.multiplies_bfloat16(flags.format("amx_bf16 amx_tile"))  # Intel since Sapphire Rapids
-    assert models.multiplies_bfloat16(flags.format("avx512_bf16"))  # AMD since Zen 4, Intel Cooper Lake
-    assert not models.multiplies_bfloat16(flags.format("avx512_vnni"))
-    assert not models.multiplies_bfloat16(flags.format("amx_tile avx512_fp16"))
+    assert models.bfloat16_dot_instructions(flags.format("avx512_bf16 amx_bf16 amx_tile")) == "amx_bf16"  # Intel SPR
+    assert models.bfloat16_dot_instructions(flags.format("avx512_bf16")) == "avx512_bf16"  # AMD Zen 4, Cooper Lake
+    assert models.bfloat16_dot_instructions(flags.format("avx512_vnni")) is None
+    assert models.bfloat16_dot_instructions(flags.format("amx_tile avx512_fp16")) is None
+    assert "amx_bf16" in models.products_note("amx_bf16") and "float32" in models.products_note(None)
 
 
 def rounded(x) -> np.ndarray:

@@ -9,6 +9,7 @@ peaked at 12.6 GB and the SFT run's at 7-8 GB, too much at once beside the other
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -16,6 +17,7 @@ from deployments.defaults import NIGHTLY_RL, NIGHTLY_SFT
 from tests.helpers import run_txflow
 from txflow.cli import flag_of
 from txflow.config import SMOLLM2_MODEL, flat_names
+from txflow.upstream.skyrl_tx import models
 
 # Each run's limit, from measurements: alone on this machine (2 cores) the SFT run takes ~6 min and the RL run
 # ~10 min (compiles, training, restore check, export); beside the other worker's tests a run has taken up to 3x
@@ -42,6 +44,10 @@ def run_nightly_config(config: dict, name: str, tmp_path, txflow_env, reaper) ->
     # The engine compiles each program under a scan, its weights as arguments: no constant folding of them.
     rank_logs = [p.read_text(errors="replace") for p in (state / "logs").glob("rank*.log")]
     assert rank_logs and not any("Constant folding" in log for log in rank_logs)
+    # Each rank says how this CPU multiplies a bfloat16 model (`bfloat16-products-on-cpu`); the engine's console
+    # logger wraps long lines.
+    note = models.products_note(models.this_cpus_bfloat16_dot_instructions())
+    assert all(note in re.sub(r"\s+", " ", log) for log in rank_logs), [log[-3000:] for log in rank_logs]
     timings = report["timings_s"]  # each program's seconds, from rank 0's log
     assert "compile optimizer" in timings and any(name.startswith("compile train ") for name in timings)
     assert not report.get("export")

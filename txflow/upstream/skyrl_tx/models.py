@@ -277,31 +277,47 @@ def projection_kernels(layer) -> frozenset:
                      if isinstance(module, LoRALinear))
 
 
-@functools.cache
 def bfloat16_products_on_this_cpu() -> bool:
     """Whether this process computes on a CPU with bfloat16 dot instructions (`bfloat16-products-on-cpu`): there
     XLA's CPU runtime hands a dot of bfloat16 operands with a float32 result to its YNNPACK kernels, which multiply
-    in bfloat16 at several times the float32 rate (`multiplies_bfloat16`). Elsewhere the layers compute in float32
-    as before."""
+    in bfloat16 at several times the float32 rate (`bfloat16_dot_instructions`). Elsewhere the layers compute in
+    float32 as before."""
+    return this_cpus_bfloat16_dot_instructions() is not None
+
+
+@functools.cache
+def this_cpus_bfloat16_dot_instructions() -> str | None:
+    """`bfloat16_dot_instructions` of the CPU this process computes on; None off a CPU backend."""
     import jax
 
     if jax.default_backend() != "cpu":
-        return False
+        return None
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return multiplies_bfloat16(cpuinfo.read())
+            return bfloat16_dot_instructions(cpuinfo.read())
     except OSError:
-        return False
+        return None
 
 
-def multiplies_bfloat16(cpuinfo: str) -> bool:
-    """Whether a CPU whose /proc/cpuinfo reads `cpuinfo` has bfloat16 dot instructions that XLA's YNNPACK kernels
-    use: AMX's tiles (`amx_bf16`; 1.7 TFLOP/s against 0.33 in float32 for a 1024-cube on 2 cores) or AVX-512's
-    bfloat16 dot products (`avx512_bf16`, as on AMD's Zen 4: 389 against 188 GFLOP/s, and SmolLM2's SFT
-    forward_backward 1.11 s against 1.82 s; docs/performance.md). Not measured on CPUs with neither."""
+def bfloat16_dot_instructions(cpuinfo: str) -> str | None:
+    """The bfloat16 dot instructions that XLA's YNNPACK kernels use on a CPU whose /proc/cpuinfo reads `cpuinfo`,
+    by their flag, else None: AMX's tiles (`amx_bf16`; 1.7 TFLOP/s against 0.33 in float32 for a 1024-cube on 2
+    cores) or AVX-512's bfloat16 dot products (`avx512_bf16`, as on AMD's Zen 4: 389 against 188 GFLOP/s, and
+    SmolLM2's SFT forward_backward 1.11 s against 1.82 s; docs/performance.md). Not measured on CPUs with neither."""
     import re
 
-    return re.search(r"\b(amx_bf16|avx512_bf16)\b", cpuinfo) is not None
+    flags = set(re.findall(r"\b(amx_bf16|avx512_bf16)\b", cpuinfo))
+    return next((flag for flag in ("amx_bf16", "avx512_bf16") if flag in flags), None)
+
+
+def products_note(instructions: str | None) -> str:
+    """What a rank logs once about how a bfloat16 model's layers multiply on its CPU, whose bfloat16 dot
+    `instructions` are given (`bfloat16_dot_instructions`): a step takes about twice as long without them."""
+    if instructions:
+        return (f"this CPU multiplies bfloat16 ({instructions}): a bfloat16 model's projections and tied head "
+                "multiply bfloat16 into float32 (bfloat16-products-on-cpu)")
+    return ("this CPU has no bfloat16 dot instructions (amx_bf16, avx512_bf16): a bfloat16 model's layers compute in "
+            "float32 (scan-in-float32-on-cpu), about half as fast as on a CPU that has them")
 
 
 def bits_of(x):

@@ -421,7 +421,8 @@ PATCHES: tuple[Patch, ...] = (
              "result, forward and backward (`models.bfloat16_product`); under the scan the layers' kernels are "
              "carried as their bits (uint16) and the rest of the layer computes in float32 as before "
              "(`scan-in-float32-on-cpu`). A product's result is rounded to the layer's dtype where upstream's is. "
-             "Float32 models, and CPUs without either, compute what they did (tests/test_bfloat16_products.py).",
+             "Float32 models, and CPUs without either, compute what they did (tests/test_bfloat16_products.py). "
+             "Each rank logs which way its CPU multiplies, once, after the base weights' load.",
         why="XLA's CPU runtime multiplies bfloat16 on the CPU's bfloat16 units only for a dot of bfloat16 operands "
             "into a float32 result; upstream's bfloat16 dots (bfloat16 results) are converted to float32 first, "
             "and a bfloat16 array a loop slices is widened to float32 before the loop. On SmolLM2 (2 cores, AMX) "

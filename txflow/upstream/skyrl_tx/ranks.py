@@ -763,8 +763,12 @@ def base_layers_stacked() -> None:
 
     @functools.wraps(upstream)
     def load_safetensors(checkpoint_path, config, model, *args, **kwargs):
+        import jax
+
         loaded = upstream(checkpoint_path, config, model, *args, **kwargs)
         models.stack_base_layers(model)
+        if jax.default_backend() == "cpu":  # why a step takes what it takes here (about twice as long without)
+            backend.logger.info(models.products_note(models.this_cpus_bfloat16_dot_instructions()))
         return loaded
 
     load_safetensors.upstream = upstream
