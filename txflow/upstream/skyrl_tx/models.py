@@ -5,10 +5,9 @@ after a sampling batch's last token (`no-forward-after-the-last-token`), prompt 
 (`prompt-logprobs-in-chunks`), on a CPU, a bfloat16 model's layers computed in float32
 (`scan-in-float32-on-cpu`) and keeping only their projections' outputs for the backward
 (`widened-layers-keep-their-dots`), on a CPU with bfloat16 dot instructions its projections and tied head multiplied
-in bfloat16 into float32
-(`bfloat16-products-on-cpu`), a bfloat16 embedding's rows taken as bits (`embedding-rows-as-bits`), base weights
-loaded, not drawn first (`base-weights-not-drawn`), and the engine's layers' frozen weights held stacked by layer
-(`base-layers-stacked`).
+in bfloat16 into float32 (`bfloat16-products-on-cpu`), a bfloat16 embedding's rows taken as bits
+(`embedding-rows-as-bits`), base weights loaded, not drawn first (`base-weights-not-drawn`), and the engine's layers'
+frozen weights held stacked by layer (`base-layers-stacked`).
 `tied-head-from-arguments`, `scanned-layers`, `prefill-once-per-prompt` and `prompt-logprobs-in-chunks` leave every
 number the model computes as it was, up to float32 rounding (tests/test_scanned_layers.py, tests/test_prefill_once.py,
 tests/test_prompt_logprobs_in_chunks.py); they change what XLA is asked to compile. `scan-in-float32-on-cpu` rounds
@@ -91,8 +90,7 @@ def scanned(upstream_call):
     On a CPU a bfloat16 model's layers run in float32 under the scan (`scan-in-float32-on-cpu`): their weights are
     widened once per call, after the stack, and the layers compute in float32 (`widened`); on a CPU with bfloat16 dot
     instructions the projections' kernels stay bfloat16, carried as their bits, and multiply bfloat16 operands into
-    float32
-    (`bfloat16-products-on-cpu`). Where the engine holds the frozen weights stacked so already
+    float32 (`bfloat16-products-on-cpu`). Where the engine holds the frozen weights stacked so already
     (`base-layers-stacked`), only the LoRA weights are widened."""
 
     def __call__(self, input_ids, *, attention_mask, positions, output_hidden_states=None, adapter_indices=None,
@@ -312,12 +310,12 @@ def bfloat16_dot_instructions(cpuinfo: str) -> str | None:
 
 def products_note(instructions: str | None) -> str:
     """What a rank logs once about how a bfloat16 model's layers multiply on its CPU, whose bfloat16 dot
-    `instructions` are given (`bfloat16_dot_instructions`): a step takes about twice as long without them."""
+    `instructions` are given (`bfloat16_dot_instructions`): a step takes 1.3-1.7x as long without them."""
     if instructions:
         return (f"this CPU multiplies bfloat16 ({instructions}): a bfloat16 model's projections and tied head "
                 "multiply bfloat16 into float32 (bfloat16-products-on-cpu)")
     return ("this CPU has no bfloat16 dot instructions (amx_bf16, avx512_bf16): a bfloat16 model's layers compute in "
-            "float32 (scan-in-float32-on-cpu), about half as fast as on a CPU that has them")
+            "float32 (scan-in-float32-on-cpu), 1.3-1.7x slower a step than on a CPU that has them")
 
 
 def bits_of(x):

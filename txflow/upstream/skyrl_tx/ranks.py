@@ -767,7 +767,7 @@ def base_layers_stacked() -> None:
 
         loaded = upstream(checkpoint_path, config, model, *args, **kwargs)
         models.stack_base_layers(model)
-        if jax.default_backend() == "cpu":  # why a step takes what it takes here (about twice as long without)
+        if jax.default_backend() == "cpu":  # why a step takes what it takes here (1.3-1.7x as long without)
             backend.logger.info(models.products_note(models.this_cpus_bfloat16_dot_instructions()))
         return loaded
 
