@@ -1,9 +1,9 @@
 """One warm cluster, many runs, on one real toy cluster that every test here shares:
 `txflow cluster up/status/down`, runs that attach (`--cluster`) and leave it up, two runs' keys kept
-apart on the real API, a neighbour's bad request, its failed client, its cancellation and its SIGKILL, sweeps
-(a refused grid, two members side by side ranked and the best promoted, the base model evaluated once for an
-SFT and an RL sweep's members, a sweep interrupted), and, last, the
-cluster killed under two attached runs: one resumes on a cluster of its own, the other on the restarted one."""
+apart on the real API, a neighbour's bad request, its failed client, the gradient it left without a step, its
+cancellation and its SIGKILL, sweeps (a refused grid, two members side by side ranked and the best promoted, the
+base model evaluated once for an SFT and an RL sweep's members, a sweep interrupted), and, last, the cluster killed
+under two attached runs: one resumes on a cluster of its own, the other on the restarted one."""
 
 from __future__ import annotations
 
@@ -211,6 +211,46 @@ def test_a_neighbours_weight_decay_leaves_my_adapter_as_it_was(shared):
     finally:
         named.release(a)
         named.release(b)
+    wait_for(lambda: status(shared)["free_slots"] == ADAPTERS - 1, 60, "every slot free again")
+
+
+def test_a_gradient_left_without_its_step_never_reaches_the_next_model_in_its_slot(shared):
+    """X's model is unloaded between its forward_backward and its optimizer step (as a run killed mid-step is):
+    Y's model, created next in X's slot, trains to the same logprobs as Z's, of the same seed and data in a slot X
+    never had (`fresh-slot-gradient`; upstream took X's gradient into Y's first step, so a run's figures depended
+    on the slot it got)."""
+    import tinker
+
+    from txflow.cluster import named
+    from txflow.training.clients import lora_client
+
+    def datum(tokens: list[int]):
+        return tinker.types.Datum(model_input=tinker.types.ModelInput.from_ints(tokens[:-1]),
+                                  loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)})
+
+    _, x = attached("left-x")
+    try:
+        client_x = lora_client(x, x.service_client(), 8, 60, seed=0)
+        x.wait(client_x.forward_backward([datum([9, 40, 7, 81, 3, 66, 12])], "cross_entropy"), "forward_backward",
+               120)
+    finally:
+        named.release(x)
+    wait_for(lambda: status(shared)["free_slots"] == ADAPTERS - 1, 60, "X's slot free again")
+    mine = datum([1, 2, 3, 4, 5, 6, 7])
+    _, y = attached("left-y")
+    _, z = attached("left-z")
+    try:
+        learned = []
+        for handle in (y, z):  # Y first: the lowest free slot, X's
+            client = lora_client(handle, handle.service_client(), 8, 60, seed=0)
+            handle.wait(client.forward_backward([mine], "cross_entropy"), "forward_backward", 120)
+            handle.wait(client.optim_step(tinker.types.AdamParams(learning_rate=0.1)), "optim_step", 120)
+            out = handle.wait(client.forward([mine], "cross_entropy"), "forward", 120)
+            learned.append(out.loss_fn_outputs[0]["logprobs"].tolist())
+    finally:
+        named.release(y)
+        named.release(z)
+    assert learned[0] == learned[1]
     wait_for(lambda: status(shared)["free_slots"] == ADAPTERS - 1, 60, "every slot free again")
 
 

@@ -502,6 +502,19 @@ PATCHES: tuple[Patch, ...] = (
         until="upstream's optimizer covers the model's own slot only.",
     ),
     Patch(
+        slug="fresh-slot-gradient",
+        module="ranks",
+        what="A new model's slot starts with no gradient: `create_model` zeroes the slot's gradient sum and count "
+             "when its last model left some (tests/test_fresh_slot_gradient.py, and on the shared cluster "
+             "tests/test_shared_cluster_e2e.py).",
+        why="Upstream's `delete_model` clears the slot's LoRA weights but not its accumulated gradient. A model "
+            "unloaded between its forward_backward and its optimizer step (a run killed or cancelled mid-step, a "
+            "client that stops) left its gradient there, and the slot's next model, another run's, took it into "
+            "its first optimizer step: that run trained on its neighbour's data, and its figures depended on "
+            "which slot it got.",
+        until="upstream resets a slot's accumulated gradient when it creates or deletes a model.",
+    ),
+    Patch(
         slug="optimizer-flat-call",
         module="ranks",
         what="A model's optimizer step (`optimizer-own-slot`) is one `jax.jit` program over lists of arrays "

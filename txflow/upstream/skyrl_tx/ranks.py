@@ -421,7 +421,13 @@ def optimizer_covers_its_own_slot() -> None:
     each of this model's steps. Here a model's optimizer holds its own slot only (`slot_optimizer`), and its step
     reads that slot's mean gradient and weights, updates them as upstream's step does, and writes that slot back
     (`optimizer-own-slot`); every other slot keeps its weights bit for bit. The checkpoint's optimizer state is the
-    same slice as upstream's (slot index 0 of the one-slot view), so checkpoints load either way."""
+    same slice as upstream's (slot index 0 of the one-slot view), so checkpoints load either way.
+
+    A new model starts from no gradient (`fresh-slot-gradient`): upstream's `delete_model` leaves the slot's
+    gradient sum and count as they were, so a model unloaded between its forward_backward and its optimizer step
+    (a run killed or cancelled mid-step, a client that stops) put its gradient into the first step of the slot's
+    next model, another run's."""
+    import jax
     from flax import nnx
     from tx.tinker.backends import jax as backend
     from tx.tinker.backends.jax import JaxBackendImpl
@@ -446,6 +452,9 @@ def optimizer_covers_its_own_slot() -> None:
         if not (0 < lora_config.rank <= self.config.max_lora_rank):
             raise ValueError(f"LoRA rank {lora_config.rank} must be between 1 and {self.config.max_lora_rank}")
         self.models[model_id] = backend.types.ModelMetadata(adapter_index=adapter_index, lora_config=lora_config)
+        if int(self.accumulated_grads.counts[adapter_index]):  # the slot's last model left a gradient unstepped
+            with jax.set_mesh(self.mesh):  # (`fresh-slot-gradient`)
+                self.accumulated_grads = self.accumulated_grads.reset_adapter(adapter_index)
         self.optimizers[model_id] = slot_optimizer(self, adapter_index)
         backend.init_lora_adapter(self.model, adapter_index, lora_config)
         backend.logger.info(f"Created model {model_id} with adapter_index={adapter_index}, config={lora_config}")
