@@ -405,6 +405,55 @@ def test_serving_notes_say_what_servers_would_refuse():
     assert conversion.serving_notes({"target_modules": ["q_proj"], "r": 32}, "Qwen/Qwen3-8B", "/cache/x") == []
 
 
+# --- the reference's adapter slot -----------------------------------------------------------------------
+
+
+def _upstream_inits(model, adapter_index, lora):
+    """What the reference did before `slot_ranks_and_scales`: upstream's `init_lora_adapter` on slots 0 and 1."""
+    from tx.layers.lora import init_lora_adapter
+    from tx.tinker.types import LoraConfig
+
+    init_lora_adapter(model, adapter_index=0, lora_config=LoraConfig(rank=1, alpha=1.0, seed=0))
+    init_lora_adapter(model, adapter_index=adapter_index, lora_config=lora)
+
+
+@pytest.mark.parametrize("trains", [{}, {"train_mlp": False, "train_unembed": False}])
+def test_the_references_slot_gets_the_ranks_and_scales_upstreams_init_gives(trains):
+    import jax
+    from flax import nnx
+    from tx.tinker.types import LoraConfig
+
+    from txflow.upstream.skyrl_tx.reference import slot_ranks_and_scales
+
+    lora = LoraConfig(rank=RANK, alpha=ALPHA, seed=7, **({"train_unembed": True} | trains))
+    found = []
+    for init in (slot_ranks_and_scales, _upstream_inits):
+        model, mesh, _ = _skyrl_model(resolve_base_model("tiny"))
+        with jax.set_mesh(mesh), nnx.use_eager_sharding(True):
+            init(model, 1, lora)
+        found.append({jax.tree_util.keystr(path): np.asarray(value)[1] for path, value in
+                      jax.tree_util.tree_leaves_with_path(nnx.state(model))
+                      if path[-2].key in ("lora_ranks", "lora_scaling")})
+    assert found[0].keys() == found[1].keys() and len(found[0]) > 10
+    assert {k: v.tolist() for k, v in found[0].items()} == {k: v.tolist() for k, v in found[1].items()}
+    assert {v.tolist() for k, v in found[0].items() if "lora_ranks" in k} == ({0, RANK} if trains else {RANK})
+
+
+def test_the_reference_computes_what_it_did_with_upstreams_init(skyrl_sampler, bf16_sampler, monkeypatch):
+    """Upstream's init draws every factor that the checkpoint's load then overwrites: without it (1.5 s a slot on
+    SmolLM2) the reference's figures are the same to the bit, on a float32 and a bfloat16 model."""
+    from txflow.upstream.skyrl_tx import reference
+
+    for sampler in (skyrl_sampler, bf16_sampler):
+        ref = sampler["reference"]
+        args = (sampler["base"], sampler["tarball"], ref.sequences, ref.prompts, [len(g) for g in ref.greedy_tokens])
+        ours = reference.skyrl_figures(*args)
+        with monkeypatch.context() as patch:
+            patch.setattr(reference, "slot_ranks_and_scales", _upstream_inits)
+            theirs = reference.skyrl_figures(*args)
+        assert ours == theirs and ours[0] and ours[1]
+
+
 # --- `txflow export` -------------------------------------------------------------------------------------
 
 

@@ -35,6 +35,33 @@ def lora_config_of(tarball: Path):
                       train_unembed=any("embed_tokens" in k or "lm_head" in k for k in keys))
 
 
+def slot_ranks_and_scales(model, adapter_index: int, lora) -> None:
+    """Each LoRA module's rank and scale in slot `adapter_index`, as upstream's `init_lora_adapter` sets them for
+    `lora`, without the rest of what it does: it draws every module's A factor and zeroes its B, which
+    `load_lora_checkpoint` then overwrites (or leaves zero, for the modules `lora` does not train). On SmolLM2 that
+    was ~1,100 eager updates a slot, 1.5 s; the forward reads slot `adapter_index` alone, so no other slot is set."""
+    import jax
+    import numpy as np
+    from flax import nnx
+    from tx.layers.lora import filter_lora
+
+    def set_slot(path, value):
+        kind = path[-2].key
+        if kind not in ("lora_ranks", "lora_scaling"):
+            return value
+        module = tuple(p.key if hasattr(p, "key") else p.name for p in path)
+        rank = lora.rank
+        if "experts" in module:  # upstream's rank for an MoE expert layer
+            rank = max(1, lora.rank // model.config.get_num_experts())
+        if not filter_lora(lora, module):
+            rank = 0
+        array = np.array(value)
+        array[adapter_index] = rank if kind == "lora_ranks" else (lora.alpha / rank if rank > 0 else 0.0)
+        return jax.device_put(array.astype(value.dtype), value.sharding)
+
+    nnx.update(model, jax.tree.map_with_path(set_slot, nnx.state(model)))
+
+
 def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]], prompts: list[list[int]],
                   greedy_lengths: list[int], dtype: str = "float32",
                   along_sequences: bool = False) -> tuple[list[list[float]], list[list[int]]]:
@@ -48,9 +75,8 @@ def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]
     import numpy as np
     from flax import nnx
     from transformers import AutoConfig
-    from tx.layers.lora import init_lora_adapter
     from tx.models.configs import ModelConfig
-    from tx.tinker.types import LoraConfig, SamplingParams
+    from tx.tinker.types import SamplingParams
     from tx.utils.models import get_dtype, get_model_class, load_lora_checkpoint, load_safetensors
 
     from txflow.upstream.skyrl_tx import models
@@ -78,8 +104,7 @@ def skyrl_figures(base_model_path: str, tarball: Path, sequences: list[list[int]
         with models.base_weights_not_drawn():
             model = get_model_class(config)(config, dtype=get_dtype(dtype), rngs=nnx.Rngs(0))
         load_safetensors(base_model_path, config, model)
-        init_lora_adapter(model, adapter_index=0, lora_config=LoraConfig(rank=1, alpha=1.0, seed=0))
-        init_lora_adapter(model, adapter_index=1, lora_config=lora)
+        slot_ranks_and_scales(model, 1, lora)
         load_lora_checkpoint(model, lora, 1, tarball)
         graphdef, weights = nnx.split(model)
 
