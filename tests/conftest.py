@@ -20,6 +20,27 @@ from txflow.cluster.launchers import stop_cluster
 
 REPO = Path(__file__).resolve().parents[1]
 
+
+
+def _programs_kept_in_the_machines_cache() -> None:
+    """This process's own JAX programs (the engine's changes tested in process, on the tiny model and on SmolLM2) go
+    to the machine's compilation cache, as a cluster's ranks' do (`txflow.cluster.startup.child_env`): a later
+    suite on the machine loads them instead of compiling them again (three such modules: 171 -> 85 s). Every
+    program, however quick to compile: most of the tests' are small, and JAX keeps only those of 1 s and more by
+    default. An explicit JAX_COMPILATION_CACHE_DIR (or "" to switch it off) wins, as for a cluster; a test that needs
+    a cache of its own sets one (tests/test_compile_log.py)."""
+    import jax
+
+    from txflow.upstream.tiny_model import cache_dir
+
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        jax.config.update("jax_compilation_cache_dir", str(cache_dir() / "jax-compilation"))
+    if "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS" not in os.environ:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+_programs_kept_in_the_machines_cache()
+
 # Runs track nothing in MLflow unless a test asks (tests/test_tracking_e2e.py): a store is a record of the user's
 # runs, and a new one costs ~6 s of migrations in every working directory a test runs in.
 os.environ.setdefault("TXFLOW_TRACKING_URI", "off")
