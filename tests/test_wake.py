@@ -273,6 +273,26 @@ def test_a_waiting_result_is_returned_at_the_engines_wake_not_at_the_next_look(t
     assert "the engine's wakes reach the API" in capfd.readouterr().err
 
 
+def test_the_api_says_the_engines_wakes_reach_it_when_one_comes_though_no_wait_ends(capfd):
+    """The proof that the channel works is said when the first wake arrives, not when it ends a wait: a result the
+    API's look finds completed ends no wait, and a cluster whose readiness result came so said nothing (once, in a
+    loaded suite)."""
+
+    async def scenario():
+        api_end, engine_end = pair()
+        wakes = wake.AsyncWakes(api_end, asyncio.get_running_loop())
+        try:
+            arrived = wakes.event()
+            engine_end.send()  # no result's wait is there to end
+            await asyncio.wait_for(arrived.wait(), 5)
+        finally:
+            wakes.close()
+            engine_end.close()
+
+    asyncio.run(scenario())
+    assert capfd.readouterr().err.count("the engine's wakes reach the API") == 1
+
+
 def test_a_wake_that_comes_while_the_api_looks_is_not_missed(tmp_path, monkeypatch):
     """The engine completes the result just after the API's look read it as pending, and wakes the
     API before the API starts waiting: the wait must end at once, not at the next look."""

@@ -6,8 +6,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from txflow.upstream.wake import say_once
-
 RESULT_TIMEOUT_S = 300.0  # upstream's
 RESULT_POLL_MIN_S, RESULT_POLL_MAX_S, RESULT_POLL_FRACTION = 0.01, 0.25, 0.1
 
@@ -60,7 +58,6 @@ async def wait_for_future(request_id: str, req) -> Any:
         else:
             try:
                 await asyncio.wait_for(woken.wait(), RESULT_POLL_MAX_S)
-                say_once(wakes, "the engine's wakes reach the API")
             except TimeoutError:
                 pass
     raise HTTPException(status_code=408, detail="Timeout waiting for result")
