@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[1]
 def _programs_kept_in_the_machines_cache() -> None:
     """This process's own JAX programs (the engine's changes tested in process, on the tiny model and on SmolLM2) go
     to the machine's compilation cache, as a cluster's ranks' do (`txflow.cluster.startup.child_env`): a later
-    suite on the machine loads them instead of compiling them again (six such modules: 171 -> 85 s). Every
+    suite on the machine loads them instead of compiling them again (docs/development.md). Every
     program, however quick to compile: most of the tests' are small, and JAX keeps only those of 1 s and more by
     default. An explicit JAX_COMPILATION_CACHE_DIR (or "" to switch it off) wins, as for a cluster; a test that needs
     a cache of its own sets one (tests/test_compile_log.py)."""

@@ -409,7 +409,7 @@ def test_serving_notes_say_what_servers_would_refuse():
 
 
 def _upstream_inits(model, adapter_index, lora):
-    """What the reference did before `slot_ranks_and_scales`: upstream's `init_lora_adapter` on slots 0 and 1."""
+    """Upstream's `init_lora_adapter` on slots 0 and 1, in place of `slot_ranks_and_scales`."""
     from tx.layers.lora import init_lora_adapter
     from tx.tinker.types import LoraConfig
 
@@ -440,8 +440,8 @@ def test_the_references_slot_gets_the_ranks_and_scales_upstreams_init_gives(trai
 
 
 def test_the_reference_computes_what_it_did_with_upstreams_init(skyrl_sampler, bf16_sampler, monkeypatch):
-    """Upstream's init draws every factor that the checkpoint's load then overwrites: without it (1.5 s a slot on
-    SmolLM2) the reference's figures are the same to the bit, on a float32 and a bfloat16 model."""
+    """Upstream's init draws every factor that the checkpoint's load then overwrites: without it the reference's
+    figures are the same to the bit, on a float32 and a bfloat16 model."""
     from txflow.upstream.skyrl_tx import reference
 
     for sampler in (skyrl_sampler, bf16_sampler):

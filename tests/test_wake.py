@@ -275,8 +275,7 @@ def test_a_waiting_result_is_returned_at_the_engines_wake_not_at_the_next_look(t
 
 def test_the_api_says_the_engines_wakes_reach_it_when_one_comes_though_no_wait_ends(capfd):
     """The proof that the channel works is said when the first wake arrives, not when it ends a wait: a result the
-    API's look finds completed ends no wait, and a cluster whose readiness result came so said nothing (once, in a
-    loaded suite)."""
+    API's look finds completed ends no wait, though its wake came."""
 
     async def scenario():
         api_end, engine_end = pair()

@@ -105,8 +105,8 @@ class AsyncWakes:
 
     def _on_wake(self) -> None:
         self.channel.drain()
-        # Here, not where a wait ends: a wake that comes while a look finds the result ends no wait, and the proof
-        # that the channel works then depended on timing (a cluster's readiness result, once in a loaded suite).
+        # Said on arrival, not where a wait ends: a result that a look finds completed ends no wait, though its wake
+        # came, so the line would depend on timing.
         say_once(self, "the engine's wakes reach the API")
         woken, self._event = self._event, asyncio.Event()
         woken.set()
