@@ -309,3 +309,31 @@ def test_the_optimizer_step_in_one_flat_call_is_the_slot_step_bit_for_bit(backen
         assert_same_state(everything(), expected)
         now = jax.tree_util.tree_leaves(backend.lora_params, is_leaf=ranks.is_variable)
         assert len(now) == len(weight_variables) and all(a is b for a, b in zip(now, weight_variables))
+
+
+def test_the_optimizer_steps_layer_by_layer_with_one_program_for_each_group_of_layers(backend, monkeypatch):
+    """`optimizer-layer-by-layer`: the step runs one program per group of `LAYERS_A_PROGRAM` decoder layers, the same
+    program for every group, and one for the weights outside the layers; each weight and each of its moments in
+    exactly one group. One layer a group here (the tiny model has two). That the step's figures are those of one
+    program over every weight, bit for bit, the test above holds."""
+    monkeypatch.setattr(ranks, "LAYERS_A_PROGRAM", 1)
+    ranks.layer_groups.cache_clear()
+    new_model(backend, "layered", rank=8, seed=19)
+    optimizer = backend.optimizers["layered"]
+    program = ranks.layer_step_program(optimizer.tx)
+    program.clear_cache()
+    try:
+        optimizer_step_of(backend, "layered", weight_decay=0.0)
+        groups, nodes, _ = ranks.layer_groups(jax.tree_util.tree_structure(backend.lora_params),
+                                              jax.tree_util.tree_structure(backend.accumulated_grads.grad_sum),
+                                              jax.tree_util.tree_structure(optimizer.opt_state))
+    finally:
+        ranks.layer_groups.cache_clear()
+    layers = backend.model.config.num_hidden_layers
+    assert layers == 2 and len(groups) == layers + 1
+    assert sorted(i for group in groups for i in group) == list(range(len(jax.tree.leaves(backend.lora_params))))
+    moments = [node for node in nodes if isinstance(node, list)]
+    assert len(moments) == 2  # Adam's mu and nu
+    others = [node for node in nodes if not isinstance(node, list)]
+    assert sorted([i for m in moments for i in m] + others) == list(range(len(jax.tree.leaves(optimizer.opt_state))))
+    assert program._cache_size() == 2  # a layer's program, the same for both layers, and the rest's

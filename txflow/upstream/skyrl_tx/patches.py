@@ -528,6 +528,20 @@ PATCHES: tuple[Patch, ...] = (
         until="upstream's step is a plain jitted function of arrays.",
     ),
     Patch(
+        slug="optimizer-layer-by-layer",
+        module="ranks",
+        what="A model's jitted optimizer step (`optimizer-flat-call`) runs as one program per five decoder "
+             "layers, the same program for every such group, and one for the weights outside the layers "
+             "(`ranks.layer_by_layer_step`): each takes its layers' LoRA weights and gradient sums and the "
+             "optimizer's state cut to them (Adam's moments of those weights, the shared step count and "
+             "hyperparameters). The same bits as the step in one program (tests/test_checkpoint_io.py).",
+        why="Adam's arithmetic comes to dozens of XLA instructions a weight, and XLA's CPU runtime holds KBs of "
+            "code for each: one program over SmolLM2's 422 weights and 844 moments held ~250 MB in every rank, "
+            "and took 3-4 s to load from the persistent cache at a rank's first step. Five layers' program holds "
+            "a sixth of it, loaded once and called six times a step.",
+        until="upstream's optimizer steps stacked layers, or XLA's CPU runtime holds much less code a program.",
+    ),
+    Patch(
         slug="one-slot-gradient",
         module="ranks",
         what="A forward_backward whose rows all train one model runs on that model's slot alone: its LoRA "

@@ -307,12 +307,11 @@ def is_variable(x) -> bool:
 
 
 @functools.lru_cache(maxsize=16)  # (each model's optimizer has a transform of its own)
-def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree, jitted: bool = True):
-    """The optimizer step of `flat_optimizer_step` for one structure of weights, gradients and optimizer state,
-    jitted unless the engine runs eagerly (`enforce_eager`): upstream's step on one slot (`optimizer-own-slot`), the
-    slot's mean gradient through the optimizer's transform, taking and returning lists of arrays. Jitted, it returns
-    the slot's new weights, which `slot_write_program` writes in place (`slots-written-in-place`); eager, it writes
-    them back and resets the slot's gradient sum itself."""
+def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree):
+    """The optimizer step of `flat_optimizer_step` for one structure of weights, gradients and optimizer state when
+    the engine runs eagerly (`enforce_eager`): upstream's step on one slot (`optimizer-own-slot`), the slot's mean
+    gradient through the optimizer's transform, taking and returning lists of arrays; it writes the slot's new
+    weights back and resets its gradient sum itself. (Jitted, the step runs `layer_by_layer_step`.)"""
     import jax
     import optax
     from flax import nnx
@@ -335,13 +334,97 @@ def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree, jitted: bool = Tr
         new_opt = jax.tree.leaves(new_state)
         if len(mine) != len(whole) or len(new_opt) != len(opt_leaves):  # (at trace time)
             raise ValueError("the optimizer's state does not match the LoRA weights it steps")
-        if not jitted:
-            return ([g.at[adapter_index].set(0) for g in grad_leaves], counts.at[adapter_index].set(0),
-                    [jax.lax.dynamic_update_slice_in_dim(w, m, adapter_index, axis=0) for w, m in zip(whole, mine)],
-                    new_opt, count + 1)
-        return mine, new_opt, count + 1
+        return ([g.at[adapter_index].set(0) for g in grad_leaves], counts.at[adapter_index].set(0),
+                [jax.lax.dynamic_update_slice_in_dim(w, m, adapter_index, axis=0) for w, m in zip(whole, mine)],
+                new_opt, count + 1)
 
-    return jax.jit(step) if jitted else step
+    return step
+
+
+@functools.lru_cache(maxsize=16)  # (each model's optimizer has a transform of its own)
+def layer_step_program(tx):
+    """A group of a model's LoRA weights stepped (`optimizer-layer-by-layer`): upstream's step on the slot
+    (`optimizer-own-slot`), the slot's mean gradient through the optimizer's transform, over lists of arrays: the
+    weights and gradient sums (stacked by slot) of the group, and the optimizer's state with each of its subtrees
+    shaped as the weights (Adam's two moments) cut to the group. Returns the slot's new weights and that state."""
+    import jax
+    import optax
+
+    def step(grad_leaves, counts, lora_leaves, state, adapter_index):
+        def slot(w):  # the slot axis comes first in every LoRA weight; `adapter_index` is traced
+            return jax.lax.dynamic_slice_in_dim(w, adapter_index, 1, axis=0)
+
+        n = counts[adapter_index]
+        params = [slot(w) for w in lora_leaves]
+        updates, new_state = tx.update([slot(g) / n.astype(g.dtype) for g in grad_leaves], state, params)
+        return optax.apply_updates(params, updates), new_state
+
+    return jax.jit(step)
+
+
+# Decoder layers a program of `layer_by_layer_step` steps. One layer a program held the least code (~35 MB in all
+# on SmolLM2, against ~250 MB in one program) but made 31 calls a step, 10-15 ms more than one program; five (7
+# calls) hold ~60 MB and step as fast as one program (docs/performance.md).
+LAYERS_A_PROGRAM = 5
+
+
+@functools.lru_cache(maxsize=16)
+def layer_groups(lora_tree, grad_tree, opt_tree):
+    """How `layer_by_layer_step` cuts a model's step, for the trees' structures (the variables as nodes): the LoRA
+    weights' positions by `LAYERS_A_PROGRAM` decoder layers (the weights outside the layers a group of their own),
+    and the optimizer state's nodes, each either its leaves' positions in the weights' order (a subtree shaped as
+    the weights: Adam's moments) or a leaf's position (a step count, a hyperparameter)."""
+    import jax
+    from flax import nnx
+
+    def pure(tree):
+        return nnx.as_pure(jax.tree_util.tree_unflatten(tree, range(tree.num_leaves)))
+
+    weights = jax.tree.structure(pure(lora_tree))
+    if jax.tree.structure(pure(grad_tree)) != weights:
+        raise ValueError("the gradient sums are not shaped as the LoRA weights they step")
+    groups: dict[int, list[int]] = {}
+    for i, (path, _) in enumerate(jax.tree_util.tree_flatten_with_path(pure(lora_tree))[0]):
+        keys = [str(getattr(k, "key", getattr(k, "idx", k))) for k in path]
+        layer = int(keys[keys.index("layers") + 1]) // LAYERS_A_PROGRAM if "layers" in keys[:-1] else -1
+        groups.setdefault(layer, []).append(i)
+
+    def like_weights(node) -> bool:
+        return jax.tree.structure(node) == weights
+
+    nodes, node_tree = jax.tree.flatten(pure(opt_tree), is_leaf=like_weights)
+    if not any(like_weights(node) for node in nodes):
+        raise ValueError("the optimizer's state holds nothing shaped as the LoRA weights it steps")
+    return list(groups.values()), [jax.tree.leaves(n) if like_weights(n) else n for n in nodes], node_tree
+
+
+def layer_by_layer_step(optimizer, lora_tree, grad_tree, grad_leaves, counts, lora_leaves, opt_leaves,
+                        adapter_index):
+    """A model's optimizer step (`optimizer-layer-by-layer`) as one program per `LAYERS_A_PROGRAM` decoder layers,
+    the same program for every such group, and one for the weights outside the layers. Returns the slot's new
+    weights (in the weights' order) and the optimizer's new state (its leaves, in their order). Adam's arithmetic is
+    elementwise, so each weight is computed as in one program over all of them (a test holds the bits); but that
+    program held ~250 MB of code in XLA's CPU runtime for SmolLM2 and took 3-4 s to load from the cache."""
+    import jax
+
+    groups, nodes, node_tree = layer_groups(lora_tree, grad_tree, jax.tree_util.tree_structure(optimizer.opt_state))
+    program = layer_step_program(optimizer.tx)
+    mine: list = [None] * len(lora_leaves)
+    new_opt: list = [None] * len(opt_leaves)
+    for group in groups:
+        state = jax.tree.unflatten(node_tree, [[opt_leaves[node[i]] for i in group] if isinstance(node, list)
+                                               else opt_leaves[node] for node in nodes])
+        new_weights, new_state = program([grad_leaves[i] for i in group], counts, [lora_leaves[i] for i in group],
+                                         state, adapter_index)
+        for i, weight in zip(group, new_weights):
+            mine[i] = weight
+        for node, value in zip(nodes, jax.tree.flatten(new_state, is_leaf=lambda x: isinstance(x, list))[0]):
+            if isinstance(node, list):
+                for i, leaf in zip(group, value):
+                    new_opt[node[i]] = leaf
+            else:  # a step count or a hyperparameter: the same from every group
+                new_opt[node] = value
+    return mine, new_opt
 
 
 def slot_written(whole, part, slot):
@@ -376,9 +459,9 @@ def slot_write_program():
 
 
 def flat_optimizer_step(accumulated_grads, lora_params, optimizer, adapter_index, jitted: bool = True):
-    """`optimizer-flat-call`: one model's optimizer step (`optimizer-own-slot`) as one program over lists of arrays
-    (jitted unless the engine runs eagerly), whose results are written into the weights' and the optimizer's
-    variables in place.
+    """`optimizer-flat-call`: one model's optimizer step (`optimizer-own-slot`) as programs over lists of arrays
+    (jitted unless the engine runs eagerly; jitted, one per group of layers: `optimizer-layer-by-layer`), whose
+    results are written into the weights' and the optimizer's variables in place.
 
     nnx.jit flattened the engine's LoRA weights, the gradient sums and the optimizer's moments (422 + 422 + 844
     variables on SmolLM2) through flax's graph on the way in and again on the way out, at every step: 0.11 s of
@@ -390,20 +473,19 @@ def flat_optimizer_step(accumulated_grads, lora_params, optimizer, adapter_index
     lora_vars = jax.tree_util.tree_leaves(lora_params, is_leaf=is_variable)
     opt_vars = jax.tree_util.tree_leaves(optimizer.opt_state, is_leaf=is_variable)
     grad_leaves, grad_tree = jax.tree_util.tree_flatten(accumulated_grads.grad_sum)
-    # The structures with the variables as pytree nodes, as the program rebuilds them from its arguments.
-    program = flat_step_program(optimizer.tx, optimizer.wrt,
-                                jax.tree_util.tree_structure(lora_params), grad_tree,
-                                jax.tree_util.tree_structure(optimizer.opt_state), jitted)
     lora_leaves = [v.get_raw_value() for v in lora_vars]
+    opt_leaves = [v.get_raw_value() for v in opt_vars]
     if jitted:
-        mine, opt, count = program(grad_leaves, accumulated_grads.counts, lora_leaves,
-                                   [v.get_raw_value() for v in opt_vars], optimizer.step.get_raw_value(),
-                                   adapter_index)
+        mine, opt = layer_by_layer_step(optimizer, jax.tree_util.tree_structure(lora_params), grad_tree, grad_leaves,
+                                        accumulated_grads.counts, lora_leaves, opt_leaves, adapter_index)
+        count = optimizer.step.get_raw_value() + 1
         lora, grads, counts = slot_write_program()(lora_leaves, grad_leaves, accumulated_grads.counts, mine,
                                                    adapter_index)
     else:
-        grads, counts, lora, opt, count = program(grad_leaves, accumulated_grads.counts, lora_leaves,
-                                                  [v.get_raw_value() for v in opt_vars],
+        # The structures with the variables as pytree nodes, as the program rebuilds them from its arguments.
+        program = flat_step_program(optimizer.tx, optimizer.wrt, jax.tree_util.tree_structure(lora_params),
+                                    grad_tree, jax.tree_util.tree_structure(optimizer.opt_state))
+        grads, counts, lora, opt, count = program(grad_leaves, accumulated_grads.counts, lora_leaves, opt_leaves,
                                                   optimizer.step.get_raw_value(), adapter_index)
     for variable, value in zip(lora_vars, lora):
         variable.set_raw_value(value)
