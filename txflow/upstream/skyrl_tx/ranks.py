@@ -362,9 +362,8 @@ def layer_step_program(tx):
     return jax.jit(step)
 
 
-# Decoder layers a program of `layer_by_layer_step` steps. One layer a program held the least code (~35 MB in all
-# on SmolLM2, against ~250 MB in one program) but made 31 calls a step, 10-15 ms more than one program; five (7
-# calls) hold ~60 MB and step as fast as one program (docs/performance.md).
+# Decoder layers a program of `layer_by_layer_step` steps: fewer hold less code but make more calls a step; five hold
+# a fraction of one program's code and step as fast (docs/performance.md).
 LAYERS_A_PROGRAM = 5
 
 
@@ -403,8 +402,9 @@ def layer_by_layer_step(optimizer, lora_tree, grad_tree, grad_leaves, counts, lo
     """A model's optimizer step (`optimizer-layer-by-layer`) as one program per `LAYERS_A_PROGRAM` decoder layers,
     the same program for every such group, and one for the weights outside the layers. Returns the slot's new
     weights (in the weights' order) and the optimizer's new state (its leaves, in their order). Adam's arithmetic is
-    elementwise, so each weight is computed as in one program over all of them (a test holds the bits); but that
-    program held ~250 MB of code in XLA's CPU runtime for SmolLM2 and took 3-4 s to load from the cache."""
+    elementwise, so each weight is computed as in one program over all of them (a test holds the bits); but XLA's
+    CPU runtime holds code in proportion to a program's instructions, and that program, dozens of instructions a
+    weight and moment, was the largest a rank held and the slowest to load from the cache (docs/performance.md)."""
     import jax
 
     groups, nodes, node_tree = layer_groups(lora_tree, grad_tree, jax.tree_util.tree_structure(optimizer.opt_state))
