@@ -306,6 +306,14 @@ def is_variable(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def slot_of(w, adapter_index):
+    """A LoRA weight's (or gradient sum's) slot `adapter_index`, the slot axis kept: it comes first in every one, and
+    the index may be traced."""
+    import jax
+
+    return jax.lax.dynamic_slice_in_dim(w, adapter_index, 1, axis=0)
+
+
 @functools.lru_cache(maxsize=16)  # (each model's optimizer has a transform of its own)
 def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree):
     """The optimizer step of `flat_optimizer_step` for one structure of weights, gradients and optimizer state when
@@ -317,16 +325,14 @@ def flat_step_program(tx, wrt, lora_tree, grad_tree, opt_tree):
     from flax import nnx
 
     def step(grad_leaves, counts, lora_leaves, opt_leaves, count, adapter_index):
-        def slot(w):  # the slot axis comes first in every LoRA weight; `adapter_index` is traced
-            return jax.lax.dynamic_slice_in_dim(w, adapter_index, 1, axis=0)
 
         # The trees as nnx.jit rebuilt them (Variables around the arrays), and upstream's `Optimizer.update` on them.
         lora = jax.tree_util.tree_unflatten(lora_tree, lora_leaves)
         grad_sum = jax.tree_util.tree_unflatten(grad_tree, grad_leaves)
         opt_state = jax.tree_util.tree_unflatten(opt_tree, opt_leaves)
         n = counts[adapter_index]
-        view = jax.tree.map(slot, lora)
-        grads = jax.tree.map(lambda g: slot(g) / n.astype(g.dtype), grad_sum)
+        view = jax.tree.map(lambda w: slot_of(w, adapter_index), lora)
+        grads = jax.tree.map(lambda g: slot_of(g, adapter_index) / n.astype(g.dtype), grad_sum)
         params = nnx.as_pure(nnx.state(view, wrt))
         updates, new_state = tx.update(nnx.as_pure(nnx.state(grads, wrt)), nnx.as_pure(opt_state), params)
         mine = jax.tree.leaves(optax.apply_updates(params, updates))
@@ -351,12 +357,11 @@ def layer_step_program(tx):
     import optax
 
     def step(grad_leaves, counts, lora_leaves, state, adapter_index):
-        def slot(w):  # the slot axis comes first in every LoRA weight; `adapter_index` is traced
-            return jax.lax.dynamic_slice_in_dim(w, adapter_index, 1, axis=0)
 
         n = counts[adapter_index]
-        params = [slot(w) for w in lora_leaves]
-        updates, new_state = tx.update([slot(g) / n.astype(g.dtype) for g in grad_leaves], state, params)
+        params = [slot_of(w, adapter_index) for w in lora_leaves]
+        updates, new_state = tx.update([slot_of(g, adapter_index) / n.astype(g.dtype) for g in grad_leaves], state,
+                                       params)
         return optax.apply_updates(params, updates), new_state
 
     return jax.jit(step)
